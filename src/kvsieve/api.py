@@ -1,0 +1,84 @@
+"""`sparse_decode`: one sparse decode step on your own tensors."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+from torch import Tensor
+
+from .methods import make_method
+from .ops.attention import attend
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass
+class SparseDecodeResult:
+    """out [B, Hq, D] (q's dtype); mask [B, Hkv, S] bool: tokens each KV head attended;
+    lse [B, Hq] log-sum-exp of the scaled logits over the selection; stats: method extras."""
+
+    out: Tensor
+    mask: Tensor
+    lse: Tensor
+    stats: Dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def kv_fraction(self) -> float:
+        """Mean fraction of each request's valid tokens attended, over requests and KV heads."""
+        return float(self.stats["kv_fraction"])
+
+
+def check_decode_inputs(q: Tensor, k: Tensor, v: Tensor, lengths: Optional[Tensor]) -> Tensor:
+    """Validate shapes/dtypes/devices; return lengths as a long tensor on k's device."""
+    for name, t, rank, layout in (("q", q, 3, "[B, Hq, D]"), ("k", k, 4, "[B, Hkv, S, D]"),
+                                  ("v", v, 4, "[B, Hkv, S, D]")):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(f"{name} must have shape {layout} ({rank} dims), got shape {tuple(t.shape)}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    B, Hq, D = q.shape
+    Bk, Hkv, S, Dk = k.shape
+    if B != Bk or D != Dk:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head_dim")
+    if S < 1 or B < 1 or D < 1:
+        raise ValueError(f"empty input: B={B}, S={S}, D={D}; every dimension must be >= 1")
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
+    if lengths is None:
+        return torch.full((B,), S, dtype=torch.long, device=k.device)
+    lengths = torch.as_tensor(lengths, device=k.device)
+    if lengths.shape != (B,) or lengths.dtype.is_floating_point:
+        raise ValueError(f"lengths must be {B} integers (one per request), got {lengths.tolist()}")
+    if bool((lengths < 1).any()) or bool((lengths > S).any()):
+        raise ValueError(f"lengths must be in [1, S={S}], got {lengths.tolist()}")
+    return lengths.long()
+
+
+def sparse_decode(q: Tensor, k: Tensor, v: Tensor, method: str = "tactic",
+                  lengths: Optional[Tensor] = None, **options) -> SparseDecodeResult:
+    """One sparse decode step.
+
+    q: [B, Hq, D] post-RoPE queries; k, v: [B, Hkv, S, D] post-RoPE keys and values.
+    lengths: optional [B] ints; request b uses k[b, :, :lengths[b]] (right padding is
+        ignored). Default: all S tokens.
+    method: a registered name (dense, streaming, quest, pages, tactic, lserve, hybrid);
+    options: that method's config fields, e.g. threshold=0.8, budget=512.
+    The method indexes k (prefill work) and selects tokens for q; the output is exact
+    softmax attention over the selection.
+    """
+    lengths = check_decode_inputs(q, k, v, lengths)
+    m = make_method(method, **options)
+    state = m.prepare(k, lengths)
+    sel = m.select(q, k, lengths, state)
+    out, lse = attend(q, k, v, sel.mask)
+    frac = sel.mask.sum(-1).double() / lengths[:, None].double()
+    return SparseDecodeResult(out, sel.mask, lse, {**sel.stats, "kv_fraction": frac.mean()})

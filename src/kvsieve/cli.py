@@ -1,0 +1,72 @@
+"""`kvsieve` command line. User errors print one line and exit with code 2."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .methods import METHOD_NAMES
+
+
+class UsageError(ValueError):
+    """A user-facing error: bad option, bad file, bad input."""
+
+
+def add_method_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", default="tactic", help=f"one of: {', '.join(METHOD_NAMES)} (default tactic)")
+    p.add_argument("--threshold", type=float, help="tactic/hybrid: attention-mass threshold P in (0, 1] (0.9)")
+    p.add_argument("--cluster-size", type=int, help="tactic/hybrid: average tokens per cluster (32)")
+    p.add_argument("--budget", type=int, help="quest/lserve: token budget of selected pages")
+    p.add_argument("--page-size", type=int, help="quest/lserve: logical page size in tokens")
+    p.add_argument("--sink", type=int, help="streaming/lserve/hybrid: sink tokens")
+    p.add_argument("--local", type=int, help="streaming/lserve/hybrid: local window tokens")
+
+
+def method_options(args: argparse.Namespace) -> dict:
+    """The method options the user actually gave (unset ones keep the method's defaults)."""
+    names = {"threshold": "threshold", "cluster_size": "cluster_size", "budget": "budget",
+             "page_size": "page_size", "sink": "sink", "local": "local"}
+    return {dst: getattr(args, src) for src, dst in names.items() if getattr(args, src, None) is not None}
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    run_demo(seq_len=args.seq_len, seed=args.seed)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvsieve", description="Adaptive sparse attention for long-context decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="sparse_decode on synthetic clustered attention: KV read and error per method")
+    d.add_argument("--seq-len", type=int, default=8192)
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=cmd_demo)
+    for register in _extra_commands():
+        register(sub)
+    return parser
+
+
+def _extra_commands():
+    """Subcommands that live next to their features (model, eval, bench)."""
+    found = []
+    for mod in ("kvsieve.model.cli",):
+        try:
+            found.append(__import__(mod, fromlist=["register"]).register)
+        except ModuleNotFoundError as e:
+            if not (e.name or "").startswith("kvsieve"):
+                raise
+    return found
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, UsageError) as e:
+        if os.environ.get("KVSIEVE_DEBUG"):
+            raise
+        print(f"kvsieve: error: {e}", file=sys.stderr)
+        return 2

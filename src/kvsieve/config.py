@@ -1,0 +1,194 @@
+"""Frozen, validated configuration for every selection method.
+
+Each default states where it comes from:
+  [Tactic]  the Tactic paper (seeds/000): cluster size 32, <=10 K-means iterations, P=0.9,
+            fit segments "e.g. 10% and 60%", exact head "1-2% of tokens";
+  [LServe]  the LServe paper / code defaults (seeds/002): logical page 16, physical page 64,
+            dynamic token budget 4096, decode sink 128 + local 256, selection reused 4 steps;
+  [Quest]   the Quest paper: 16-token pages, one selection per step;
+  [ours]    our own choice, with the reason next to it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional, Tuple
+
+
+def _positive_int(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _non_negative_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+
+
+def _fraction(name: str, value, low_open: bool = True) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and (0.0 < value <= 1.0 if low_open else 0.0 <= value <= 1.0)
+    if not ok:
+        rng = "(0, 1]" if low_open else "[0, 1]"
+        raise ValueError(f"{name} must be a number in {rng}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """Base class: `from_options` builds a config from keyword options with clear errors."""
+
+    @classmethod
+    def option_names(cls) -> Tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_options(cls, method: str, **options):
+        unknown = sorted(set(options) - set(cls.option_names()))
+        if unknown:
+            accepted = ", ".join(cls.option_names()) or "(none)"
+            raise ValueError(
+                f"unknown option(s) {', '.join(unknown)} for method {method!r}; "
+                f"accepted options: {accepted}"
+            )
+        return cls(**options)
+
+
+@dataclass(frozen=True)
+class DenseConfig(MethodConfig):
+    """Attend every cached token (the baseline every sparse method is checked against)."""
+
+
+@dataclass(frozen=True)
+class StreamingConfig(MethodConfig):
+    """Sink + local window (Λ mask) on every head.
+
+    sink: first tokens always kept. [LServe] decode default 128.
+    local: most recent tokens kept. [LServe] decode default 256.
+    """
+
+    sink: int = 128
+    local: int = 256
+
+    def __post_init__(self):
+        _non_negative_int("sink", self.sink)
+        _non_negative_int("local", self.local)
+        if self.sink + self.local == 0:
+            raise ValueError("streaming needs sink + local > 0 tokens, got sink=0 and local=0")
+
+
+@dataclass(frozen=True)
+class PageSelectConfig(MethodConfig):
+    """Page selection from per-page key min/max summaries (Quest / LServe).
+
+    page_size: logical page (tokens) whose min/max bound is scored. [Quest, LServe] 16.
+    physical_page_size: unit of selection; takes the max score of its logical pages;
+        a multiple of page_size. [LServe] 64 (Quest: equal to page_size).
+    budget: tokens of dynamically chosen pages, sink/local pages come on top.
+        [LServe] 4096.
+    sink, local: tokens always kept (rounded out to whole physical pages). [ours] one page
+        each for quest; LServe keeps sink+local pages in its dynamic heads as well.
+    reuse_steps: a selection is reused for this many decode steps; tokens appended
+        since the selection are always attended. [LServe] 4, [Quest] 1.
+    gqa_reduce: how query heads of one KV group combine page scores. [ours] "max":
+        each head's score is an upper bound of its own logits, and the max keeps a page
+        that any head of the group needs; "sum" is the alternative.
+    """
+
+    page_size: int = 16
+    physical_page_size: int = 64
+    budget: int = 4096
+    sink: int = 64
+    local: int = 64
+    reuse_steps: int = 4
+    gqa_reduce: str = "max"
+
+    def __post_init__(self):
+        _positive_int("page_size", self.page_size)
+        _positive_int("physical_page_size", self.physical_page_size)
+        if self.physical_page_size % self.page_size:
+            raise ValueError(
+                f"physical_page_size ({self.physical_page_size}) must be a multiple of "
+                f"page_size ({self.page_size})"
+            )
+        _positive_int("budget", self.budget)
+        _non_negative_int("sink", self.sink)
+        _non_negative_int("local", self.local)
+        _positive_int("reuse_steps", self.reuse_steps)
+        if self.gqa_reduce not in ("max", "sum"):
+            raise ValueError(f"gqa_reduce must be 'max' or 'sum', got {self.gqa_reduce!r}")
+
+
+@dataclass(frozen=True)
+class QuestConfig(PageSelectConfig):
+    """Quest: flat 16-token pages, fresh selection each step, budget 1024 tokens.
+
+    budget [ours]: Quest evaluates 256..4096; 1024 is its middle setting.
+    sink/local [ours]: 16 each (one page): the current page is always kept, as in Quest.
+    """
+
+    page_size: int = 16
+    physical_page_size: int = 16
+    budget: int = 1024
+    sink: int = 16
+    local: int = 16
+    reuse_steps: int = 1
+
+
+@dataclass(frozen=True)
+class TacticConfig(MethodConfig):
+    """Tactic: clustered keys, threshold-driven budget from a fitted a/x + b curve.
+
+    threshold: target cumulative attention mass P in (0, 1]. [Tactic] 0.9.
+    cluster_size: average tokens per K-means cluster. [Tactic] 32.
+    max_iters: K-means iteration cap. [Tactic] 10.
+    seed: seed of the random initial centroids. [ours] 0.
+    head_fraction: the head of the sorted list whose scores are computed exactly.
+        [Tactic] "1-2%": 0.02.
+    segment_centers: where the two fitting segments sit, as fractions of the list.
+        [Tactic] 0.1 and 0.6.
+    segment_fraction: width of each fitting segment as a fraction of the list, at least
+        min_segment_tokens. [ours] 0.01 / 16 tokens: a 4K list reads 41 keys per segment.
+    min_budget, max_budget: optional floor/cap in tokens (applied at cluster granularity).
+    fold_every: tokens appended after clustering are attended unconditionally; once this
+        many have accumulated they are folded into the index by assigning each to its
+        nearest centroid (centroid moved to the running mean). [ours] 256; 0 disables
+        folding (new tokens stay always-attended).
+    """
+
+    threshold: float = 0.9
+    cluster_size: int = 32
+    max_iters: int = 10
+    seed: int = 0
+    head_fraction: float = 0.02
+    segment_centers: Tuple[float, float] = (0.1, 0.6)
+    segment_fraction: float = 0.01
+    min_segment_tokens: int = 16
+    min_budget: int = 0
+    max_budget: Optional[int] = None
+    fold_every: int = 256
+
+    def __post_init__(self):
+        _fraction("threshold", self.threshold)
+        _positive_int("cluster_size", self.cluster_size)
+        _positive_int("max_iters", self.max_iters)
+        _non_negative_int("seed", self.seed)
+        _fraction("head_fraction", self.head_fraction, low_open=False)
+        c = tuple(self.segment_centers)
+        if len(c) != 2 or not all(isinstance(x, (int, float)) for x in c) or not (
+            self.head_fraction < c[0] < c[1] < 1.0
+        ):
+            raise ValueError(
+                "segment_centers must be two fractions with head_fraction < first < second < 1, "
+                f"got {self.segment_centers!r}"
+            )
+        object.__setattr__(self, "segment_centers", c)
+        _fraction("segment_fraction", self.segment_fraction)
+        _positive_int("min_segment_tokens", self.min_segment_tokens)
+        _non_negative_int("min_budget", self.min_budget)
+        _positive_int("max_budget", self.max_budget, allow_none=True)
+        if self.max_budget is not None and self.max_budget < self.min_budget:
+            raise ValueError(
+                f"max_budget ({self.max_budget}) must be >= min_budget ({self.min_budget})"
+            )
+        _non_negative_int("fold_every", self.fold_every)

@@ -1,0 +1,45 @@
+"""Method registry: name -> (method class, config class)."""
+from __future__ import annotations
+
+from ..config import DenseConfig, MethodConfig, PageSelectConfig, QuestConfig, StreamingConfig, TacticConfig
+from .base import Selection, SparseMethod
+from .dense import Dense
+from .hybrid import Hybrid, HybridConfig, LServeConfig
+from .pages import PageSelect
+from .streaming import Streaming
+from .tactic import Tactic
+
+REGISTRY = {
+    "dense": (Dense, DenseConfig),
+    "streaming": (Streaming, StreamingConfig),
+    "quest": (PageSelect, QuestConfig),
+    "pages": (PageSelect, PageSelectConfig),
+    "tactic": (Tactic, TacticConfig),
+    "lserve": (Hybrid, LServeConfig),
+    "hybrid": (Hybrid, HybridConfig),
+}
+METHOD_NAMES = tuple(REGISTRY)
+
+
+def _entry(name: str):
+    if name not in REGISTRY:
+        raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(METHOD_NAMES)}")
+    return REGISTRY[name]
+
+
+def config_for(name: str, **options) -> MethodConfig:
+    """Validated config for method `name` from keyword options."""
+    return _entry(name)[1].from_options(name, **options)
+
+
+def build_method(name: str, config: MethodConfig | None = None) -> SparseMethod:
+    cls, cfg_cls = _entry(name)
+    return cls(config if config is not None else cfg_cls.from_options(name))
+
+
+def make_method(name: str, **options) -> SparseMethod:
+    """make_method("tactic", threshold=0.8) -> a ready SparseMethod."""
+    return build_method(name, config_for(name, **options))
+
+
+__all__ = ["REGISTRY", "METHOD_NAMES", "Selection", "SparseMethod", "config_for", "build_method", "make_method"]

@@ -1,0 +1,114 @@
+"""Static streaming heads (LServe) + a dynamic method on the other KV heads."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Tuple
+
+import torch
+
+from ..config import MethodConfig, StreamingConfig, _non_negative_int
+from .base import Selection, SparseMethod, recent_and_sink
+
+Pattern = Optional[Tuple[Tuple[bool, ...], ...]]
+
+
+def normalize_pattern(pattern) -> Pattern:
+    """None, a per-head list [Hkv] (every layer), or a per-layer list [L][Hkv] of bools/0-1."""
+    if pattern is None:
+        return None
+    if hasattr(pattern, "tolist"):
+        pattern = pattern.tolist()
+    rows = list(pattern)
+    if not rows:
+        raise ValueError("streaming_heads is empty; give one flag per KV head, or None")
+    if not isinstance(rows[0], (list, tuple)):
+        rows = [rows]
+    out = []
+    for i, row in enumerate(rows):
+        if not all(x in (0, 1, True, False) for x in row) or not row:
+            raise ValueError(f"streaming_heads row {i} must be non-empty 0/1 flags, got {row!r}")
+        out.append(tuple(bool(x) for x in row))
+    if len({len(r) for r in out}) != 1:
+        raise ValueError("streaming_heads rows must all have one flag per KV head (same length)")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class HybridConfig(MethodConfig):
+    """streaming_heads: KV heads that only see sink + local (None: no streaming head);
+    sink/local: their window ([LServe] decode 128 + 256); dynamic: name of the method on
+    the other heads, dynamic_config its config (built from the remaining options)."""
+
+    streaming_heads: Pattern = None
+    sink: int = 128
+    local: int = 256
+    dynamic: str = "tactic"
+    dynamic_config: Any = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "streaming_heads", normalize_pattern(self.streaming_heads))
+        _non_negative_int("sink", self.sink)
+        _non_negative_int("local", self.local)
+        if self.dynamic in ("hybrid", "lserve"):
+            raise ValueError(f"dynamic method must not itself be hybrid, got {self.dynamic!r}")
+
+    @classmethod
+    def from_options(cls, method: str, **options):
+        from . import config_for
+
+        own = {k: options.pop(k) for k in ("streaming_heads", "sink", "local", "dynamic") if k in options}
+        dynamic = own.get("dynamic", cls.__dataclass_fields__["dynamic"].default)
+        return cls(**own, dynamic_config=config_for(dynamic, **options))
+
+
+@dataclass(frozen=True)
+class LServeConfig(HybridConfig):
+    """LServe: streaming heads + hierarchical page selection (16-token logical pages in
+    64-token physical pages, 4096-token budget, selection reused for 4 steps)."""
+
+    dynamic: str = "pages"
+
+
+@dataclass
+class HybridState:
+    flags: torch.Tensor  # [Hkv] bool, True = streaming head
+    dynamic: Any
+
+
+@dataclass
+class Hybrid(SparseMethod):
+    config: HybridConfig = field(default_factory=HybridConfig)
+    name = "hybrid"
+
+    def __post_init__(self):
+        from . import build_method
+
+        self.dynamic = build_method(self.config.dynamic, self.config.dynamic_config)
+
+    def flags_for(self, layer: int, Hkv: int, device) -> torch.Tensor:
+        pat = self.config.streaming_heads
+        if pat is None:
+            return torch.zeros(Hkv, dtype=torch.bool, device=device)
+        if len(pat) > 1 and layer >= len(pat):
+            raise ValueError(f"streaming_heads has {len(pat)} layers but layer {layer} was requested; "
+                             "use a pattern made for this model (kvsieve calibrate)")
+        row = pat[layer] if len(pat) > 1 else pat[0]
+        if len(row) != Hkv:
+            raise ValueError(f"streaming_heads has {len(row)} flags per layer but the keys have "
+                             f"{Hkv} KV heads; use a pattern made for this model")
+        return torch.tensor(row, dtype=torch.bool, device=device)
+
+    def prepare(self, k, lengths, layer=0):
+        return HybridState(self.flags_for(layer, k.shape[1], k.device),
+                           self.dynamic.prepare(k, lengths, layer))
+
+    def append(self, state: HybridState, k, lengths):
+        state.dynamic = self.dynamic.append(state.dynamic, k, lengths)
+        return state
+
+    def select(self, q, k, lengths, state: HybridState):
+        B, H, S, _ = k.shape
+        dyn = self.dynamic.select(q, k, lengths, state.dynamic)
+        lam = recent_and_sink(lengths, S, self.config.sink, self.config.local, k.device)
+        mask = torch.where(state.flags[None, :, None], lam[:, None, :], dyn.mask)
+        return Selection(mask, dyn.stats)

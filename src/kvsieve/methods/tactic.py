@@ -1,0 +1,138 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..config import TacticConfig
+from ..ops.attention import compute_dtype
+from ..ops.fit import estimate_budget, fit_layout
+from ..ops.kmeans import kmeans, nearest_centroid
+from .base import Selection, SparseMethod
+
+
+@dataclass
+class ClusterIndex:
+    """Per (request, KV head) K-means index of the keys.
+
+    centroids [B, Hkv, C, D] (float32/float64); sizes [B, Hkv, C] long;
+    assign [B, Hkv, S] long cluster id, -1 for tokens not in the index (padding or
+    appended after clustering); num_indexed [B]: tokens [0, num_indexed) are indexed;
+    num_clusters [B]: clusters [0, num_clusters) are in use;
+    iters: K-means updates performed at prepare.
+    """
+
+    centroids: Tensor
+    sizes: Tensor
+    assign: Tensor
+    num_indexed: Tensor
+    num_clusters: Tensor
+    iters: int = 0
+
+
+@dataclass
+class Tactic(SparseMethod):
+    """Tactic: rank clusters by q.centroid, fit a/x + b to the sorted exp-scores, keep the
+    smallest whole-cluster prefix whose estimated mass reaches `threshold`, union over the
+    GQA group; tokens not yet in the index are always attended."""
+
+    config: TacticConfig = TacticConfig()
+    name = "tactic"
+
+    def prepare(self, k, lengths, layer=0):
+        cfg = self.config
+        B, Hkv, S, D = k.shape
+        rows = lengths.repeat_interleave(Hkv)
+        res = kmeans(k.reshape(B * Hkv, S, D), rows, cfg.cluster_size, cfg.max_iters,
+                     cfg.seed + 7919 * layer, row_period=Hkv)
+        C = res.centroids.shape[1]
+        return ClusterIndex(
+            res.centroids.view(B, Hkv, C, D), res.sizes.view(B, Hkv, C),
+            res.assign.view(B, Hkv, S), lengths.clone(), res.num_clusters.view(B, Hkv)[:, 0].clone(),
+            res.iters,
+        )
+
+    def append(self, state: ClusterIndex, k, lengths):
+        S = k.shape[2]
+        if state.assign.shape[-1] < S:
+            state.assign = torch.nn.functional.pad(state.assign, (0, S - state.assign.shape[-1]), value=-1)
+        if self.config.fold_every > 0:
+            for b in range(k.shape[0]):
+                if int(lengths[b] - state.num_indexed[b]) >= self.config.fold_every:
+                    self._fold(state, k, b, int(state.num_indexed[b]), int(lengths[b]))
+        return state
+
+    def _fold(self, st: ClusterIndex, k: Tensor, b: int, start: int, end: int) -> None:
+        """Assign tokens [start, end) of request b to their nearest centroid; move each
+        centroid to the mean of its old and new members."""
+        cent = st.centroids[b]  # [Hkv, C, D]
+        x = k[b, :, start:end].to(cent.dtype)  # [Hkv, n, D]
+        C = cent.shape[1]
+        valid = (torch.arange(C, device=cent.device) < st.num_clusters[b])[None, :].expand(cent.shape[0], C)
+        a = nearest_centroid(x, cent, valid)  # [Hkv, n]
+        add = torch.zeros_like(cent).scatter_add_(1, a[..., None].expand_as(x), x)
+        cnt = torch.zeros_like(st.sizes[b]).scatter_add_(1, a, torch.ones_like(a))
+        old = st.sizes[b].to(cent.dtype)[..., None]
+        new_total = (old + cnt[..., None]).clamp(min=1)
+        st.centroids[b] = torch.where(cnt[..., None] > 0, (cent * old + add) / new_total, cent)
+        st.sizes[b] += cnt
+        st.assign[b, :, start:end] = a
+        st.num_indexed[b] = end
+
+    def select(self, q, k, lengths, st: ClusterIndex):
+        cfg = self.config
+        B, Hq, D = q.shape
+        Hkv, S = k.shape[1], k.shape[2]
+        G = Hq // Hkv
+        ct = compute_dtype(q.dtype)
+        pos = torch.arange(S, device=q.device)
+
+        # 1. rank clusters per query head by q . centroid
+        sizes = st.sizes.repeat_interleave(G, 1)  # [B, Hq, C]
+        C = sizes.shape[-1]
+        cscore = torch.einsum("bhd,bhcd->bhc", q.to(ct), st.centroids.to(ct).repeat_interleave(G, 1))
+        cscore = cscore.masked_fill(sizes == 0, float("-inf"))
+        order = cscore.argsort(dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(C, device=q.device).expand_as(order))
+        csize = sizes.gather(-1, order).cumsum(-1)  # tokens in the first r+1 clusters
+
+        # 2. the partially sorted token list: tokens of cluster rank 0, then rank 1, ...
+        assign = st.assign[..., :S].repeat_interleave(G, 1)  # [B, Hq, S]
+        indexed = assign >= 0
+        tok_rank = rank.gather(-1, assign.clamp(min=0)).masked_fill(~indexed, C)
+        perm = (tok_rank * S + pos).argsort(-1)
+
+        # 3. exact exp-scores only where the fit reads them (head + two segments)
+        logits = torch.einsum("bhgd,bhsd->bhgs", q.to(ct).view(B, Hkv, G, D), k.to(ct)).reshape(B, Hq, S)
+        sorted_logits = (logits * D ** -0.5).gather(-1, perm)
+        n = st.num_indexed.repeat_interleave(Hq)  # [B*Hq]
+        layout = fit_layout(n, cfg.head_fraction, cfg.segment_centers, cfg.segment_fraction,
+                            cfg.min_segment_tokens)
+        read = self._read_positions(layout, n, S)  # [B*Hq, S]
+        sl = sorted_logits.reshape(B * Hq, S).masked_fill(~read, float("-inf"))
+        shift = sl.amax(-1, keepdim=True)
+        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+        exp_read = torch.exp(sl - shift)
+
+        # 4. budget -> whole clusters, floor/cap
+        budget, _ = estimate_budget(exp_read, n, layout, cfg.threshold)
+        budget = budget.view(B, Hq).clamp(min=cfg.min_budget)
+        keep = (csize < budget[..., None]).sum(-1) + 1
+        if cfg.max_budget is not None:
+            keep = torch.minimum(keep, (csize <= cfg.max_budget).sum(-1).clamp(min=1))
+        sel_q = (tok_rank < keep[..., None]) & indexed  # [B, Hq, S]
+
+        # 5. GQA union + tokens not yet indexed
+        unindexed = (pos[None, :] >= st.num_indexed[:, None]) & (pos[None, :] < lengths[:, None])
+        mask = sel_q.view(B, Hkv, G, S).any(2) | unindexed[:, None, :]
+        return Selection(mask, {"head_budget": sel_q.sum(-1), "head_mask": sel_q})
+
+    @staticmethod
+    def _read_positions(layout, n: Tensor, S: int) -> Tensor:
+        p = torch.arange(S, device=n.device)[None, :]
+        read = p < layout.head_len[:, None]
+        for s in layout.seg_start:
+            read |= (p >= s[:, None]) & (p < (s + layout.seg_len)[:, None])
+        read |= layout.exact[:, None]
+        return read & (p < n[:, None])

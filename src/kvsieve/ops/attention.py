@@ -1,0 +1,66 @@
+"""Exact softmax attention over a selected subset of the KV cache, with log-sum-exp."""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64 (oracle); everything else is computed in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None
+           ) -> Tuple[Tensor, Tensor]:
+    """Softmax attention of one decode query per head over the tokens in `mask`.
+
+    q: [B, Hq, D]; k, v: [B, Hkv, S, D]; mask: [B, Hkv, S] bool (shared by the KV group).
+    Returns out [B, Hq, D] in q's dtype and lse [B, Hq] (natural-log sum of
+    exp(q.k * scale) over the selected tokens; -inf where nothing is selected, in which
+    case out is 0). Computed in float32 (float64 for float64 inputs).
+    """
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    ct = compute_dtype(q.dtype)
+    scale = D ** -0.5 if scale is None else scale
+    qg = q.to(ct).view(B, Hkv, G, D)
+    logits = torch.einsum("bhgd,bhsd->bhgs", qg, k.to(ct)) * scale
+    logits = logits.masked_fill(~mask[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [B, Hkv, G]
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    probs = torch.exp(logits - safe[..., None])  # exp(-inf) = 0 on unselected tokens
+    out = torch.einsum("bhgs,bhsd->bhgd", probs, v.to(ct))
+    return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
+
+
+def dense_attend(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None = None,
+                 scale: float | None = None) -> Tuple[Tensor, Tensor]:
+    """Dense attention over the first lengths[b] tokens of each request (all if None)."""
+    B, Hkv, S, _ = k.shape
+    return attend(q, k, v, valid_mask(lengths, B, Hkv, S, k.device), scale)
+
+
+def valid_mask(lengths: Tensor | None, B: int, Hkv: int, S: int, device) -> Tensor:
+    """[B, Hkv, S] bool: position < lengths[b]."""
+    if lengths is None:
+        return torch.ones(B, Hkv, S, dtype=torch.bool, device=device)
+    pos = torch.arange(S, device=device)
+    return (pos[None, :] < lengths[:, None]).unsqueeze(1).expand(B, Hkv, S)
+
+
+def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor
+                    ) -> Tuple[Tensor, Tensor]:
+    """Merge two partial attention results over disjoint token sets.
+
+    out_*: [..., D]; lse_*: [...]. Either side may be empty (lse = -inf).
+    """
+    ct = compute_dtype(out_a.dtype)
+    lse = torch.logaddexp(lse_a.to(ct), lse_b.to(ct))
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    wa = torch.exp(lse_a.to(ct) - safe)[..., None]
+    wb = torch.exp(lse_b.to(ct) - safe)[..., None]
+    out = wa * out_a.to(ct) + wb * out_b.to(ct)
+    return out.to(out_a.dtype), lse

@@ -1,0 +1,93 @@
+"""Tactic's distribution fit: model sorted exp-scores as y = a/x + b, pick the smallest budget.
+
+All functions are batched over leading dims ("rows", one per (request, query head)).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+
+def fit_inverse(u1: Tensor, y1: Tensor, u2: Tensor, y2: Tensor) -> Tuple[Tensor, Tensor]:
+    """Solve y = a*u + b through (u1, y1), (u2, y2), where u is the mean of 1/x over a segment.
+
+    Using mean(1/x) over each segment (not 1/midpoint) makes the fit exact for exact
+    a/x + b data. A rising curve (a < 0, noise in the segments) is replaced by the flat
+    line through the segments' mean, so the fit never extrapolates upwards.
+    """
+    a = (y1 - y2) / (u1 - u2)
+    flat = ~(a >= 0)  # also catches NaN from u1 == u2
+    a = torch.where(flat, torch.zeros_like(a), a)
+    b = torch.where(flat, (y1 + y2) / 2, y1 - a * u1)
+    return a, b
+
+
+@dataclass
+class FitLayout:
+    """Per-row segment geometry over a sorted list of n tokens (positions 0-based).
+
+    head: [0, head_len) exact; segment j: [seg_start[j], seg_start[j] + seg_len).
+    exact rows (short lists, where the fit would read half the list or more) compute
+    every score exactly.
+    """
+
+    head_len: Tensor
+    seg_len: Tensor
+    seg_start: Tuple[Tensor, Tensor]
+    exact: Tensor
+
+
+def fit_layout(n: Tensor, head_fraction: float, centers: Tuple[float, float],
+               segment_fraction: float, min_segment_tokens: int) -> FitLayout:
+    """n: [R] long list lengths -> FitLayout with [R] tensors."""
+    nf = n.to(torch.float64)
+    head_len = torch.clamp(torch.ceil(nf * head_fraction), min=1).long()
+    seg_len = torch.clamp(torch.ceil(nf * segment_fraction), min=min_segment_tokens).long()
+    starts = []
+    for c in centers:
+        s = torch.floor(nf * c).long() - seg_len // 2
+        starts.append(torch.maximum(s, head_len))
+    s1, s2 = starts
+    s2 = torch.maximum(s2, s1 + seg_len)
+    # where the fit would read half the list or more, reading it all is as cheap and exact
+    exact = (s2 + seg_len > n) | (2 * (head_len + 2 * seg_len) >= n)
+    return FitLayout(head_len, seg_len, (s1, s2), exact)
+
+
+def estimate_budget(exp_scores: Tensor, n: Tensor, layout: FitLayout, threshold: float
+                    ) -> Tuple[Tensor, Tensor]:
+    """Estimate the attention-mass curve and the smallest prefix reaching `threshold`.
+
+    exp_scores: [R, L] exp(logit - shift) of the tokens in sorted order (only head and
+        segment positions are read, except on exact rows);
+    n: [R] valid list length (<= L).
+    Returns (budget [R] long in [1, n], estimated curve [R, L]).
+    """
+    R, L = exp_scores.shape
+    ct = exp_scores.dtype
+    pos = torch.arange(L, device=exp_scores.device)
+    x = (pos + 1).to(ct)[None, :].expand(R, L)
+    in_list = pos[None, :] < n[:, None]
+    seg_stats = []
+    for s in layout.seg_start:
+        seg = (pos[None, :] >= s[:, None]) & (pos[None, :] < (s + layout.seg_len)[:, None])
+        cnt = seg.sum(-1).clamp(min=1).to(ct)
+        y = (exp_scores * seg).sum(-1) / cnt
+        u = ((1.0 / x) * seg).sum(-1) / cnt
+        seg_stats.append((u, y))
+    (u1, y1), (u2, y2) = seg_stats
+    a, b = fit_inverse(u1, y1, u2, y2)
+    fitted = (a[:, None] / x + b[:, None]).clamp(min=0)
+    exact_pos = (pos[None, :] < layout.head_len[:, None]) | layout.exact[:, None]
+    curve = torch.where(exact_pos, exp_scores, fitted) * in_list
+    cum = curve.cumsum(-1)
+    total = cum.gather(1, (n - 1).clamp(min=0)[:, None])
+    below = (cum < threshold * total) & in_list
+    budget = (below.sum(-1) + 1).clamp(max=n).clamp(min=1)
+    if threshold >= 1.0:
+        budget = n.clamp(min=1)
+    return budget, curve
+

@@ -1,0 +1,84 @@
+"""Batched K-means over many independent rows of keys (one row = one (request, KV head))."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class KMeansResult:
+    """centroids [N, C, D] (compute dtype); assign [N, S] long, -1 on padding;
+    sizes [N, C] long; num_clusters [N] long (clusters >= num_clusters are unused);
+    iters: centroid updates performed (<= max_iters)."""
+
+    centroids: Tensor
+    assign: Tensor
+    sizes: Tensor
+    num_clusters: Tensor
+    iters: int
+
+
+def nearest_centroid(x: Tensor, centroids: Tensor, cluster_valid: Tensor) -> Tensor:
+    """x [N, S, D], centroids [N, C, D], cluster_valid [N, C] -> nearest valid cluster [N, S]."""
+    dist = (centroids * centroids).sum(-1)[:, None, :] - 2 * torch.einsum("nsd,ncd->nsc", x, centroids)
+    dist = dist.masked_fill(~cluster_valid[:, None, :], float("inf"))
+    return dist.argmin(-1)
+
+
+def kmeans(x: Tensor, lengths: Tensor, cluster_size: int, max_iters: int = 10, seed: int = 0,
+           row_period: int = 1) -> KMeansResult:
+    """Cluster the first lengths[n] vectors of each row into ceil(lengths[n]/cluster_size) groups.
+
+    x: [N, S, D] any float dtype (computed in float32, float64 kept); lengths: [N] long, >= 1.
+    Initial centroids are distinct vectors drawn uniformly at random; row r draws from a
+    generator seeded by (seed, r % row_period) and its own length only, so a request's
+    clusters do not depend on what else is in the batch (row_period = heads per request). Each iteration updates the
+    centroids as means of their members (an empty cluster keeps its centroid, so no NaN)
+    and reassigns; it stops when no assignment changes or after max_iters updates. The
+    returned assignment is always to the nearest *final* centroid.
+    """
+    N, S, D = x.shape
+    device = x.device
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x = x.to(ct)
+    lengths = lengths.to(device=device, dtype=torch.long)
+    pos = torch.arange(S, device=device)
+    token_valid = pos[None, :] < lengths[:, None]  # [N, S]
+    num_clusters = (lengths + cluster_size - 1) // cluster_size
+    C = max(1, -(-S // cluster_size))
+    cluster_valid = torch.arange(C, device=device)[None, :] < num_clusters[:, None]
+
+    noise = torch.full((N, S), 2.0)  # padding sorts last: never an initial centroid
+    for r, n in enumerate(lengths.tolist()):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + (r % row_period))
+        noise[r, :n] = torch.rand(n, generator=gen)
+    noise = noise.to(device)
+    init_idx = noise.argsort(dim=1)[:, :C]
+    centroids = torch.gather(x, 1, init_idx[:, :, None].expand(N, C, D))
+
+    x_valid = x * token_valid[..., None]
+    assign = nearest_centroid(x, centroids, cluster_valid)
+    iters = 0
+    for _ in range(max_iters):
+        centroids = _update(x_valid, assign, token_valid, centroids)
+        iters += 1
+        new_assign = nearest_centroid(x, centroids, cluster_valid)
+        changed = bool(((new_assign != assign) & token_valid).any())
+        assign = new_assign
+        if not changed:
+            break
+    assign = assign.masked_fill(~token_valid, -1)
+    sizes = torch.zeros(N, C, dtype=torch.long, device=device)
+    sizes.scatter_add_(1, assign.clamp(min=0), token_valid.long())
+    return KMeansResult(centroids, assign, sizes, num_clusters, iters)
+
+
+def _update(x_valid: Tensor, assign: Tensor, token_valid: Tensor, centroids: Tensor) -> Tensor:
+    N, C, D = centroids.shape
+    sums = torch.zeros_like(centroids).scatter_add_(1, assign[..., None].expand_as(x_valid), x_valid)
+    counts = torch.zeros(N, C, dtype=x_valid.dtype, device=x_valid.device)
+    counts.scatter_add_(1, assign, token_valid.to(x_valid.dtype))
+    means = sums / counts.clamp(min=1)[..., None]
+    return torch.where(counts[..., None] > 0, means, centroids)

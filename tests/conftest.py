@@ -1,0 +1,51 @@
+import torch
+import pytest
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float64: 1e-10}
+
+
+def make_generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def clustered_qkv(B, Hq, Hkv, S, D, sharpness=2.0, seed=0, centers=32, dtype=torch.float64):
+    """Keys drawn around `centers` directions per head (so clustering means something) and
+    queries whose logits q.k/sqrt(D) have a spread that grows with `sharpness`: larger
+    sharpness -> heavier-tailed attention. Returned in float64, then cast to dtype."""
+    g = make_generator(seed)
+    mu = torch.randn(B, Hkv, centers, D, generator=g, dtype=torch.float64)
+    c = torch.randint(0, centers, (B, Hkv, S), generator=g)
+    k = torch.gather(mu, 2, c[..., None].expand(B, Hkv, S, D))
+    k = k + 0.5 * torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64)
+    k = k / k.norm(dim=-1, keepdim=True) * D ** 0.5
+    q = torch.randn(B, Hq, D, generator=g, dtype=torch.float64)
+    q = q / q.norm(dim=-1, keepdim=True) * sharpness * D ** 0.5 / 4
+    v = torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def oracle(q, k, v, lengths=None, mask=None):
+    """float64 dense (or masked) attention: out [B, Hq, D], probs [B, Hq, S]."""
+    q, k, v = q.double(), k.double(), v.double()
+    B, Hq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    logits = torch.einsum("bhgd,bhsd->bhgs", q.view(B, Hkv, G, D), k) / D ** 0.5
+    m = torch.ones(B, Hkv, S, dtype=torch.bool)
+    if lengths is not None:
+        m &= (torch.arange(S)[None, :] < torch.as_tensor(lengths)[:, None])[:, None, :]
+    if mask is not None:
+        m &= mask
+    logits = logits.masked_fill(~m[:, :, None, :], float("-inf"))
+    p = torch.softmax(logits, -1)
+    out = torch.einsum("bhgs,bhsd->bhgd", p, v)
+    return out.reshape(B, Hq, D), p.reshape(B, Hq, S)
+
+
+def rel_err(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+@pytest.fixture
+def gen():
+    return make_generator(1234)

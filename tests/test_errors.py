@@ -1,0 +1,65 @@
+import pytest
+import torch
+
+from kvsieve import make_method, sparse_decode
+
+from conftest import clustered_qkv
+
+
+def qkv(B=1, Hq=4, Hkv=2, S=20, D=64):
+    return clustered_qkv(B, Hq, Hkv, S, D, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda q, k, v: (q[0], k, v), r"q must have shape \[B, Hq, D\]"),
+    (lambda q, k, v: (q, k[0], v), r"k must have shape \[B, Hkv, S, D\]"),
+    (lambda q, k, v: (q, k, v[..., :32]), "same shape"),
+    (lambda q, k, v: (q.long(), k, v), "float16, bfloat16, float32 or float64"),
+    (lambda q, k, v: (q.double(), k, v), "share one dtype"),
+    (lambda q, k, v: (q[..., :32], k[..., :32], v), "same shape"),
+    (lambda q, k, v: (q[:, :3], k, v), r"query heads \(3\) must be a multiple of KV heads \(2\)"),
+    (lambda q, k, v: (q, k[:, :, :0], v[:, :, :0]), "empty input"),
+    (lambda q, k, v: ([1.0], k, v), "must be a torch.Tensor"),
+])
+def test_bad_tensors(mutate, match):
+    with pytest.raises(ValueError, match=match):
+        sparse_decode(*mutate(*qkv()), method="dense")
+
+
+@pytest.mark.parametrize("lengths,match", [
+    ([0], r"lengths must be in \[1, S=20\]"), ([21], r"lengths must be in \[1, S=20\]"),
+    ([1, 2], "one per request"), (torch.tensor([1.5]), "one per request"),
+])
+def test_bad_lengths(lengths, match):
+    with pytest.raises(ValueError, match=match):
+        sparse_decode(*qkv(), method="dense", lengths=lengths)
+
+
+@pytest.mark.parametrize("method,opts,match", [
+    ("nope", {}, "unknown method 'nope'; choose one of: dense, streaming"),
+    ("tactic", {"threshold": 0.0}, r"threshold must be a number in \(0, 1\], got 0.0"),
+    ("tactic", {"threshold": 1.5}, r"threshold must be a number in \(0, 1\]"),
+    ("tactic", {"cluster_size": 0}, "cluster_size must be a positive integer, got 0"),
+    ("tactic", {"cluster_size": 2.5}, "cluster_size must be a positive integer"),
+    ("tactic", {"max_iters": -1}, "max_iters must be a positive integer"),
+    ("tactic", {"min_budget": 10, "max_budget": 5}, r"max_budget \(5\) must be >= min_budget \(10\)"),
+    ("tactic", {"segment_centers": (0.6, 0.1)}, "segment_centers"),
+    ("quest", {"budget": 0}, "budget must be a positive integer, got 0"),
+    ("quest", {"page_size": -16}, "page_size must be a positive integer"),
+    ("lserve", {"physical_page_size": 40}, r"physical_page_size \(40\) must be a multiple of page_size \(16\)"),
+    ("streaming", {"sink": 0, "local": 0}, "sink \\+ local > 0"),
+    ("streaming", {"local": -1}, "local must be an integer >= 0"),
+    ("streaming", {"threshold": 0.9}, "unknown option.*threshold.*'streaming'.*accepted options: sink, local"),
+    ("pages", {"gqa_reduce": "mean"}, "gqa_reduce must be 'max' or 'sum'"),
+    ("hybrid", {"streaming_heads": [1, 0, 1]}, "3 flags per layer but the keys have 2 KV heads"),
+    ("hybrid", {"streaming_heads": [2, 0]}, "0/1 flags"),
+    ("hybrid", {"dynamic": "lserve"}, "must not itself be hybrid"),
+])
+def test_bad_options(method, opts, match):
+    with pytest.raises(ValueError, match=match):
+        sparse_decode(*qkv(), method=method, **opts)
+
+
+def test_make_method_unknown_name():
+    with pytest.raises(ValueError, match="unknown method"):
+        make_method("Tactic")
