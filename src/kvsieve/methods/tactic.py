@@ -18,7 +18,8 @@ class ClusterIndex:
 
     centroids [B, Hkv, C, D] (float32/float64); sizes [B, Hkv, C] long;
     assign [B, Hkv, S] long cluster id, -1 for tokens not in the index (padding or
-    appended after clustering); num_indexed [B]: tokens [0, num_indexed) are indexed;
+    appended after clustering, and the first `sink` tokens); num_indexed [B]: tokens
+    [sink, num_indexed) are indexed;
     num_clusters [B]: clusters [0, num_clusters) are in use;
     iters: K-means updates performed at prepare.
     """
@@ -43,14 +44,20 @@ class Tactic(SparseMethod):
     def prepare(self, k, lengths, layer=0):
         cfg = self.config
         B, Hkv, S, D = k.shape
-        rows = lengths.repeat_interleave(Hkv)
-        res = kmeans(k.reshape(B * Hkv, S, D), rows, cfg.cluster_size, cfg.max_iters,
+        sink = min(cfg.sink, S)
+        if S == sink:  # nothing to cluster: every token is a sink
+            return ClusterIndex(k.new_zeros(B, Hkv, 1, D, dtype=torch.float32),
+                                torch.zeros(B, Hkv, 1, dtype=torch.long, device=k.device),
+                                torch.full((B, Hkv, S), -1, dtype=torch.long, device=k.device),
+                                lengths.clone(), torch.zeros_like(lengths))
+        rows = (lengths - sink).clamp(min=0).repeat_interleave(Hkv)
+        res = kmeans(k[:, :, sink:].reshape(B * Hkv, S - sink, D), rows, cfg.cluster_size, cfg.max_iters,
                      cfg.seed + 7919 * layer, row_period=Hkv)
         C = res.centroids.shape[1]
+        assign = torch.nn.functional.pad(res.assign.view(B, Hkv, S - sink), (sink, 0), value=-1)
         return ClusterIndex(
-            res.centroids.view(B, Hkv, C, D), res.sizes.view(B, Hkv, C),
-            res.assign.view(B, Hkv, S), lengths.clone(), res.num_clusters.view(B, Hkv)[:, 0].clone(),
-            res.iters,
+            res.centroids.view(B, Hkv, C, D), res.sizes.view(B, Hkv, C), assign, lengths.clone(),
+            res.num_clusters.view(B, Hkv)[:, 0].clone(), res.iters,
         )
 
     def append(self, state: ClusterIndex, k, lengths):
@@ -66,6 +73,10 @@ class Tactic(SparseMethod):
     def _fold(self, st: ClusterIndex, k: Tensor, b: int, start: int, end: int) -> None:
         """Assign tokens [start, end) of request b to their nearest centroid; move each
         centroid to the mean of its old and new members."""
+        start = max(start, self.config.sink)
+        if start >= end or int(st.num_clusters[b]) == 0:  # nothing to fold into: stays always-attended
+            st.num_indexed[b] = max(end, int(st.num_indexed[b]))
+            return
         cent = st.centroids[b]  # [Hkv, C, D]
         x = k[b, :, start:end].to(cent.dtype)  # [Hkv, n, D]
         C = cent.shape[1]
@@ -103,30 +114,35 @@ class Tactic(SparseMethod):
         tok_rank = rank.gather(-1, assign.clamp(min=0)).masked_fill(~indexed, C)
         perm = (tok_rank * S + pos).argsort(-1)
 
-        # 3. exact exp-scores only where the fit reads them (head + two segments)
-        logits = torch.einsum("bhgd,bhsd->bhgs", q.to(ct).view(B, Hkv, G, D), k.to(ct)).reshape(B, Hq, S)
-        sorted_logits = (logits * D ** -0.5).gather(-1, perm)
-        n = st.num_indexed.repeat_interleave(Hq)  # [B*Hq]
+        # 3. exact exp-scores only where the fit reads them (head + two segments), plus the
+        #    tokens attended regardless (sinks, not yet indexed): their mass is known exactly
+        scale = D ** -0.5
+        logits = torch.einsum("bhgd,bhsd->bhgs", q.to(ct).view(B, Hkv, G, D), k.to(ct)).reshape(B, Hq, S) * scale
+        valid = pos[None, :] < lengths[:, None]  # [B, S]
+        always_kv = (st.assign[..., :S] < 0) & valid[:, None, :]  # [B, Hkv, S]
+        always = always_kv.repeat_interleave(G, 1).reshape(B * Hq, S)
+        n = indexed.sum(-1).reshape(B * Hq)
         layout = fit_layout(n, cfg.head_fraction, cfg.segment_centers, cfg.segment_fraction,
                             cfg.min_segment_tokens)
-        read = self._read_positions(layout, n, S)  # [B*Hq, S]
-        sl = sorted_logits.reshape(B * Hq, S).masked_fill(~read, float("-inf"))
-        shift = sl.amax(-1, keepdim=True)
+        read = self._read_positions(layout, n, S)
+        sl = logits.gather(-1, perm).reshape(B * Hq, S).masked_fill(~read, float("-inf"))
+        al = logits.reshape(B * Hq, S).masked_fill(~always, float("-inf"))
+        shift = torch.maximum(sl.amax(-1, keepdim=True), al.amax(-1, keepdim=True))
         shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
         exp_read = torch.exp(sl - shift)
+        known = torch.exp(al - shift).sum(-1)
 
         # 4. budget -> whole clusters, floor/cap
-        budget, _ = estimate_budget(exp_read, n, layout, cfg.threshold)
+        budget, _ = estimate_budget(exp_read, n, layout, cfg.threshold, known)
         budget = budget.view(B, Hq).clamp(min=cfg.min_budget)
-        keep = (csize < budget[..., None]).sum(-1) + 1
+        keep = torch.where(budget > 0, (csize < budget[..., None]).sum(-1) + 1, 0)
         if cfg.max_budget is not None:
             keep = torch.minimum(keep, (csize <= cfg.max_budget).sum(-1).clamp(min=1))
         sel_q = (tok_rank < keep[..., None]) & indexed  # [B, Hq, S]
 
-        # 5. GQA union + tokens not yet indexed
-        unindexed = (pos[None, :] >= st.num_indexed[:, None]) & (pos[None, :] < lengths[:, None])
-        mask = sel_q.view(B, Hkv, G, S).any(2) | unindexed[:, None, :]
-        return Selection(mask, {"head_budget": sel_q.sum(-1), "head_mask": sel_q})
+        # 5. GQA union + tokens attended regardless
+        mask = sel_q.view(B, Hkv, G, S).any(2) | always_kv
+        return Selection(mask, {"head_budget": sel_q.sum(-1), "head_mask": sel_q | always.view(B, Hq, S)})
 
     @staticmethod
     def _read_positions(layout, n: Tensor, S: int) -> Tensor:

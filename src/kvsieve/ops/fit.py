@@ -57,14 +57,16 @@ def fit_layout(n: Tensor, head_fraction: float, centers: Tuple[float, float],
     return FitLayout(head_len, seg_len, (s1, s2), exact)
 
 
-def estimate_budget(exp_scores: Tensor, n: Tensor, layout: FitLayout, threshold: float
-                    ) -> Tuple[Tensor, Tensor]:
+def estimate_budget(exp_scores: Tensor, n: Tensor, layout: FitLayout, threshold: float,
+                    known: Tensor | None = None) -> Tuple[Tensor, Tensor]:
     """Estimate the attention-mass curve and the smallest prefix reaching `threshold`.
 
     exp_scores: [R, L] exp(logit - shift) of the tokens in sorted order (only head and
         segment positions are read, except on exact rows);
-    n: [R] valid list length (<= L).
-    Returns (budget [R] long in [1, n], estimated curve [R, L]).
+    n: [R] valid list length (<= L);
+    known: [R] exact mass (same shift) of tokens attended regardless of the list (sinks,
+        tokens not yet indexed); it counts towards both the total and the prefix.
+    Returns (budget [R] long in [0, n], estimated curve [R, L]).
     """
     R, L = exp_scores.shape
     ct = exp_scores.dtype
@@ -84,10 +86,11 @@ def estimate_budget(exp_scores: Tensor, n: Tensor, layout: FitLayout, threshold:
     exact_pos = (pos[None, :] < layout.head_len[:, None]) | layout.exact[:, None]
     curve = torch.where(exact_pos, exp_scores, fitted) * in_list
     cum = curve.cumsum(-1)
-    total = cum.gather(1, (n - 1).clamp(min=0)[:, None])
-    below = (cum < threshold * total) & in_list
-    budget = (below.sum(-1) + 1).clamp(max=n).clamp(min=1)
+    known = torch.zeros(R, 1, dtype=ct, device=exp_scores.device) if known is None else known[:, None].to(ct)
+    total = cum.gather(1, (n - 1).clamp(min=0)[:, None]) * (n > 0)[:, None] + known
+    below = (known + cum < threshold * total) & in_list
+    budget = torch.minimum(below.sum(-1) + 1, n)
     if threshold >= 1.0:
-        budget = n.clamp(min=1)
+        budget = n.clone()
     return budget, curve
 

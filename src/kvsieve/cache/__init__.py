@@ -1,0 +1,3 @@
+from .paged import CacheFullError, PagedKVCache
+
+__all__ = ["PagedKVCache", "CacheFullError"]

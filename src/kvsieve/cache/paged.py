@@ -1,0 +1,101 @@
+"""Paged KV cache: one preallocated pool of fixed-size pages shared by all requests.
+
+Pool layout per tensor: [layers, pages, Hkv, page_size, D]. Each request owns a list of
+pages (its page table); token t of a request lives in page table[t // page_size], slot
+t % page_size. The per-layer method index (page summaries, clusters) is stored alongside
+in `index[layer]`. There is exactly one copy of K and V; `view()` materialises a transient
+[B, Hkv, S, D] gather for the torch reference path (GPU kernels read pages directly).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import torch
+from torch import Tensor
+
+
+class CacheFullError(ValueError):
+    """The pool has no room for a request; raised instead of crashing."""
+
+
+class PagedKVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
+                 page_size: int = 16, dtype=torch.float32, device="cpu"):
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
+        shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.free_pages: List[int] = list(range(num_pages - 1, -1, -1))
+        self.tables: Dict[int, List[int]] = {}
+        self.lengths: Dict[int, int] = {}
+        self.index: List[Any] = [None] * num_layers
+
+    # ---------------------------------------------------------------- allocation
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of K and V for one page across all layers."""
+        per = self.k[:, 0].numel() * self.k.element_size()
+        return 2 * per
+
+    def pages_needed(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def reserve(self, req: int, tokens: int) -> None:
+        """Make request `req` able to hold `tokens` tokens in total."""
+        table = self.tables.setdefault(req, [])
+        self.lengths.setdefault(req, 0)
+        need = self.pages_needed(tokens) - len(table)
+        if need > len(self.free_pages):
+            total = self.k.shape[1]
+            raise CacheFullError(
+                f"KV cache pool exhausted: request {req} needs {need} more pages of {self.page_size} tokens "
+                f"but only {len(self.free_pages)} of {total} are free; allocate a larger pool "
+                f"(--kv-pages) or use shorter prompts / fewer requests")
+        for _ in range(max(0, need)):
+            table.append(self.free_pages.pop())
+
+    def release(self, req: int) -> None:
+        self.free_pages.extend(reversed(self.tables.pop(req, [])))
+        self.lengths.pop(req, None)
+
+    def bytes_used(self) -> int:
+        return sum(len(t) for t in self.tables.values()) * self.page_bytes
+
+    # ---------------------------------------------------------------- data
+    def _slots(self, req: int, start: int, n: int):
+        pos = torch.arange(start, start + n)
+        table = torch.tensor(self.tables[req], dtype=torch.long)
+        return table[pos // self.page_size], pos % self.page_size
+
+    def write(self, layer: int, req: int, start: int, k: Tensor, v: Tensor) -> None:
+        """k, v: [Hkv, T, D] for tokens [start, start + T) of request `req` (already reserved)."""
+        T = k.shape[1]
+        if start + T > len(self.tables.get(req, [])) * self.page_size:
+            raise CacheFullError(f"request {req}: writing tokens up to {start + T} without reserving them")
+        pages, slots = self._slots(req, start, T)
+        dev = self.k.device
+        self.k[layer, pages.to(dev), :, slots.to(dev)] = k.transpose(0, 1).to(self.k.dtype)
+        self.v[layer, pages.to(dev), :, slots.to(dev)] = v.transpose(0, 1).to(self.v.dtype)
+        if layer == self.num_layers - 1:
+            self.lengths[req] = max(self.lengths[req], start + T)
+
+    def read(self, layer: int, req: int, length: int):
+        """k, v: [Hkv, length, D] of one request (a gather, not a view)."""
+        pages, slots = self._slots(req, 0, length)
+        dev = self.k.device
+        k = self.k[layer, pages.to(dev), :, slots.to(dev)].transpose(0, 1)
+        v = self.v[layer, pages.to(dev), :, slots.to(dev)].transpose(0, 1)
+        return k, v
+
+    def view(self, layer: int, reqs: List[int], lengths: List[int]):
+        """Padded batch gather: k, v [B, Hkv, max(lengths), D] (zeros beyond each length)."""
+        S = max(lengths)
+        Hkv, D = self.k.shape[2], self.k.shape[4]
+        k = self.k.new_zeros(len(reqs), Hkv, S, D)
+        v = self.v.new_zeros(len(reqs), Hkv, S, D)
+        for b, (r, n) in enumerate(zip(reqs, lengths)):
+            k[b, :, :n], v[b, :, :n] = self.read(layer, r, n)
+        return k, v

@@ -1,0 +1,1 @@
+"""Llama-family model runner: config, weights, forward over the paged cache, loaders."""
