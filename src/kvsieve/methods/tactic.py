@@ -99,9 +99,15 @@ class Tactic(SparseMethod):
         ct = compute_dtype(q.dtype)
         pos = torch.arange(S, device=q.device)
 
+        valid = pos[None, :] < lengths[:, None]  # [B, S]
+        recent = pos[None, :] >= lengths[:, None] - cfg.local
+        always_kv = ((st.assign[..., :S] < 0) | recent[:, None, :]) & valid[:, None, :]  # [B, Hkv, S]
+        in_list_kv = (st.assign[..., :S] >= 0) & ~always_kv
+        C = st.sizes.shape[-1]
+        sizes_kv = torch.zeros_like(st.sizes).scatter_add_(-1, st.assign[..., :S].clamp(min=0), in_list_kv.long())
+
         # 1. rank clusters per query head by q . centroid
-        sizes = st.sizes.repeat_interleave(G, 1)  # [B, Hq, C]
-        C = sizes.shape[-1]
+        sizes = sizes_kv.repeat_interleave(G, 1)  # [B, Hq, C] tokens of each cluster in the list
         cscore = torch.einsum("bhd,bhcd->bhc", q.to(ct), st.centroids.to(ct).repeat_interleave(G, 1))
         cscore = cscore.masked_fill(sizes == 0, float("-inf"))
         order = cscore.argsort(dim=-1, descending=True, stable=True)
@@ -110,7 +116,7 @@ class Tactic(SparseMethod):
 
         # 2. the partially sorted token list: tokens of cluster rank 0, then rank 1, ...
         assign = st.assign[..., :S].repeat_interleave(G, 1)  # [B, Hq, S]
-        indexed = assign >= 0
+        indexed = in_list_kv.repeat_interleave(G, 1)
         tok_rank = rank.gather(-1, assign.clamp(min=0)).masked_fill(~indexed, C)
         perm = (tok_rank * S + pos).argsort(-1)
 
@@ -118,8 +124,6 @@ class Tactic(SparseMethod):
         #    tokens attended regardless (sinks, not yet indexed): their mass is known exactly
         scale = D ** -0.5
         logits = torch.einsum("bhgd,bhsd->bhgs", q.to(ct).view(B, Hkv, G, D), k.to(ct)).reshape(B, Hq, S) * scale
-        valid = pos[None, :] < lengths[:, None]  # [B, S]
-        always_kv = (st.assign[..., :S] < 0) & valid[:, None, :]  # [B, Hkv, S]
         always = always_kv.repeat_interleave(G, 1).reshape(B * Hq, S)
         n = indexed.sum(-1).reshape(B * Hq)
         layout = fit_layout(n, cfg.head_fraction, cfg.segment_centers, cfg.segment_fraction,

@@ -1,0 +1,49 @@
+import pytest
+import torch
+
+from kvsieve.cache import CacheFullError, PagedKVCache
+
+
+def test_write_read_roundtrip_at_awkward_lengths():
+    c = PagedKVCache(num_layers=2, num_kv_heads=3, head_dim=8, num_pages=40, page_size=16)
+    g = torch.Generator().manual_seed(0)
+    data = {}
+    for req, n in enumerate([1, 54, 97]):
+        c.reserve(req, n)
+        k, v = torch.randn(3, n, 8, generator=g), torch.randn(3, n, 8, generator=g)
+        # write in two uneven parts, as chunked prefill + decode would
+        cut = n // 3
+        for layer in range(2):
+            c.write(layer, req, 0, k[:, :cut], v[:, :cut])
+            c.write(layer, req, cut, k[:, cut:], v[:, cut:])
+        data[req] = (k, v)
+    for req, (k, v) in data.items():
+        rk, rv = c.read(1, req, k.shape[1])
+        assert torch.equal(rk, k) and torch.equal(rv, v)
+    kk, vv = c.view(0, [2, 0], [97, 1])
+    assert torch.equal(kk[0], data[2][0]) and torch.equal(kk[1, :, :1], data[0][0]) and (kk[1, :, 1:] == 0).all()
+
+
+def test_pool_exhaustion_is_a_clear_error_and_release_frees_pages():
+    c = PagedKVCache(1, 1, 4, num_pages=4, page_size=16)
+    c.reserve(0, 50)  # 4 pages
+    assert c.bytes_used() == 4 * c.page_bytes == 4 * 2 * 16 * 4 * 4
+    with pytest.raises(CacheFullError, match="KV cache pool exhausted: request 1 needs 1 more pages"):
+        c.reserve(1, 1)
+    c.release(0)
+    c.reserve(1, 64)
+    assert c.bytes_used() == 4 * c.page_bytes
+
+
+def test_write_beyond_reservation_is_refused():
+    c = PagedKVCache(1, 1, 4, num_pages=4, page_size=16)
+    c.reserve(0, 10)
+    with pytest.raises(CacheFullError, match="without reserving"):
+        c.write(0, 0, 10, torch.zeros(1, 7, 4), torch.zeros(1, 7, 4))
+
+
+def test_requests_do_not_share_pages():
+    c = PagedKVCache(1, 1, 4, num_pages=8, page_size=4)
+    c.reserve(0, 9)
+    c.reserve(1, 9)
+    assert not set(c.tables[0]) & set(c.tables[1])
