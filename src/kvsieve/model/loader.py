@@ -90,10 +90,17 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
 
 def load_model(model: Optional[str] = None, dtype=torch.float32, device="cpu") -> Tuple[LlamaModel, object, Path]:
     """-> (LlamaModel, tokenizer, directory)."""
-    from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
     d = resolve_model_dir(model)
+    return load_weights(d, dtype, device), AutoTokenizer.from_pretrained(d), d
+
+
+def load_weights(d: Path, dtype=torch.float32, device="cpu") -> LlamaModel:
+    """LlamaModel from a safetensors directory (config.json + *.safetensors)."""
+    from safetensors.torch import load_file
+
+    d = Path(d)
     try:
         cfg = ModelConfig.from_hf(json.loads((d / "config.json").read_text()))
     except (KeyError, json.JSONDecodeError) as e:
@@ -102,6 +109,4 @@ def load_model(model: Optional[str] = None, dtype=torch.float32, device="cpu") -
     weights = {}
     for f in sorted(d.glob("*.safetensors")):
         weights.update(load_file(str(f), device=str(device)))
-    weights = {k: v.to(dtype) for k, v in weights.items()}
-    tok = AutoTokenizer.from_pretrained(d)
-    return LlamaModel(cfg, weights), tok, d
+    return LlamaModel(cfg, {k: v.to(dtype) for k, v in weights.items()})
