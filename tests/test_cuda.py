@@ -32,3 +32,22 @@ def test_cuda_half_precision_finite(dtype):
     for method, opts in METHODS:
         r = sparse_decode(q.cuda(), k.cuda(), v.cuda(), method=method, **opts)
         assert torch.isfinite(r.out).all(), method
+
+
+def test_engine_on_cuda_matches_cpu(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from kvsieve.model.loader import load_weights
+    from kvsieve.model.runner import Engine
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=500, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    prompts = [torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (1500, 97)]
+    cpu = Engine(load_weights(tmp_path), "dense", progress=False).generate(prompts, 8)
+    gpu_model = load_weights(tmp_path, device="cuda")
+    gpu = Engine(gpu_model, "dense", progress=False).generate(prompts, 8)
+    assert gpu.tokens == cpu.tokens
+    for method in ("tactic", "quest", "lserve"):
+        r = Engine(gpu_model, method, progress=False, **({"budget": 256} if method != "tactic" else {})).generate(prompts, 8)
+        assert all(len(t) == 8 for t in r.tokens) and r.kv_fraction < 1.0, (method, r.kv_fraction)
