@@ -48,6 +48,11 @@ def test_engine_on_cuda_matches_cpu(tmp_path):
     gpu_model = load_weights(tmp_path, device="cuda")
     gpu = Engine(gpu_model, "dense", progress=False).generate(prompts, 8)
     assert gpu.tokens == cpu.tokens
-    for method in ("tactic", "quest", "lserve"):
-        r = Engine(gpu_model, method, progress=False, **({"budget": 256} if method != "tactic" else {})).generate(prompts, 8)
-        assert all(len(t) == 8 for t in r.tokens) and r.kv_fraction < 1.0, (method, r.kv_fraction)
+    # a random-init model attends almost uniformly: tactic rightly keeps nearly everything,
+    # so compare it with its CPU run; the page selectors must skip most of the cache
+    tac_cpu = Engine(load_weights(tmp_path), "tactic", progress=False).generate(prompts, 8)
+    tac_gpu = Engine(gpu_model, "tactic", progress=False).generate(prompts, 8)
+    assert tac_gpu.tokens == tac_cpu.tokens and abs(tac_gpu.kv_fraction - tac_cpu.kv_fraction) < 0.01
+    for method in ("quest", "lserve"):
+        r = Engine(gpu_model, method, progress=False, budget=256).generate(prompts, 8)
+        assert all(len(t) == 8 for t in r.tokens) and r.kv_fraction < 0.6, (method, r.kv_fraction)
