@@ -55,4 +55,5 @@ def test_engine_on_cuda_matches_cpu(tmp_path):
     assert tac_gpu.tokens == tac_cpu.tokens and abs(tac_gpu.kv_fraction - tac_cpu.kv_fraction) < 0.01
     for method in ("quest", "lserve"):
         r = Engine(gpu_model, method, progress=False, budget=256).generate(prompts, 8)
-        assert all(len(t) == 8 for t in r.tokens) and r.kv_fraction < 0.6, (method, r.kv_fraction)
+        # mean of the 1500-token request (~0.3 read) and the 97-token one (fits the budget: 1.0)
+        assert all(len(t) == 8 for t in r.tokens) and r.kv_fraction < 0.7, (method, r.kv_fraction)
