@@ -65,8 +65,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, UsageError) as e:
+    except (ValueError, FileNotFoundError, UsageError, ModuleNotFoundError) as e:
         if os.environ.get("KVSIEVE_DEBUG"):
             raise
+        if isinstance(e, ModuleNotFoundError):
+            e = f"missing dependency {e.name!r}: run `bash scripts/setup.sh` or `pip install 'kvsieve[model]'`"
         print(f"kvsieve: error: {e}", file=sys.stderr)
         return 2
