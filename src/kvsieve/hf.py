@@ -42,6 +42,7 @@ class HFState:
         return self.kv_read_sum / self.kv_read_steps if self.kv_read_steps else 1.0
 
 
+@functools.lru_cache(maxsize=None)
 def _layer_class():
     from transformers.cache_utils import DynamicLayer
 

@@ -7,6 +7,7 @@ from typing import List, Sequence
 import torch
 from torch import Tensor
 
+from ..ops.attention import dense_attend
 from .llama import LlamaModel
 from .runner import Engine
 
@@ -36,8 +37,6 @@ def record_decode_step(model: LlamaModel, prompt: Sequence[int]) -> RecordedStep
         rec.q.append(q.clone())
         rec.k.append(kk)
         rec.v.append(vv)
-        from ..ops.attention import dense_attend
-
         return dense_attend(q, kk, vv)[0]
 
     model.forward(torch.tensor(prompt[-1:]), torch.tensor([n]), capture)
