@@ -80,5 +80,4 @@ def sparse_decode(q: Tensor, k: Tensor, v: Tensor, method: str = "tactic",
     state = m.prepare(k, lengths)
     sel = m.select(q, k, lengths, state)
     out, lse = attend(q, k, v, sel.mask)
-    frac = sel.mask.sum(-1).double() / lengths[:, None].double()
-    return SparseDecodeResult(out, sel.mask, lse, {**sel.stats, "kv_fraction": frac.mean()})
+    return SparseDecodeResult(out, sel.mask, lse, {**sel.stats, "kv_fraction": sel.read_fraction(lengths).mean()})

@@ -121,7 +121,7 @@ def kvsieve_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
         layer.index = method.append(layer.index, k, n)
     sel = method.select(query[:, :, 0], k, n, layer.index)
     out, _ = attend(query[:, :, 0], k, v, sel.mask, scale=scaling)
-    state.kv_read_sum += float((sel.mask.sum(-1).double() / n[:, None].double()).mean())
+    state.kv_read_sum += float(sel.read_fraction(n).mean())
     state.kv_read_steps += 1
     return out[:, None], None
 

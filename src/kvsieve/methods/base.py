@@ -23,6 +23,10 @@ class Selection:
     mask: Tensor
     stats: Dict[str, Tensor] = field(default_factory=dict)
 
+    def read_fraction(self, lengths: Tensor) -> Tensor:
+        """[B, Hkv] float64: fraction of each request's valid tokens selected per KV head."""
+        return self.mask.sum(-1).double() / lengths[:, None].double()
+
 
 @dataclass
 class SparseMethod:

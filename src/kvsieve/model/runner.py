@@ -84,7 +84,6 @@ class Engine:
                  **method_options):
         self.model = model
         self.method = make_method(method, **method_options)
-        self.method_name = method
         self.page_size = page_size
         self.kv_pages = kv_pages
         self.prefill_chunk = prefill_chunk
@@ -112,11 +111,13 @@ class Engine:
                             self.page_size, self.model.dtype, self.model.device)
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, cache: PagedKVCache, req: int, prompt: Sequence[int], bar=None) -> Tensor:
-        """Dense causal prefill in chunks; returns the last hidden state [hidden]."""
+    def prefill(self, cache: PagedKVCache, req: int, prompt: Sequence[int], bar=None,
+                all_positions: bool = False) -> Tensor:
+        """Dense causal prefill in chunks; returns the last hidden state [hidden], or every
+        position's [T, hidden] with all_positions=True (used to check logits)."""
         dev = self.model.device
         ids = torch.tensor(prompt, device=dev)
-        hidden = None
+        hidden = []
         for start in range(0, len(prompt), self.prefill_chunk):
             chunk = ids[start:start + self.prefill_chunk]
             T = chunk.shape[0]
@@ -130,10 +131,11 @@ class Engine:
                                                    attn_mask=causal, enable_gqa=True)
                 return o[0].transpose(0, 1)
 
-            hidden = self.model.forward(chunk, pos, attend_prefill)[-1]
+            h = self.model.forward(chunk, pos, attend_prefill)
+            hidden.append(h if all_positions else h[-1:])
             if bar is not None:
                 bar.update(T)
-        return hidden
+        return torch.cat(hidden) if all_positions else hidden[-1][0]
 
     # ------------------------------------------------------------------ decode
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
@@ -181,8 +183,7 @@ class Engine:
                 cache.index[layer] = state
                 sel = self.method.select(q, kk, new_len, state)
                 live = ~done.to(q.device)
-                frac = sel.mask.sum(-1).double() / new_len[:, None].double()
-                frac_sum[layer] += frac[live].mean().cpu()
+                frac_sum[layer] += sel.read_fraction(new_len)[live].mean().cpu()
                 return attend(q, kk, vv, sel.mask)[0]
 
             hidden = model.forward(token, lengths, attend_decode)
