@@ -1,5 +1,14 @@
+import os
+
 import torch
 import pytest
+
+if not torch.cuda.is_available():
+    # Triton kernels run through Triton's CPU interpreter in CI; it must be on before any
+    # kernel is decorated. The method/engine tests keep the torch references (fast);
+    # tests/test_kernels.py calls the kernels explicitly.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("KVSIEVE_KERNELS", "reference")
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float64: 1e-10}
 

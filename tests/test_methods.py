@@ -121,18 +121,21 @@ def test_tactic_prefix_follows_centroid_ranking():
 
 def test_tactic_appended_tokens_are_attended_until_folded():
     q, k, v = clustered_qkv(1, 4, 2, 700, 64, sharpness=6.0, seed=5)
-    m = make_method("tactic", threshold=0.5, fold_every=100)
+    m = make_method("tactic", threshold=0.5, fold_every=100, local=32)
     st = m.prepare(k, torch.tensor([500]))
+    assert int(st.num_indexed[0]) == 468  # the local window stays out of the index
+    assert (st.assign[0, :, 468:] < 0).all() and (st.assign[0, :, 4:468] >= 0).all()
     for n in (530, 599):
         st = m.append(st, k, torch.tensor([n]))
         sel = m.select(q, k, torch.tensor([n]), st)
-        assert sel.mask[0, :, 500:n].all() and not sel.mask[0, :, n:].any()
-        assert int(st.num_indexed[0]) == 500
-    st = m.append(st, k, torch.tensor([600]))  # 100 new tokens: folded
-    assert int(st.num_indexed[0]) == 600 and (st.assign[0, :, 4:600] >= 0).all()
-    assert int(st.sizes[0].sum()) == 2 * (600 - 4)  # the 4 sink tokens stay out of the index
+        assert sel.mask[0, :, 468:n].all() and not sel.mask[0, :, n:].any()
+        assert int(st.num_indexed[0]) == 468
+    st = m.append(st, k, torch.tensor([600]))  # 100 tokens beyond the window: folded
+    assert int(st.num_indexed[0]) == 568 and (st.assign[0, :, 4:568] >= 0).all()
+    assert (st.assign[0, :, 568:] < 0).all()
+    assert int(st.sizes[0].sum()) == 2 * (568 - 4)  # the 4 sink tokens stay out of the index
     for h in range(2):  # each folded key went to its nearest centroid at fold time
-        a = st.assign[0, h, 500:600]
+        a = st.assign[0, h, 468:568]
         assert a.max() < st.num_clusters[0]
 
 

@@ -86,6 +86,25 @@ def test_batch_of_prompts_matches_single_runs(embedded):
     assert both.tokens[1] == eng.generate([b], 6).tokens[0]
 
 
+@pytest.mark.parametrize("method,opts", [("dense", {}), ("quest", {"budget": 128}), ("tactic", {"budget": 200}),
+                                         ("streaming", {"sink": 16, "local": 64})])
+def test_paged_fast_path_generates_what_the_reference_path_does(embedded, method, opts):
+    """Plan + paged attention straight on the cache pages (the GPU path, here with the
+    torch twins) against gather + mask + attend, on a batch of two real-text prompts."""
+    model, tok, _ = embedded
+    prompts = [real_text_ids(tok, 700), real_text_ids(tok, 300)]
+    runs = [Engine(model, method, progress=False, paged=p, **opts).generate(prompts, 6) for p in (False, True)]
+    assert runs[0].tokens == runs[1].tokens
+    assert abs(runs[0].kv_fraction - runs[1].kv_fraction) < 1e-9
+    if method != "dense":
+        assert runs[1].kv_fraction < 0.6
+
+
+def test_paged_path_refused_for_threshold_tactic(embedded):
+    with pytest.raises(ValueError, match="budget"):
+        Engine(embedded[0], "tactic", paged=True)
+
+
 def test_sampling_is_seeded(embedded):
     model, tok, _ = embedded
     ids = tok.encode("Once upon a time", add_special_tokens=False)

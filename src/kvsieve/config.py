@@ -161,7 +161,18 @@ class TacticConfig(MethodConfig):
         docs/methods.md).
     local: the most recent tokens are always attended and counted like sinks. [ours] 32:
         on real text several heads put >50% of their mass on the last few tokens, whose
-        keys K-means mixes into low-ranked clusters (docs/methods.md).
+        keys K-means mixes into low-ranked clusters (docs/methods.md). They are kept out
+        of the index (prefill indexes [sink, length - local); folding stops `local`
+        tokens short of the end), so the always-attended set is two ranges.
+    budget: fixed token budget per KV head instead of the threshold: clusters are ranked
+        by the group's max q.centroid and taken while their total stays <= budget (the
+        best cluster at least); sinks and unindexed tokens come on top. [ours] None (use
+        the threshold). This is the mode the GPU fast path and `kvsieve bench` time at
+        1-5% budgets.
+    cluster_window: K-means runs on consecutive windows of this many keys independently
+        (cost linear in the context instead of quadratic; clusters are still ranked
+        globally). [ours] 16384: full-context K-means at 128K costs ~6-10% of dense
+        prefill, over the 5% target (docs/benchmarks.md). None: one K-means per head.
     """
 
     threshold: float = 0.9
@@ -177,6 +188,8 @@ class TacticConfig(MethodConfig):
     fold_every: int = 256
     sink: int = 4
     local: int = 32
+    budget: Optional[int] = None
+    cluster_window: Optional[int] = 16384
 
     def __post_init__(self):
         _fraction("threshold", self.threshold)
@@ -197,6 +210,13 @@ class TacticConfig(MethodConfig):
         object.__setattr__(self, "segment_centers", c)
         _fraction("segment_fraction", self.segment_fraction)
         _positive_int("min_segment_tokens", self.min_segment_tokens)
+        if self.budget is not None:
+            _positive_int("budget", self.budget)
+        if self.cluster_window is not None:
+            _positive_int("cluster_window", self.cluster_window)
+            if self.cluster_window < self.cluster_size:
+                raise ValueError(f"cluster_window ({self.cluster_window}) must be >= cluster_size "
+                                 f"({self.cluster_size})")
         _non_negative_int("min_budget", self.min_budget)
         _positive_int("max_budget", self.max_budget, allow_none=True)
         if self.max_budget is not None and self.max_budget < self.min_budget:

@@ -6,7 +6,7 @@ compute attention: it returns a Selection that an attention op consumes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, Optional
+from typing import Any, Callable, ClassVar, Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -29,6 +29,23 @@ class Selection:
 
 
 @dataclass
+class TokenPlan:
+    """What one decode step attends, read by the paged attention op without a host sync.
+
+    indices [B, Hkv, cap] int32 logical positions (None: the dense prefix [0, counts));
+    counts [B, Hkv] int32 valid entries per (request, KV head); cap: list capacity, fixed
+    by the method's config and the host-known lengths (so the plan can be graph-captured).
+    """
+
+    indices: Optional[Tensor]
+    counts: Tensor
+    cap: int
+
+    def read_fraction(self, lengths: Tensor) -> Tensor:
+        return self.counts.double() / lengths[:, None].double()
+
+
+@dataclass
 class SparseMethod:
     """Base class. Subclasses override prepare/append/select; state is whatever they need."""
 
@@ -45,6 +62,23 @@ class SparseMethod:
 
     def select(self, q: Tensor, k: Tensor, lengths: Tensor, state: Any) -> Selection:
         """q [B, Hq, D] -> Selection over k [B, Hkv, S, D]."""
+        raise NotImplementedError
+
+    # --------------------------------------------------------------- paged fast path
+    # A method that can plan without the [B, Hkv, S, D] key view implements these two;
+    # the runner then never gathers the cache (see kvsieve.ops.paged for the plan format).
+    def supports_plan(self) -> bool:
+        return False
+
+    def append_token(self, state: Any, k_new: Tensor, lengths: Tensor, host_lengths: List[int],
+                     read_keys: Callable[[int, int, int], Tensor]) -> Any:
+        """One token was appended per request: k_new [B, Hkv, D]; lengths [B] (device, new
+        lengths) and the same as host ints; read_keys(b, start, end) -> [Hkv, n, D] keys of
+        request b from the cache (for occasional index maintenance)."""
+        return state
+
+    def plan(self, q: Tensor, state: Any, lengths: Tensor, host_lengths: List[int]) -> TokenPlan:
+        """q [B, Hq, D] -> TokenPlan; device work only, no host synchronisation."""
         raise NotImplementedError
 
 

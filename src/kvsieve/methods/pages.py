@@ -6,9 +6,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import dispatch
 from ..config import PageSelectConfig
 from ..ops.pages import page_scores, page_summaries
-from .base import Selection, SparseMethod, all_valid
+from .base import Selection, SparseMethod, TokenPlan, all_valid
 
 
 @dataclass
@@ -22,6 +23,7 @@ class PageState:
     step: int = 0
     last_mask: Optional[Tensor] = None
     last_len: Optional[Tensor] = None
+    last_plan: Optional[tuple] = None  # (chosen, offsets, total, always_end, always_start), fast path
 
 
 @dataclass
@@ -92,3 +94,68 @@ class PageSelect(SparseMethod):
         if token_mask.shape[-1] < S:
             token_mask = torch.nn.functional.pad(token_mask, (0, S - token_mask.shape[-1]))
         return token_mask
+
+    # --------------------------------------------------------------- paged fast path
+    def supports_plan(self) -> bool:
+        return True
+
+    def append_token(self, state: PageState, k_new, lengths, host_lengths, read_keys):
+        """Fold the new key into its page's min/max in place (capacity grows by doubling)."""
+        ps = self.config.page_size
+        need = -(-max(host_lengths) // ps)
+        have = state.kmin.shape[2]
+        if need > have:
+            grow = max(need, 2 * have) - have
+            state.kmin = torch.nn.functional.pad(state.kmin, (0, 0, 0, grow), value=float("inf"))
+            state.kmax = torch.nn.functional.pad(state.kmax, (0, 0, 0, grow), value=float("-inf"))
+        b = torch.arange(k_new.shape[0], device=k_new.device)
+        page = (lengths - 1) // ps
+        kn = k_new.to(state.kmin.dtype)
+        state.kmin[b, :, page] = torch.minimum(state.kmin[b, :, page], kn)
+        state.kmax[b, :, page] = torch.maximum(state.kmax[b, :, page], kn)
+        state.lengths = lengths
+        return state
+
+    def plan_capacity(self) -> int:
+        cfg = self.config
+        pp = cfg.physical_page_size
+        return max(1, cfg.budget // pp) * pp + -(-cfg.sink // pp) * pp + cfg.local + 2 * pp + cfg.reuse_steps
+
+    def plan(self, q, state: PageState, lengths, host_lengths):
+        cfg = self.config
+        pp = cfg.physical_page_size
+        cap = self.plan_capacity()
+        reuse = state.last_plan is not None and state.step % cfg.reuse_steps != 0
+        state.step += 1
+        if not reuse:
+            state.last_plan = self._choose(q, state, lengths)
+        chosen, offsets, total, always_end, always_start = state.last_plan
+        idx, counts = dispatch.compact_tokens(chosen, offsets, total, None, None, None, pp,
+                                              always_end, always_start, lengths, cap)
+        return TokenPlan(idx, counts, cap)
+
+    def _choose(self, q, state: PageState, lengths):
+        """Top physical pages between the sink pages and the local pages (the same pages as
+        _fresh, as token ranges instead of a mask)."""
+        cfg = self.config
+        pp = cfg.physical_page_size
+        B, Hq, _ = q.shape
+        Hkv, P = state.kmin.shape[1], state.kmin.shape[2]
+        n_valid = (-(-lengths // cfg.page_size))[:, None].expand(B, Hkv)
+        per_head, group_max = dispatch.summary_scores(q, state.kmin, state.kmax, n_valid)
+        s = group_max if cfg.gqa_reduce == "max" else per_head.view(B, Hkv, Hq // Hkv, P).sum(2)
+        r = pp // cfg.page_size
+        s = torch.nn.functional.pad(s, (0, (-P) % r), value=float("-inf"))
+        s = s.view(B, Hkv, -1, r).amax(-1)
+        Pp = s.shape[-1]
+        L = lengths[:, None]
+        always_end = (-(-cfg.sink // pp) * pp + torch.zeros_like(L)).clamp(max=L)
+        always_start = torch.maximum(((L - cfg.local).clamp(min=0) // pp) * pp, always_end)
+        start = torch.arange(Pp, device=q.device)[None, :] * pp
+        cand = (start >= always_end) & (start + pp <= always_start)  # [B, Pp]
+        sizes = (cand * pp)[:, None, :].expand(B, Hkv, Pp)
+        s = s.masked_fill(~cand[:, None, :], float("-inf"))
+        kpages = min(max(1, cfg.budget // pp), Pp)
+        budget = torch.full((B, Hkv), kpages * pp, dtype=torch.int32, device=q.device)
+        chosen, offsets, total = dispatch.select_by_budget(s, sizes, budget)
+        return chosen, offsets, total, always_end.expand(B, Hkv), always_start.expand(B, Hkv)

@@ -3,7 +3,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import StreamingConfig
-from .base import Selection, SparseMethod, recent_and_sink
+import torch
+
+from .. import dispatch
+from .base import Selection, SparseMethod, TokenPlan, recent_and_sink
 
 
 @dataclass
@@ -17,3 +20,24 @@ class Streaming(SparseMethod):
         B, H, S, _ = k.shape
         m = recent_and_sink(lengths, S, self.config.sink, self.config.local, k.device)
         return Selection(m[:, None, :].expand(B, H, S))
+
+    def prepare(self, k, lengths, layer=0):
+        return k.shape[1]  # the fast path only needs the KV head count
+
+    def supports_plan(self) -> bool:
+        return True
+
+    def plan(self, q, num_kv_heads, lengths, host_lengths):
+        return sink_local_plan(lengths, q.shape[0], num_kv_heads, self.config.sink, self.config.local)
+
+
+def sink_local_plan(lengths, B: int, Hkv: int, sink: int, local: int) -> TokenPlan:
+    """Token lists [0, sink) + [length - local, length) (no overlap) for every KV head."""
+    L = lengths[:, None].expand(B, Hkv)
+    a_end = L.clamp(max=sink)
+    a_start = torch.maximum(L - local, a_end)
+    none = torch.zeros(B, Hkv, 0, dtype=torch.int32, device=lengths.device)
+    total = torch.zeros(B, Hkv, dtype=torch.int32, device=lengths.device)
+    idx, counts = dispatch.compact_tokens(none.bool(), none, total, None, None, None, 1, a_end, a_start,
+                                          lengths, sink + local)
+    return TokenPlan(idx, counts, sink + local)

@@ -1,15 +1,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import List, Optional
 
 import torch
 from torch import Tensor
 
+from .. import dispatch
 from ..config import TacticConfig
 from ..ops.attention import compute_dtype
 from ..ops.fit import estimate_budget, fit_layout
-from ..ops.kmeans import kmeans, nearest_centroid
-from .base import Selection, SparseMethod
+from ..ops.kmeans import nearest_centroid
+from ..ops.select import select_by_budget, summary_scores
+from .base import Selection, SparseMethod, TokenPlan
 
 
 @dataclass
@@ -17,11 +20,15 @@ class ClusterIndex:
     """Per (request, KV head) K-means index of the keys.
 
     centroids [B, Hkv, C, D] (float32/float64); sizes [B, Hkv, C] long;
-    assign [B, Hkv, S] long cluster id, -1 for tokens not in the index (padding or
-    appended after clustering, and the first `sink` tokens); num_indexed [B]: tokens
-    [sink, num_indexed) are indexed;
-    num_clusters [B]: clusters [0, num_clusters) are in use;
+    assign [B, Hkv, S] long cluster id, -1 for tokens not in the index (padding, the
+    first `sink` tokens, the last `local` ones and those appended since the last fold);
+    num_indexed [B]: tokens [sink, num_indexed) are indexed, [num_indexed, length) are
+    not; num_clusters [B]: clusters [0, num_clusters) are in use;
     iters: K-means updates performed at prepare.
+    members/member_entry/entry_start: the same index as CSR for the paged fast path
+    (token ids grouped by cluster [B, Hkv, M] int32, each member's cluster or -1, first
+    member of each cluster [B, Hkv, C]); built on first use, dropped when the index
+    changes.
     """
 
     centroids: Tensor
@@ -30,6 +37,20 @@ class ClusterIndex:
     num_indexed: Tensor
     num_clusters: Tensor
     iters: int = 0
+    members: Optional[Tensor] = None
+    member_entry: Optional[Tensor] = None
+    entry_start: Optional[Tensor] = None
+    max_size: int = 0
+
+    def build_csr(self) -> None:
+        B, Hkv, S = self.assign.shape
+        pos = torch.arange(S, device=self.assign.device)
+        key = torch.where(self.assign >= 0, self.assign * S + pos, self.sizes.shape[-1] * S + pos)
+        order = key.argsort(-1)
+        self.members = order.to(torch.int32)
+        self.member_entry = self.assign.gather(-1, order).to(torch.int32)
+        self.entry_start = (self.sizes.cumsum(-1) - self.sizes).to(torch.int32)
+        self.max_size = int(self.sizes.max()) if self.sizes.numel() else 0
 
 
 @dataclass
@@ -45,18 +66,19 @@ class Tactic(SparseMethod):
         cfg = self.config
         B, Hkv, S, D = k.shape
         sink = min(cfg.sink, S)
+        indexed_end = torch.maximum((lengths - cfg.local).clamp(min=sink), torch.zeros_like(lengths) + sink)
         if S == sink:  # nothing to cluster: every token is a sink
             return ClusterIndex(k.new_zeros(B, Hkv, 1, D, dtype=torch.float32),
                                 torch.zeros(B, Hkv, 1, dtype=torch.long, device=k.device),
                                 torch.full((B, Hkv, S), -1, dtype=torch.long, device=k.device),
                                 lengths.clone(), torch.zeros_like(lengths))
-        rows = (lengths - sink).clamp(min=0).repeat_interleave(Hkv)
-        res = kmeans(k[:, :, sink:].reshape(B * Hkv, S - sink, D), rows, cfg.cluster_size, cfg.max_iters,
-                     cfg.seed + 7919 * layer, row_period=Hkv)
+        rows = (indexed_end - sink).repeat_interleave(Hkv)
+        res = dispatch.kmeans(k[:, :, sink:].reshape(B * Hkv, S - sink, D), rows, cfg.cluster_size,
+                              cfg.max_iters, cfg.seed + 7919 * layer, row_period=Hkv, window=cfg.cluster_window)
         C = res.centroids.shape[1]
         assign = torch.nn.functional.pad(res.assign.view(B, Hkv, S - sink), (sink, 0), value=-1)
         return ClusterIndex(
-            res.centroids.view(B, Hkv, C, D), res.sizes.view(B, Hkv, C), assign, lengths.clone(),
+            res.centroids.view(B, Hkv, C, D), res.sizes.view(B, Hkv, C), assign, indexed_end.clone(),
             res.num_clusters.view(B, Hkv)[:, 0].clone(), res.iters,
         )
 
@@ -64,21 +86,23 @@ class Tactic(SparseMethod):
         S = k.shape[2]
         if state.assign.shape[-1] < S:
             state.assign = torch.nn.functional.pad(state.assign, (0, S - state.assign.shape[-1]), value=-1)
-        if self.config.fold_every > 0:
-            for b in range(k.shape[0]):
-                if int(lengths[b] - state.num_indexed[b]) >= self.config.fold_every:
-                    self._fold(state, k, b, int(state.num_indexed[b]), int(lengths[b]))
+        for b, n in enumerate(lengths.tolist()):
+            if self._fold_due(state, b, n):
+                self._fold(state, k[b], b, int(state.num_indexed[b]), n - self.config.local)
         return state
 
+    def _fold_due(self, st: ClusterIndex, b: int, length: int) -> bool:
+        every = self.config.fold_every
+        return every > 0 and length - self.config.local - int(st.num_indexed[b]) >= every
+
     def _fold(self, st: ClusterIndex, k: Tensor, b: int, start: int, end: int) -> None:
-        """Assign tokens [start, end) of request b to their nearest centroid; move each
-        centroid to the mean of its old and new members."""
+        """Assign tokens [start, end) of request b (keys k [Hkv, >=end, D]) to their nearest
+        centroid; move each centroid to the mean of its old and new members."""
         start = max(start, self.config.sink)
         if start >= end or int(st.num_clusters[b]) == 0:  # nothing to fold into: stays always-attended
-            st.num_indexed[b] = max(end, int(st.num_indexed[b]))
             return
         cent = st.centroids[b]  # [Hkv, C, D]
-        x = k[b, :, start:end].to(cent.dtype)  # [Hkv, n, D]
+        x = k[:, start:end].to(cent.dtype)  # [Hkv, n, D]
         C = cent.shape[1]
         valid = (torch.arange(C, device=cent.device) < st.num_clusters[b])[None, :].expand(cent.shape[0], C)
         a = nearest_centroid(x, cent, valid)  # [Hkv, n]
@@ -90,6 +114,7 @@ class Tactic(SparseMethod):
         st.sizes[b] += cnt
         st.assign[b, :, start:end] = a
         st.num_indexed[b] = end
+        st.members = None  # the CSR view is stale
 
     def select(self, q, k, lengths, st: ClusterIndex):
         cfg = self.config
@@ -100,11 +125,12 @@ class Tactic(SparseMethod):
         pos = torch.arange(S, device=q.device)
 
         valid = pos[None, :] < lengths[:, None]  # [B, S]
-        recent = pos[None, :] >= lengths[:, None] - cfg.local
-        always_kv = ((st.assign[..., :S] < 0) | recent[:, None, :]) & valid[:, None, :]  # [B, Hkv, S]
-        in_list_kv = (st.assign[..., :S] >= 0) & ~always_kv
+        always_kv = (st.assign[..., :S] < 0) & valid[:, None, :]  # sinks, local window, unfolded
+        in_list_kv = st.assign[..., :S] >= 0
         C = st.sizes.shape[-1]
-        sizes_kv = torch.zeros_like(st.sizes).scatter_add_(-1, st.assign[..., :S].clamp(min=0), in_list_kv.long())
+        if cfg.budget is not None:
+            return self._select_budget(q, st, always_kv, in_list_kv, G)
+        sizes_kv = st.sizes
 
         # 1. rank clusters per query head by q . centroid
         sizes = sizes_kv.repeat_interleave(G, 1)  # [B, Hq, C] tokens of each cluster in the list
@@ -147,6 +173,50 @@ class Tactic(SparseMethod):
         # 5. GQA union + tokens attended regardless
         mask = sel_q.view(B, Hkv, G, S).any(2) | always_kv
         return Selection(mask, {"head_budget": sel_q.sum(-1), "head_mask": sel_q | always.view(B, Hq, S)})
+
+    def _select_budget(self, q, st: ClusterIndex, always_kv, in_list_kv, G):
+        B, Hkv = st.sizes.shape[:2]
+        _, group_max = summary_scores(q, st.centroids, None, st.num_clusters[:, None].expand(B, Hkv))
+        budget = torch.full((B, Hkv), self.config.budget, device=q.device)
+        chosen, _, _ = select_by_budget(group_max, st.sizes, budget)
+        sel = chosen.gather(-1, st.assign[..., :in_list_kv.shape[-1]].clamp(min=0)) & in_list_kv
+        return Selection(sel | always_kv, {"head_budget": sel.sum(-1).repeat_interleave(G, 1)})
+
+    # --------------------------------------------------------------- paged fast path
+    def supports_plan(self) -> bool:
+        return self.config.budget is not None
+
+    def append_token(self, state: ClusterIndex, k_new, lengths, host_lengths, read_keys):
+        if state.assign.shape[-1] < max(host_lengths):
+            grow = max(max(host_lengths), 2 * state.assign.shape[-1]) - state.assign.shape[-1]
+            state.assign = torch.nn.functional.pad(state.assign, (0, grow), value=-1)
+            state.members = None
+        for b, n in enumerate(host_lengths):
+            if self._fold_due(state, b, n):
+                self._fold(state, read_keys(b, 0, n - self.config.local), b, int(state.num_indexed[b]),
+                           n - self.config.local)
+        return state
+
+    def plan_capacity(self, state: ClusterIndex) -> int:
+        """Largest list a step can produce: the budget (or the best cluster alone), the
+        sinks, and the unfolded tail (local window + up to fold_every tokens)."""
+        cfg = self.config
+        return max(cfg.budget, state.max_size) + cfg.sink + cfg.local + cfg.fold_every + 1
+
+    def plan(self, q, state: ClusterIndex, lengths, host_lengths):
+        if state.members is None:
+            state.build_csr()
+        B, Hkv = state.sizes.shape[:2]
+        _, group_max = dispatch.summary_scores(q, state.centroids, None,
+                                               state.num_clusters[:, None].expand(B, Hkv))
+        budget = torch.full((B, Hkv), self.config.budget, dtype=torch.int32, device=q.device)
+        chosen, offsets, total = dispatch.select_by_budget(group_max, state.sizes, budget)
+        cap = self.plan_capacity(state)
+        always_end = lengths.clamp(max=self.config.sink)[:, None].expand(B, Hkv)
+        always_start = state.num_indexed[:, None].expand(B, Hkv)
+        idx, counts = dispatch.compact_tokens(chosen, offsets, total, state.members, state.member_entry,
+                                              state.entry_start, 0, always_end, always_start, lengths, cap)
+        return TokenPlan(idx, counts, cap)
 
     @staticmethod
     def _read_positions(layout, n: Tensor, S: int) -> Tensor:

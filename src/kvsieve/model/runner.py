@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import dispatch
 from ..cache import PagedKVCache
 from ..methods import make_method
 from ..ops.attention import attend
@@ -77,17 +78,28 @@ class GenerationResult:
 
 
 class Engine:
-    """Runs a LlamaModel with a sparse method on a paged KV cache."""
+    """Runs a LlamaModel with a sparse method on a paged KV cache.
+
+    Decode has two paths with the same results: the *paged* path (default on CUDA for
+    methods that plan: dense, streaming, quest/pages, tactic with a fixed budget) asks
+    the method for a TokenPlan and runs the paged attention kernel straight on the
+    cache pages; the *reference* path gathers a [B, Hkv, S, D] view per layer and uses
+    the method's boolean selection. paged=True/False forces one.
+    """
 
     def __init__(self, model: LlamaModel, method: str = "dense", page_size: int = 16,
                  kv_pages: Optional[int] = None, prefill_chunk: int = 1024, progress: bool = True,
-                 **method_options):
+                 paged: Optional[bool] = None, **method_options):
         self.model = model
         self.method = make_method(method, **method_options)
         self.page_size = page_size
         self.kv_pages = kv_pages
         self.prefill_chunk = prefill_chunk
         self.progress = progress
+        if paged and not self.method.supports_plan():
+            raise ValueError(f"method {method!r} with these options has no paged fast path (tactic needs "
+                             "--budget); drop paged=True to use the reference decode path")
+        self.paged = self.method.supports_plan() and (model.device.type == "cuda" if paged is None else paged)
 
     def check_lengths(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         if max_new_tokens <= 0:
@@ -154,16 +166,20 @@ class Engine:
         last = torch.stack([self.prefill(cache, r, p, bar) for r, p in zip(reqs, prompts)])
         if bar is not None:
             bar.close()
+        _sync(model.device)
         t1 = time.perf_counter()
         lengths = torch.tensor([len(p) for p in prompts], device=model.device)
         for layer in range(cfg.num_layers):
             k, _ = cache.view(layer, reqs, lengths.tolist())
             cache.index[layer] = self.method.prepare(k, lengths, layer)
+        _sync(model.device)
         t2 = time.perf_counter()
 
         out: List[List[int]] = [[] for _ in reqs]
         done = torch.zeros(len(reqs), dtype=torch.bool)
-        frac_sum = torch.zeros(cfg.num_layers, dtype=torch.float64)
+        frac_sum = torch.zeros(cfg.num_layers, dtype=torch.float64, device=model.device)
+        host_len = [len(p) for p in prompts]
+        self._block_table = None
         steps = 0
         token = sample(model.logits(last), sampling, gen)
         while True:
@@ -174,25 +190,16 @@ class Engine:
             if done.all():
                 break
             new_len = lengths + 1
-
-            def attend_decode(layer, q, k, v):
-                for b, r in enumerate(reqs):
-                    cache.write(layer, r, int(lengths[b]), k[b][:, None], v[b][:, None])
-                kk, vv = cache.view(layer, reqs, new_len.tolist())
-                state = self.method.append(cache.index[layer], kk, new_len)
-                cache.index[layer] = state
-                sel = self.method.select(q, kk, new_len, state)
-                live = ~done.to(q.device)
-                frac_sum[layer] += sel.read_fraction(new_len)[live].mean().cpu()
-                return attend(q, kk, vv, sel.mask)[0]
-
-            hidden = model.forward(token, lengths, attend_decode)
+            host_len = [n + 1 for n in host_len]
+            live = ~done.to(model.device)
+            hidden = self.decode_step(cache, reqs, token, lengths, host_len, frac_sum, live)
             lengths = new_len
             steps += 1
             token = sample(model.logits(hidden), sampling, gen)
+        _sync(model.device)
         t3 = time.perf_counter()
 
-        layer_frac = (frac_sum / max(steps, 1)).tolist()
+        layer_frac = (frac_sum.cpu() / max(steps, 1)).tolist()
         result = GenerationResult(
             tokens=out, prompt_tokens=[len(p) for p in prompts], prefill_s=t1 - t0, index_s=t2 - t1,
             decode_s=t3 - t2, kv_fraction=sum(layer_frac) / len(layer_frac) if steps else 1.0,
@@ -200,6 +207,66 @@ class Engine:
         for r in reqs:
             cache.release(r)
         return result
+
+
+    def decode_step(self, cache: PagedKVCache, reqs: List[int], token: Tensor, lengths: Tensor,
+                    host_len: List[int], frac_sum: Optional[Tensor] = None, live: Optional[Tensor] = None) -> Tensor:
+        """One decode step for every request: token [B] at positions lengths [B] (device);
+        host_len: the lengths after this step as ints. Returns the last hidden states [B, hidden].
+        frac_sum [layers] accumulates the mean fraction of KV read over `live` requests."""
+        new_len = lengths + 1
+        method, dev = self.method, self.model.device
+        live = torch.ones(len(reqs), dtype=torch.bool, device=dev) if live is None else live
+        if self.paged:
+            table = self._table(cache, reqs)
+            page_of = table.gather(1, (lengths // cache.page_size)[:, None].to(table.dtype))[:, 0].long()
+            slot = lengths % cache.page_size
+
+        def attend_paged(layer, q, k, v):
+            cache.k[layer, page_of, :, slot] = k.to(cache.k.dtype)
+            cache.v[layer, page_of, :, slot] = v.to(cache.v.dtype)
+
+            def read_keys(b, start, end):
+                return cache.read(layer, reqs[b], end)[0][:, start:end]
+
+            state = method.append_token(cache.index[layer], k, new_len, host_len, read_keys)
+            cache.index[layer] = state
+            plan = method.plan(q, state, new_len, host_len)
+            if frac_sum is not None:
+                frac_sum[layer] += plan.read_fraction(new_len)[live].mean()
+            out, _ = dispatch.paged_decode(q, cache.k[layer], cache.v[layer], table, plan.counts, plan.indices,
+                                           cap=plan.cap)
+            return out
+
+        def attend_reference(layer, q, k, v):
+            for b, r in enumerate(reqs):
+                cache.write(layer, r, host_len[b] - 1, k[b][:, None], v[b][:, None])
+            kk, vv = cache.view(layer, reqs, host_len)
+            state = method.append(cache.index[layer], kk, new_len)
+            cache.index[layer] = state
+            sel = method.select(q, kk, new_len, state)
+            if frac_sum is not None:
+                frac_sum[layer] += sel.read_fraction(new_len)[live].mean()
+            return attend(q, kk, vv, sel.mask)[0]
+
+        hidden = self.model.forward(token, lengths, attend_paged if self.paged else attend_reference)
+        if self.paged:
+            for r, n in zip(reqs, host_len):
+                cache.lengths[r] = n
+        return hidden
+
+    def _table(self, cache: PagedKVCache, reqs: List[int]) -> Tensor:
+        """[B, max_pages] int32 page table on the device, built once per generation."""
+        if self._block_table is None:
+            width = max(len(cache.tables[r]) for r in reqs)
+            rows = [cache.tables[r] + [0] * (width - len(cache.tables[r])) for r in reqs]
+            self._block_table = torch.tensor(rows, dtype=torch.int32, device=self.model.device)
+        return self._block_table
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _progress(total: int, enabled: bool):

@@ -28,7 +28,7 @@ def nearest_centroid(x: Tensor, centroids: Tensor, cluster_valid: Tensor) -> Ten
 
 
 def kmeans(x: Tensor, lengths: Tensor, cluster_size: int, max_iters: int = 10, seed: int = 0,
-           row_period: int = 1) -> KMeansResult:
+           row_period: int = 1, window: int | None = None, nearest=None, update=None) -> KMeansResult:
     """Cluster the first lengths[n] vectors of each row into ceil(lengths[n]/cluster_size) groups.
 
     x: [N, S, D] any float dtype (computed in float32, float64 kept); lengths: [N] long, >= 1.
@@ -38,7 +38,17 @@ def kmeans(x: Tensor, lengths: Tensor, cluster_size: int, max_iters: int = 10, s
     centroids as means of their members (an empty cluster keeps its centroid, so no NaN)
     and reassigns; it stops when no assignment changes or after max_iters updates. The
     returned assignment is always to the nearest *final* centroid.
+
+    window: cluster each consecutive run of `window` vectors on its own (cost linear in S
+    instead of quadratic); window w's clusters get ids [w*Cw, (w+1)*Cw), Cw =
+    ceil(window/cluster_size), so the clusters in use stay a prefix of the ids.
+    nearest/update: the assignment and centroid-update steps (default: the torch
+    references below; kvsieve.dispatch passes the Triton twins for CUDA tensors).
     """
+    if window is not None and x.shape[1] > window:
+        return _windowed(x, lengths, cluster_size, max_iters, seed, row_period, window, nearest, update)
+    nearest = nearest or nearest_centroid
+    update = update or update_centroids
     N, S, D = x.shape
     device = x.device
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -59,12 +69,12 @@ def kmeans(x: Tensor, lengths: Tensor, cluster_size: int, max_iters: int = 10, s
     centroids = torch.gather(x, 1, init_idx[:, :, None].expand(N, C, D))
 
     x_valid = x * token_valid[..., None]
-    assign = nearest_centroid(x, centroids, cluster_valid)
+    assign = nearest(x, centroids, cluster_valid)
     iters = 0
     for _ in range(max_iters):
-        centroids = _update(x_valid, assign, token_valid, centroids)
+        centroids = update(x_valid, assign, token_valid, centroids)
         iters += 1
-        new_assign = nearest_centroid(x, centroids, cluster_valid)
+        new_assign = nearest(x, centroids, cluster_valid)
         changed = bool(((new_assign != assign) & token_valid).any())
         assign = new_assign
         if not changed:
@@ -75,7 +85,27 @@ def kmeans(x: Tensor, lengths: Tensor, cluster_size: int, max_iters: int = 10, s
     return KMeansResult(centroids, assign, sizes, num_clusters, iters)
 
 
-def _update(x_valid: Tensor, assign: Tensor, token_valid: Tensor, centroids: Tensor) -> Tensor:
+def _windowed(x, lengths, cluster_size, max_iters, seed, row_period, window, nearest, update):
+    N, S, D = x.shape
+    nw = -(-S // window)
+    xw = torch.nn.functional.pad(x, (0, 0, 0, nw * window - S)).view(N * nw, window, D)
+    starts = torch.arange(nw, device=x.device) * window
+    lw = (lengths.to(x.device)[:, None] - starts[None, :]).clamp(0, window).reshape(-1)
+    res = kmeans(xw, lw.clamp(min=1), cluster_size, max_iters, seed, row_period * nw,
+                 nearest=nearest, update=update)
+    Cw = res.centroids.shape[1]
+    empty = (lw == 0).view(N, nw)
+    ids = torch.where(res.assign >= 0, res.assign + (torch.arange(N * nw, device=x.device) % nw)[:, None] * Cw,
+                      res.assign).view(N, nw * window)[:, :S]
+    ids = ids.masked_fill(torch.arange(S, device=x.device)[None, :] >= lengths.to(x.device)[:, None], -1)
+    sizes = res.sizes.view(N, nw, Cw).masked_fill(empty[..., None], 0).view(N, nw * Cw)
+    used = res.num_clusters.view(N, nw).masked_fill(empty, 0).sum(1)
+    return KMeansResult(res.centroids.view(N, nw * Cw, D), ids, sizes, used, res.iters)
+
+
+def update_centroids(x_valid: Tensor, assign: Tensor, token_valid: Tensor, centroids: Tensor) -> Tensor:
+    """Move each centroid [N, C, D] to the mean of its members (x_valid [N, S, D] zero on
+    padding, assign [N, S], token_valid [N, S]); an empty cluster keeps its centroid."""
     N, C, D = centroids.shape
     sums = torch.zeros_like(centroids).scatter_add_(1, assign[..., None].expand_as(x_valid), x_valid)
     counts = torch.zeros(N, C, dtype=x_valid.dtype, device=x_valid.device)

@@ -1,0 +1,47 @@
+"""One name per op: the Triton kernel for CUDA tensors (or under TRITON_INTERPRET=1), the
+torch reference otherwise. Methods and the runner call these; see kvsieve.kernels."""
+from __future__ import annotations
+
+from .kernels import use_triton
+from .ops import paged as _paged_ref
+from .ops import select as _select_ref
+from .ops.kmeans import kmeans as _kmeans_reference
+
+
+def paged_decode(q, k_pool, v_pool, block_table, counts, indices=None, scale=None, cap=None):
+    """See ops.paged.paged_decode_reference; `cap` bounds dense lists (kernel grid size)."""
+    if use_triton(q):
+        from .kernels.decode import paged_decode as kernel
+        return kernel(q, k_pool, v_pool, block_table, counts, indices, scale, cap)
+    return _paged_ref.paged_decode_reference(q, k_pool, v_pool, block_table, counts, indices, scale)
+
+
+def summary_scores(q, lo, hi=None, n_valid=None):
+    if use_triton(q):
+        from .kernels.select import summary_scores as kernel
+        return kernel(q, lo, hi, n_valid)
+    return _select_ref.summary_scores(q, lo, hi, n_valid)
+
+
+def select_by_budget(scores, sizes, budget):
+    if use_triton(scores):
+        from .kernels.select import select_by_budget as kernel
+        return kernel(scores, sizes, budget)
+    return _select_ref.select_by_budget(scores, sizes, budget)
+
+
+def compact_tokens(chosen, offsets, total, members, member_entry, entry_start, width,
+                   always_end, always_start, lengths, cap):
+    impl = _select_ref.compact_tokens
+    if use_triton(offsets):
+        from .kernels.select import compact_tokens as impl
+    return impl(chosen, offsets, total, members, member_entry, entry_start, width,
+                always_end, always_start, lengths, cap)
+
+
+def kmeans(x, lengths, cluster_size, max_iters=10, seed=0, row_period=1, window=None):
+    nearest = update = None
+    if use_triton(x):
+        from .kernels import kmeans as k
+        nearest, update = k.nearest_centroid, k.update_centroids
+    return _kmeans_reference(x, lengths, cluster_size, max_iters, seed, row_period, window, nearest, update)

@@ -1,0 +1,41 @@
+"""Triton kernels, one per file, each with the signature of its torch twin in `kvsieve.ops`.
+
+`use_triton(t)` decides the dispatch: Triton for CUDA tensors when Triton is installed,
+and for CPU tensors only under Triton's interpreter (`TRITON_INTERPRET=1`, used by the
+CPU test suite). Set `KVSIEVE_KERNELS=reference` to force the torch path everywhere.
+A kernel never knows which method produced its inputs.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (kernels run on the CPU; bf16 dots are upcast)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    if os.environ.get("KVSIEVE_KERNELS", "auto") == "reference" or not triton_available():
+        return False
+    if t.dtype not in KERNEL_DTYPES and t.dtype.is_floating_point:
+        return False
+    return t.is_cuda or interpreting()
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()

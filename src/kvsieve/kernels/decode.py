@@ -1,0 +1,160 @@
+"""Sparse (and dense) decode attention over token lists in a paged KV cache.
+
+Twin of `kvsieve.ops.paged.paged_decode_reference`. Load balancing: every (request, KV
+head) list is a sub-request of its own length, cut into splits of `split` tokens; one
+program per (sub-request, split) loads each selected K/V row once for the whole query
+group, and a second kernel merges the splits by log-sum-exp (flash-decoding). The grid
+is sized from the list capacity, never from the counts, so nothing waits on the host
+and the launch can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from . import interpreting, next_pow2
+
+TARGET_PROGRAMS = 1024  # enough (sub-request, split) programs to fill ~132 SMs several times
+
+
+@triton.jit
+def _split_kernel(Q, K, V, BT, IDX, CNT, OUT, LSE,
+                  sq_b, sq_h, sk_p, sk_h, sk_s, sv_p, sv_h, sv_s, sbt, si_b, si_h,
+                  Hkv, NS, scale,
+                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                  SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, DENSE: tl.constexpr,
+                  UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    row = tl.program_id(0)
+    s = tl.program_id(1)
+    b = row // Hkv
+    h = row % Hkv
+    count = tl.load(CNT + row)
+    start = s * SPLIT
+    end = tl.minimum(count, start + SPLIT)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + b * sq_b + (h * G + offs_g)[:, None] * sq_h + offs_d[None, :],
+                mask=offs_g[:, None] < G, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        if DENSE:
+            tok = offs_n
+        else:
+            tok = tl.load(IDX + b * si_b + h * si_h + offs_n, mask=valid, other=0)
+        page = tl.load(BT + b * sbt + tok // PAGE, mask=valid, other=0).to(tl.int64)
+        slot = tok % PAGE
+        k = tl.load(K + page[:, None] * sk_p + h * sk_h + slot[:, None] * sk_s + offs_d[None, :],
+                    mask=valid[:, None], other=0.0)
+        v = tl.load(V + page[:, None] * sv_p + h * sv_h + slot[:, None] * sv_s + offs_d[None, :],
+                    mask=valid[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(valid[None, :], qk * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:  # tf32 keeps 10 bits of p; a cast to bf16 would keep 7 and double the error
+            pv = tl.dot(p, v.to(tl.float32))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    base = (row * NS + s) * G
+    gmask = offs_g < G
+    tl.store(OUT + (base + offs_g)[:, None] * D + offs_d[None, :], out, mask=gmask[:, None])
+    tl.store(LSE + base + offs_g, lse, mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(PART, PLSE, OUT, LSE, NS, G: tl.constexpr, D: tl.constexpr):
+    """One program per (sub-request, query head): merge its NS split results."""
+    pid = tl.program_id(0)
+    row = pid // G
+    g = pid % G
+    offs_d = tl.arange(0, D)
+    m = tl.full([1], float("-inf"), tl.float32)
+    l = tl.zeros([1], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    for s in range(0, NS):
+        base = (row * NS + s) * G + g
+        lse_s = tl.load(PLSE + base + tl.arange(0, 1))
+        m_new = tl.maximum(m, lse_s)
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w_old = tl.exp(m - safe)
+        w_s = tl.exp(lse_s - safe)
+        o_s = tl.load(PART + base * D + offs_d)
+        acc = acc * w_old + o_s * w_s
+        l = l * w_old + w_s
+        m = m_new
+    has = l > 0
+    out = acc / tl.where(has, l, 1.0)
+    tl.store(OUT + pid * D + offs_d, out.to(OUT.dtype.element_ty))
+    tl.store(LSE + pid + tl.arange(0, 1), tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf")))
+
+
+def choose_split(cap: int, rows: int, block_n: int) -> int:
+    """Split length (a multiple of block_n) giving about TARGET_PROGRAMS programs."""
+    want = -(-cap * rows // TARGET_PROGRAMS)
+    return max(block_n, min(next_pow2(want), 8192))
+
+
+def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, counts: Tensor,
+                 indices: Optional[Tensor] = None, scale: Optional[float] = None,
+                 cap: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """Triton twin of paged_decode_reference. `cap` bounds the list lengths for the dense
+    case (default: the block table's capacity); with indices it is indices.shape[-1]."""
+    B, Hq, D = q.shape
+    Hkv, page = k_pool.shape[1], k_pool.shape[2]
+    G = Hq // Hkv
+    if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("paged_decode needs the head dimension contiguous in q, k_pool and v_pool")
+    if D != next_pow2(D) or D < 16:
+        raise ValueError(f"paged_decode supports power-of-two head_dim >= 16, got {D}")
+    scale = D ** -0.5 if scale is None else scale
+    dense = indices is None
+    if dense:
+        cap = block_table.shape[1] * page if cap is None else cap
+        idx = counts  # unused pointer
+        si_b = si_h = 0
+    else:
+        cap = indices.shape[-1]
+        idx = indices
+        si_b, si_h = indices.stride(0), indices.stride(1)
+    counts = counts.to(torch.int32).contiguous()
+    block_n = 32 if interpreting() else 64
+    split = choose_split(max(cap, 1), B * Hkv, block_n)
+    ns = max(1, -(-cap // split))
+    part = torch.empty(B * Hkv * ns * G * D, dtype=torch.float32, device=q.device)
+    plse = torch.empty(B * Hkv * ns * G, dtype=torch.float32, device=q.device)
+    ieee = q.dtype == torch.float32
+    upcast = interpreting() or ieee
+    _split_kernel[(B * Hkv, ns)](
+        q, k_pool, v_pool, block_table, idx, counts, part, plse,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), block_table.stride(0), si_b, si_h,
+        Hkv, ns, scale,
+        G=G, GP=max(16, next_pow2(G)), D=D, PAGE=page, SPLIT=split, BLOCK_N=block_n, DENSE=dense,
+        UPCAST=upcast, IEEE=ieee and not interpreting(), num_warps=4, num_stages=3)
+    out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
+    _merge_kernel[(B * Hq,)](part, plse, out, lse, ns, G=G, D=D, num_warps=1)
+    return out, lse

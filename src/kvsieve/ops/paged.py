@@ -1,0 +1,65 @@
+"""Torch reference of attention over token lists in a paged KV cache (twin of
+kvsieve.kernels.decode), and the plan format both consume.
+
+A *token plan* says, per (request, KV head), which cached tokens to attend:
+`indices [B, Hkv, cap]` int32 logical positions (entries >= counts are ignored) and
+`counts [B, Hkv]` int32; `indices=None` means the dense prefix [0, counts). The KV head
+attends the union of its query group once (GQA). Logical position t of request b lives
+in page `block_table[b, t // page_size]`, slot `t % page_size` of the layer's pools
+`k_pool, v_pool [num_pages, Hkv, page_size, D]`.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .attention import compute_dtype
+
+
+def gather_tokens(pool: Tensor, block_table: Tensor, positions: Tensor) -> Tensor:
+    """pool [P, Hkv, page, D], block_table [B, max_pages], positions [B, Hkv, N] (valid
+    logical positions) -> [B, Hkv, N, D]."""
+    page_size = pool.shape[2]
+    B, Hkv, N = positions.shape
+    pos = positions.long()
+    pages = block_table.long().gather(1, (pos // page_size).reshape(B, -1)).view(B, Hkv, N)
+    heads = torch.arange(Hkv, device=pool.device)[None, :, None].expand(B, Hkv, N)
+    return pool[pages, heads, pos % page_size]
+
+
+def plan_positions(indices: Optional[Tensor], counts: Tensor, cap: int) -> Tuple[Tensor, Tensor]:
+    """(positions [B, Hkv, cap] long, clamped to valid entries; valid [B, Hkv, cap] bool)."""
+    j = torch.arange(cap, device=counts.device)
+    valid = j[None, None, :] < counts[..., None]
+    if indices is None:
+        pos = j[None, None, :].expand(*counts.shape, cap)
+    else:
+        pos = indices[..., :cap].long()
+    return torch.where(valid, pos, torch.zeros_like(pos)), valid
+
+
+def paged_decode_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
+                           counts: Tensor, indices: Optional[Tensor] = None,
+                           scale: Optional[float] = None) -> Tuple[Tensor, Tensor]:
+    """Exact softmax attention of q [B, Hq, D] over each KV head's token list.
+
+    Returns out [B, Hq, D] in q's dtype and lse [B, Hq] (float32, float64 for float64
+    input; -inf and out = 0 where a list is empty).
+    """
+    B, Hq, D = q.shape
+    Hkv = k_pool.shape[1]
+    G = Hq // Hkv
+    ct = compute_dtype(q.dtype)
+    scale = D ** -0.5 if scale is None else scale
+    cap = indices.shape[-1] if indices is not None else max(int(counts.max()), 1)
+    pos, valid = plan_positions(indices, counts, cap)
+    k = gather_tokens(k_pool, block_table, pos).to(ct)
+    v = gather_tokens(v_pool, block_table, pos).to(ct)
+    logits = torch.einsum("bhgd,bhnd->bhgn", q.to(ct).view(B, Hkv, G, D), k) * scale
+    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, -1)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    out = torch.einsum("bhgn,bhnd->bhgd", torch.exp(logits - safe[..., None]), v)
+    return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)

@@ -1,0 +1,115 @@
+"""Torch references for the selection stage of a decode plan (twins of
+kvsieve.kernels.select): summary scores, budgeted top-entry selection, and compaction of
+the chosen entries into token lists.
+
+An *entry* is a unit of selection: a K-means cluster (its centroid is the summary) or a
+page (its channel-wise key min/max are the summary). Each (request, KV head) row has N
+entries; entry e owns `sizes[e]` tokens.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+def summary_scores(q: Tensor, lo: Tensor, hi: Optional[Tensor] = None,
+                   n_valid: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """Score every entry for every query head (unscaled logits, float32).
+
+    q [B, Hq, D]; lo [B, Hkv, N, D] centroids (hi None: score q.lo) or page key minima
+    with hi the maxima (score sum_i max(q_i*hi_i, q_i*lo_i), an upper bound of q.k on the
+    page); n_valid [B, Hkv] entries in use (the rest score -inf).
+    Returns (per_head [B, Hq, N], group_max [B, Hkv, N]: max over each KV head's group).
+    """
+    B, Hq, D = q.shape
+    Hkv, N = lo.shape[1], lo.shape[2]
+    G = Hq // Hkv
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qg = q.to(ct).view(B, Hkv, G, 1, D)
+    if hi is None:
+        s = (qg * lo.to(ct)[:, :, None]).sum(-1)
+    else:
+        s = torch.maximum(qg * hi.to(ct)[:, :, None], qg * lo.to(ct)[:, :, None]).sum(-1)
+    if n_valid is not None:
+        bad = torch.arange(N, device=q.device)[None, None, :] >= n_valid[..., None]
+        s = s.masked_fill(bad[:, :, None, :], float("-inf"))
+    return s.reshape(B, Hq, N), s.amax(2)
+
+
+def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """Take entries in descending score order while their total size stays <= budget.
+
+    scores [R..., N] float (-inf: not a candidate); sizes [R..., N] int (0: not a
+    candidate); budget [R...] int. Entries tied in score are taken together or not at
+    all; if even the best-scored group exceeds the budget it is taken alone (a row with
+    any candidate never selects nothing).
+    Returns chosen [R..., N] bool, offsets [R..., N] int32 (exclusive running sum of the
+    chosen sizes in entry order: where each chosen entry's tokens go) and total [R...]
+    int32 (tokens chosen).
+    """
+    lead, N = scores.shape[:-1], scores.shape[-1]
+    s = scores.reshape(-1, N).double()
+    z = sizes.reshape(-1, N).long()
+    cand = torch.isfinite(s) & (z > 0)
+    s = s.masked_fill(~cand, float("-inf"))
+    srt, order = s.sort(-1, descending=True)
+    csum = (z.gather(-1, order) * cand.gather(-1, order)).cumsum(-1)
+    # tokens taken if the threshold is srt[j]: every entry scoring >= srt[j]
+    group_end = torch.searchsorted(-srt.contiguous(), -srt.contiguous(), right=True) - 1
+    taken = csum.gather(-1, group_end)
+    ok = (taken <= budget.reshape(-1, 1).long()) & torch.isfinite(srt)
+    # lowest admissible threshold; else the best group alone
+    j = (ok.sum(-1) - 1).clamp(min=0)  # ok holds on a prefix: taken grows with j
+    thr = srt.gather(-1, j[:, None])
+    chosen = cand & (s >= thr)
+    chosen_sizes = (z * chosen).to(torch.int32)
+    offsets = chosen_sizes.cumsum(-1, dtype=torch.int32) - chosen_sizes
+    return chosen.view(*lead, N), offsets.view(*lead, N), chosen_sizes.sum(-1, dtype=torch.int32).view(lead)
+
+
+def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Optional[Tensor],
+                   member_entry: Optional[Tensor], entry_start: Optional[Tensor], width: int,
+                   always_end: Tensor, always_start: Tensor, lengths: Tensor, cap: int
+                   ) -> Tuple[Tensor, Tensor]:
+    """Write each row's token list: the chosen entries' tokens, then the tokens attended
+    regardless ([0, always_end) and [always_start, length)).
+
+    Entries are either clusters given in CSR form: members [B, Hkv, M] int32 token ids
+    grouped by entry, member_entry [B, Hkv, M] int32 (the entry of each member, -1 past
+    the end), entry_start [B, Hkv, N] int32; or (members None) pages of `width` tokens:
+    entry e owns tokens [e*width, (e+1)*width) that are < always_start.
+    chosen/offsets/total: select_by_budget's outputs [B, Hkv, N]/[B, Hkv]; always_end,
+    always_start [B, Hkv] int32, lengths [B] long. Lists are cut at `cap`.
+    Returns indices [B, Hkv, cap] int32 and counts [B, Hkv] int32.
+    """
+    B, Hkv, N = chosen.shape
+    dev = chosen.device
+    if members is None:
+        pos = torch.arange(N * width, device=dev)
+        entry = (pos // width).expand(B, Hkv, -1)
+        tok = pos.expand(B, Hkv, -1)
+        live = tok < always_start[..., None]
+        starts = (torch.arange(N, device=dev) * width).expand(B, Hkv, -1)
+    else:
+        entry, tok, starts = member_entry.long(), members.long(), entry_start.long()
+        live = entry >= 0
+    e = entry.clamp(min=0)
+    p = torch.arange(entry.shape[-1], device=dev).expand_as(entry)
+    take = live & chosen.gather(-1, e)
+    dst = offsets.long().gather(-1, e) + p - starts.gather(-1, e)
+    take &= dst < cap
+    out = torch.zeros(B, Hkv, cap + 1, dtype=torch.int32, device=dev)
+    out.scatter_(-1, torch.where(take, dst, torch.full_like(dst, cap)), tok.to(torch.int32))
+    j = torch.arange(cap, device=dev)
+    head = always_end.long()[..., None]
+    tail_n = (lengths[:, None] - always_start.long()).clamp(min=0)[..., None]
+    sel = total.long()[..., None]
+    first = (j >= sel) & (j < sel + head)
+    second = (j >= sel + head) & (j < sel + head + tail_n)
+    out = out[..., :cap]
+    out = torch.where(first, (j - sel).int(), out)
+    out = torch.where(second, (always_start.long()[..., None] + j - sel - head).int(), out)
+    counts = (sel + head + tail_n).clamp(max=cap)[..., 0].to(torch.int32)
+    return out, counts

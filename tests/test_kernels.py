@@ -1,0 +1,232 @@
+"""Every Triton kernel against its torch twin and a float64 oracle, at awkward sizes.
+
+On the CPU these run through Triton's interpreter (conftest sets TRITON_INTERPRET=1);
+on the GPU machine `scripts/gpu_tests.sh` runs the same tests on CUDA tensors (marked
+`gpu` variants use larger sizes). The interpreter rounds bf16 casts by truncation, which
+doubles bf16 output error, hence the looser bf16 factor there.
+"""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvsieve.kernels import decode as kdecode, kmeans as kkmeans, select as kselect  # noqa: E402
+from kvsieve.methods import make_method  # noqa: E402
+import importlib  # noqa: E402
+
+from kvsieve.ops import paged as rpaged, select as rselect  # noqa: E402
+
+rkmeans = importlib.import_module("kvsieve.ops.kmeans")  # kvsieve.ops.kmeans is also a function name
+
+from conftest import clustered_qkv  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def bound(dtype, ref_err):
+    """Kernel error vs float64 may not exceed the reference's own error in `dtype` (x2.5 for
+    bf16 under the interpreter, see module doc), plus a float32 floor."""
+    factor = 2.5 if (dtype == torch.bfloat16 and DEV == "cpu") else 1.5
+    return factor * ref_err + 1e-5
+
+
+def paged_case(B, Hkv, G, D, page, S, dtype, seed, sparse):
+    g = torch.Generator().manual_seed(seed)
+    n_pages = B * -(-S // page)
+    pool = n_pages + 5
+    kp = torch.randn(pool, Hkv, page, D, generator=g)
+    vp = torch.randn(pool, Hkv, page, D, generator=g)
+    bt = torch.randperm(pool, generator=g)[:n_pages].view(B, -1).int()
+    q = torch.randn(B, Hkv * G, D, generator=g) * 2
+    lengths = torch.randint(1, S + 1, (B,), generator=g)
+    lengths[0] = S
+    if sparse:
+        cap = max(1, (2 * S) // 3)
+        idx = torch.stack([torch.stack([torch.randperm(int(lengths[b]), generator=g)[:cap].sort().values
+                                        if int(lengths[b]) >= cap else
+                                        torch.cat([torch.arange(int(lengths[b])), torch.zeros(cap - int(lengths[b]),
+                                                                                               dtype=torch.long)])
+                                        for _ in range(Hkv)]) for b in range(B)]).int()
+        counts = torch.minimum(torch.randint(0, cap + 1, (B, Hkv), generator=g), lengths[:, None]).int()
+    else:
+        idx, counts = None, lengths[:, None].expand(B, Hkv).int().contiguous()
+    cast = lambda t: t.to(dtype).to(DEV)  # noqa: E731
+    return cast(q), cast(kp), cast(vp), bt.to(DEV), counts.to(DEV), None if idx is None else idx.to(DEV)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 2, 3, 64, 16, 97), (1, 1, 1, 128, 64, 54), (3, 2, 4, 64, 16, 1),
+                                   (1, 1, 8, 64, 16, 33)])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_paged_decode_matches_reference_and_oracle(dtype, shape, sparse):
+    B, Hkv, G, D, page, S = shape
+    q, kp, vp, bt, counts, idx = paged_case(B, Hkv, G, D, page, S, dtype, seed=S + G, sparse=sparse)
+    out = torch.full((B, Hkv * G, D), float("nan"), dtype=dtype, device=DEV)
+    out, lse = kdecode.paged_decode(q, kp, vp, bt, counts, idx)
+    o64, l64 = rpaged.paged_decode_reference(q.double(), kp.double(), vp.double(), bt, counts, idx)
+    oref, _ = rpaged.paged_decode_reference(q, kp, vp, bt, counts, idx)
+    assert not torch.isnan(out).any()
+    assert rel(out, o64) <= bound(dtype, rel(oref, o64))
+    empty = torch.isinf(l64)
+    assert torch.equal(torch.isinf(lse), empty)
+    assert (out[empty] == 0).all()
+    assert (lse[~empty].double() - l64[~empty]).abs().max().item() < 1e-4 if (~empty).any() else True
+
+
+def test_paged_decode_splits_long_lists_and_merges_exactly():
+    """A list much longer than one split goes through many programs and the LSE merge."""
+    q, kp, vp, bt, counts, idx = paged_case(1, 2, 4, 64, 16, 1500, torch.float32, seed=3, sparse=False)
+    out, lse = kdecode.paged_decode(q, kp, vp, bt, counts, idx)
+    o64, l64 = rpaged.paged_decode_reference(q.double(), kp.double(), vp.double(), bt, counts, idx)
+    assert rel(out, o64) < 1e-5 and (lse.double() - l64).abs().max() < 1e-4
+    assert kdecode.choose_split(1500, 2, 32) < 1500
+
+
+@pytest.mark.parametrize("minmax", [False, True])
+@pytest.mark.parametrize("G,D,N", [(1, 64, 54), (3, 64, 97), (4, 128, 1), (8, 64, 33)])
+def test_summary_scores(minmax, G, D, N):
+    g = torch.Generator().manual_seed(N + G)
+    B, Hkv = 2, 2
+    q = torch.randn(B, Hkv * G, D, generator=g).to(DEV)
+    lo = torch.randn(B, Hkv, N, D, generator=g).to(DEV)
+    hi = (lo + torch.rand(B, Hkv, N, D, generator=g).to(DEV)) if minmax else None
+    nv = torch.randint(0, N + 1, (B, Hkv), generator=g).to(DEV)
+    a, b = kselect.summary_scores(q, lo, hi, nv)
+    a64, b64 = rselect.summary_scores(q.double(), lo.double(), None if hi is None else hi.double(), nv)
+    assert torch.equal(torch.isinf(a), torch.isinf(a64)) and torch.equal(torch.isinf(b), torch.isinf(b64))
+    fin = torch.isfinite(a64)
+    assert (a[fin].double() - a64[fin]).abs().max().item() < 1e-4 * D if fin.any() else True
+
+
+@pytest.mark.parametrize("N", [1, 54, 97, 300])
+@pytest.mark.parametrize("ties", [False, True])
+def test_select_by_budget(N, ties):
+    g = torch.Generator().manual_seed(N)
+    s = torch.randn(3, 2, N, generator=g) * 4
+    if ties:
+        s = s.round()
+    s[0, 0, : N // 3] = float("-inf")
+    sizes = torch.randint(0, 40, (3, 2, N), generator=g)
+    for budget in (0, 7, 100, 5000):
+        bud = torch.full((3, 2), budget)
+        want = rselect.select_by_budget(s, sizes, bud)
+        got = kselect.select_by_budget(s.to(DEV), sizes.to(DEV), bud.to(DEV))
+        for w, x in zip(want, got):
+            assert torch.equal(w.int().cpu(), x.int().cpu())
+        chosen, _, total = want
+        # the semantics: never over budget unless one best group alone is taken
+        over = total > budget
+        for r in zip(*torch.nonzero(over, as_tuple=True)):
+            ss = s[r].masked_fill((sizes[r] == 0), float("-inf"))
+            assert chosen[r][ss == ss.max()].all() and chosen[r].sum() == (ss == ss.max()).sum()
+
+
+def _csr(assign, N):
+    S = assign.shape[-1]
+    key = torch.where(assign >= 0, assign * S + torch.arange(S), N * S + torch.arange(S))
+    mem = key.argsort(-1)
+    sizes = torch.zeros(*assign.shape[:-1], N, dtype=torch.long).scatter_add_(-1, assign.clamp(min=0),
+                                                                              (assign >= 0).long())
+    return mem.int(), assign.gather(-1, mem).int(), (sizes.cumsum(-1) - sizes).int(), sizes
+
+
+@pytest.mark.parametrize("S,cap", [(97, 300), (97, 20), (1, 8), (200, 64)])
+def test_compact_tokens(S, cap):
+    g = torch.Generator().manual_seed(S + cap)
+    B, Hkv, N = 2, 3, 13
+    lengths = torch.tensor([S, max(1, S - 5)])
+    a_end = torch.full((B, Hkv), min(2, S))
+    a_start = torch.minimum(torch.full((B, Hkv), max(S - 9, 2)), lengths[:, None]).clamp(min=a_end)
+    pos = torch.arange(S)
+    indexed = (pos >= a_end[..., None]) & (pos < a_start[..., None])  # the always ranges are not entries
+    assign = torch.randint(-1, N, (B, Hkv, S), generator=g).masked_fill(~indexed, -1)
+    mem, ment, est, sizes = _csr(assign, N)
+    scores = torch.randn(B, Hkv, N, generator=g)
+    chosen, off, tot = rselect.select_by_budget(scores, sizes, torch.full((B, Hkv), S // 3))
+    for csr in (True, False):
+        args = (mem, ment, est, 0) if csr else (None, None, None, 8)
+        if not csr:
+            sizes_p = (a_start[..., None] - torch.arange(N) * 8).clamp(0, 8) * (torch.arange(N) * 8 >= 8)
+            scores = scores.masked_fill(torch.arange(N) * 8 < a_end[..., None], float("-inf"))
+            chosen, off, tot = rselect.select_by_budget(scores, sizes_p, torch.full((B, Hkv), 24))
+        want_i, want_c = rselect.compact_tokens(chosen, off, tot, *args, a_end, a_start, lengths, cap)
+        dev = [None if t is None else t.to(DEV) for t in args[:3]]
+        got_i, got_c = kselect.compact_tokens(chosen.to(DEV), off.to(DEV), tot.to(DEV), *dev, args[3],
+                                              a_end.to(DEV), a_start.to(DEV), lengths.to(DEV), cap)
+        assert torch.equal(want_c, got_c.cpu())
+        live = torch.arange(cap)[None, None, :] < want_c[..., None]
+        assert torch.equal(want_i[live], got_i.cpu()[live])
+        for b in range(B):  # no token twice, all within the request
+            for h in range(Hkv):
+                lst = want_i[b, h, : want_c[b, h]]
+                assert lst.unique().numel() == lst.numel() and (lst < lengths[b]).all()
+
+
+@pytest.mark.parametrize("D,S,C", [(64, 97, 7), (128, 54, 2), (64, 1, 1)])
+def test_nearest_centroid_and_update(D, S, C):
+    g = torch.Generator().manual_seed(S)
+    x = torch.randn(3, S, D, generator=g)
+    cent = torch.randn(3, C, D, generator=g)
+    valid = torch.ones(3, C, dtype=torch.bool)
+    valid[1, 0] = C == 1  # row 1 must not pick invalid cluster 0 (when it has another)
+    got = kkmeans.nearest_centroid(x.to(DEV), cent.to(DEV), valid.to(DEV)).cpu()
+    want = rkmeans.nearest_centroid(x.double(), cent.double(), valid)
+    d = ((x.double()[:, :, None] - cent.double()[:, None]) ** 2).sum(-1).masked_fill(~valid[:, None, :], float("inf"))
+    # same cluster, or one at the same distance up to float32 rounding (near-ties)
+    dg, dw = d.gather(-1, got[..., None]), d.gather(-1, want[..., None])
+    assert ((got == want) | ((dg - dw).abs() <= 1e-4 * dw.abs().clamp(min=1))[..., 0]).all()
+    assert valid.gather(1, got).all()
+    tv = torch.rand(3, S, generator=g) < 0.8
+    upd_k = kkmeans.update_centroids((x * tv[..., None]).to(DEV), want.to(DEV), tv.to(DEV), cent.to(DEV)).cpu()
+    upd_r = rkmeans.update_centroids(x * tv[..., None], want, tv, cent)
+    assert torch.allclose(upd_k, upd_r, atol=1e-5)
+
+
+def test_windowed_kmeans_is_per_window_and_kernels_agree():
+    q, k, v = clustered_qkv(1, 2, 2, 300, 64, seed=4, dtype=torch.float32)
+    x, lengths = k[0], torch.tensor([300, 170])
+    ref = rkmeans.kmeans(x, lengths, 16, 5, seed=1, row_period=2, window=128)
+    assert ref.centroids.shape[1] == 3 * 8 and ref.num_clusters.tolist() == [19, 11]
+    for r, n in enumerate(lengths.tolist()):  # a token's cluster lives in its own window
+        a = ref.assign[r, :n]
+        assert ((a // 8) == torch.arange(n) // 128).all()
+        assert ref.sizes[r].sum() == n and (ref.assign[r, n:] == -1).all()
+    got = rkmeans.kmeans(x.to(DEV), lengths.to(DEV), 16, 5, seed=1, row_period=2, window=128,
+                         nearest=kkmeans.nearest_centroid, update=kkmeans.update_centroids)
+    agree = (got.assign.cpu() == ref.assign).float().mean().item()
+    assert agree > 0.97 and got.num_clusters.tolist() == ref.num_clusters.tolist()
+
+
+@pytest.mark.parametrize("name,opts", [
+    ("dense", {}), ("streaming", {"sink": 4, "local": 16}), ("quest", {"budget": 64}),
+    ("pages", {"budget": 128, "reuse_steps": 1}), ("tactic", {"budget": 100}),
+    ("tactic", {"budget": 60, "sink": 0, "local": 0}),
+])
+def test_plan_selects_exactly_the_reference_mask(name, opts, monkeypatch):
+    """The fast path's token lists (kernels) hold exactly the tokens of select()'s mask."""
+    monkeypatch.setenv("KVSIEVE_KERNELS", "auto")
+    q, k, v = clustered_qkv(3, 6, 2, 397, 64, sharpness=5.0, seed=11, dtype=torch.float32)
+    lengths = torch.tensor([397, 200, 54])
+    m = make_method(name, **opts)
+    st = m.prepare(k, lengths)
+    sel = m.select(q, k, lengths, st)
+    plan = m.plan(q.to(DEV), _to(st, DEV), lengths.to(DEV), lengths.tolist())
+    pos, valid = rpaged.plan_positions(None if plan.indices is None else plan.indices.cpu(), plan.counts.cpu(),
+                                       plan.cap)
+    hits = torch.zeros(3, 2, 398, dtype=torch.long).scatter_add_(-1, torch.where(valid, pos, 397), valid.long())
+    assert hits[..., :397].max() <= 1  # no token twice
+    assert torch.equal(hits[..., :397].bool(), sel.mask)
+
+
+def _to(state, dev):
+    if isinstance(state, int) or dev == "cpu":
+        return state
+    for f in vars(state):
+        if isinstance(getattr(state, f), torch.Tensor):
+            setattr(state, f, getattr(state, f).to(dev))
+    return state
