@@ -16,7 +16,8 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="tactic", help=f"one of: {', '.join(METHOD_NAMES)} (default tactic)")
     p.add_argument("--threshold", type=float, help="tactic/hybrid: attention-mass threshold P in (0, 1] (0.9)")
     p.add_argument("--cluster-size", type=int, help="tactic/hybrid: average tokens per cluster (32)")
-    p.add_argument("--budget", type=int, help="quest/lserve: token budget of selected pages")
+    p.add_argument("--budget", type=int, help="quest/lserve: token budget of selected pages; tactic: fixed "
+                                              "per-KV-head token budget instead of the threshold (GPU fast path)")
     p.add_argument("--page-size", type=int, help="quest/lserve: logical page size in tokens")
     p.add_argument("--sink", type=int, help="streaming/lserve/hybrid: sink tokens")
     p.add_argument("--local", type=int, help="streaming/lserve/hybrid: local window tokens")
@@ -51,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _extra_commands():
     """Subcommands that live next to their features (model, eval, bench)."""
     found = []
-    for mod in ("kvsieve.model.cli",):
+    for mod in ("kvsieve.model.cli", "kvsieve.bench.cli"):
         try:
             found.append(__import__(mod, fromlist=["register"]).register)
         except ModuleNotFoundError as e:

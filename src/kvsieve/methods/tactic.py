@@ -41,6 +41,7 @@ class ClusterIndex:
     member_entry: Optional[Tensor] = None
     entry_start: Optional[Tensor] = None
     max_size: int = 0
+    host_indexed: Optional[List[int]] = None  # num_indexed mirrored on the host: no sync per step
 
     def build_csr(self) -> None:
         B, Hkv, S = self.assign.shape
@@ -79,7 +80,7 @@ class Tactic(SparseMethod):
         assign = torch.nn.functional.pad(res.assign.view(B, Hkv, S - sink), (sink, 0), value=-1)
         return ClusterIndex(
             res.centroids.view(B, Hkv, C, D), res.sizes.view(B, Hkv, C), assign, indexed_end.clone(),
-            res.num_clusters.view(B, Hkv)[:, 0].clone(), res.iters,
+            res.num_clusters.view(B, Hkv)[:, 0].clone(), res.iters, host_indexed=indexed_end.tolist(),
         )
 
     def append(self, state: ClusterIndex, k, lengths):
@@ -93,7 +94,8 @@ class Tactic(SparseMethod):
 
     def _fold_due(self, st: ClusterIndex, b: int, length: int) -> bool:
         every = self.config.fold_every
-        return every > 0 and length - self.config.local - int(st.num_indexed[b]) >= every
+        done = st.host_indexed[b] if st.host_indexed is not None else int(st.num_indexed[b])
+        return every > 0 and length - self.config.local - done >= every
 
     def _fold(self, st: ClusterIndex, k: Tensor, b: int, start: int, end: int) -> None:
         """Assign tokens [start, end) of request b (keys k [Hkv, >=end, D]) to their nearest
@@ -114,6 +116,8 @@ class Tactic(SparseMethod):
         st.sizes[b] += cnt
         st.assign[b, :, start:end] = a
         st.num_indexed[b] = end
+        if st.host_indexed is not None:
+            st.host_indexed[b] = end
         st.members = None  # the CSR view is stale
 
     def select(self, q, k, lengths, st: ClusterIndex):

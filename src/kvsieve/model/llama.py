@@ -55,13 +55,13 @@ class LlamaModel:
         self.w = weights
         if "lm_head.weight" not in weights:
             self.w["lm_head.weight"] = weights["model.embed_tokens.weight"]
-        self.inv_freq = rope_inv_freq(cfg)
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.device = weights["model.embed_tokens.weight"].device
+        self.inv_freq = rope_inv_freq(cfg).to(self.device)  # on the device: decode steps can be graph-captured
 
     def rope(self, positions: Tensor):
         """positions [T] -> cos, sin [T, D] in float32."""
-        f = positions.to(torch.float64)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        f = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((f, f), dim=-1)
         return emb.cos().float(), emb.sin().float()
 

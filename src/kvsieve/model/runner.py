@@ -233,7 +233,7 @@ class Engine:
             cache.index[layer] = state
             plan = method.plan(q, state, new_len, host_len)
             if frac_sum is not None:
-                frac_sum[layer] += plan.read_fraction(new_len)[live].mean()
+                frac_sum[layer] += _live_mean(plan.read_fraction(new_len), live)
             out, _ = dispatch.paged_decode(q, cache.k[layer], cache.v[layer], table, plan.counts, plan.indices,
                                            cap=plan.cap)
             return out
@@ -246,7 +246,7 @@ class Engine:
             cache.index[layer] = state
             sel = method.select(q, kk, new_len, state)
             if frac_sum is not None:
-                frac_sum[layer] += sel.read_fraction(new_len)[live].mean()
+                frac_sum[layer] += _live_mean(sel.read_fraction(new_len), live)
             return attend(q, kk, vv, sel.mask)[0]
 
         hidden = self.model.forward(token, lengths, attend_paged if self.paged else attend_reference)
@@ -262,6 +262,12 @@ class Engine:
             rows = [cache.tables[r] + [0] * (width - len(cache.tables[r])) for r in reqs]
             self._block_table = torch.tensor(rows, dtype=torch.int32, device=self.model.device)
         return self._block_table
+
+
+def _live_mean(frac: Tensor, live: Tensor) -> Tensor:
+    """Mean of frac [B, Hkv] over live requests, without a host sync (graph-capturable)."""
+    w = live.to(frac.dtype)[:, None].expand_as(frac)
+    return (frac * w).sum() / w.sum().clamp(min=1)
 
 
 def _sync(device) -> None:

@@ -1,0 +1,145 @@
+"""`kvsieve bench`: kernel-level decode step, clustering vs prefill, end-to-end decode (GPU)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="GPU benchmarks: sparse decode step vs the best dense kernels, "
+                                     "clustering vs prefill, end-to-end 8B-shaped decode",
+                       description="Llama-3.1-8B attention shapes (32 query / 8 KV heads, D=128, bf16). "
+                                   "Prints a table; writes bench.json and bench.png to --out.")
+    p.add_argument("--contexts", default="8192,32768,131072,262144", help="comma-separated context lengths")
+    p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
+    p.add_argument("--budgets", default="0.01,0.025,0.05", help="token budgets as fractions of the context")
+    p.add_argument("--thresholds", default="0.9", help="tactic thresholds P (torch reference selection)")
+    p.add_argument("--threshold-max-tokens", type=int, default=262144,
+                   help="run thresholds only where context x batch <= this (the reference reads every key)")
+    p.add_argument("--cluster-context", type=int, default=131072, help="context for clustering vs prefill (0: skip)")
+    p.add_argument("--e2e-contexts", default="32768,131072", help="end-to-end contexts ('' to skip)")
+    p.add_argument("--e2e-batches", default="1,8")
+    p.add_argument("--out", default="bench-results", help="output directory")
+    p.set_defaults(func=cmd_bench)
+
+
+def _ints(s, name):
+    try:
+        vals = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{name} must be comma-separated integers, got {s!r}")
+    if any(v <= 0 for v in vals):
+        raise ValueError(f"--{name} values must be positive, got {s!r}")
+    return vals
+
+
+def _fractions(s, name):
+    try:
+        vals = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{name} must be comma-separated numbers, got {s!r}")
+    if any(not (0 < v <= 1) for v in vals):
+        raise ValueError(f"--{name} values must be in (0, 1], got {s!r}")
+    return vals
+
+
+def cmd_bench(args) -> int:
+    contexts, batches = _ints(args.contexts, "contexts"), _ints(args.batches, "batches")
+    budgets, thresholds = _fractions(args.budgets, "budgets"), _fractions(args.thresholds, "thresholds")
+    e2e_contexts = _ints(args.e2e_contexts, "e2e-contexts") if args.e2e_contexts else []
+    e2e_batches = _ints(args.e2e_batches, "e2e-batches")
+    if any(c % 16 for c in contexts):
+        raise ValueError(f"--contexts must be multiples of 16 (the page size), got {args.contexts}")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("kvsieve bench needs a CUDA GPU (none visible); run it on a GPU machine")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise ModuleNotFoundError("kvsieve bench needs triton: pip install 'kvsieve[triton]'", name="triton")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        probe = os.path.join(args.out, ".write-test")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"cannot write to --out {args.out!r}: {e.strerror}; choose a writable directory")
+
+    from . import e2e, kernels
+
+    def log(x):
+        print(json.dumps(asdict(x) if hasattr(x, "__dataclass_fields__") else x, default=str), file=sys.stderr,
+              flush=True)
+
+    t0 = time.time()
+    result = kernels.run(contexts, batches, budgets, thresholds, args.threshold_max_tokens, log,
+                         cluster_context=args.cluster_context or None)
+    result["e2e"] = e2e.run(e2e_contexts, e2e_batches, log=log) if e2e_contexts else []
+    result.update({"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "seconds": time.time() - t0,
+                   "torch": torch.__version__, "triton": triton.__version__})
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    print(format_table(result))
+    try:
+        plot(result, os.path.join(args.out, "bench.png"))
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+    return 0
+
+
+def _f(x, fmt):
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def format_table(result) -> str:
+    lines = [f"device: {result['device']}   copy bandwidth: {result['copy_bandwidth_gbs']:.0f} GB/s",
+             f"{'ctx':>7} {'B':>3} {'method':<13} {'setting':<36} {'step ms':>8} {'sel ms':>7} {'attn ms':>8} "
+             f"{'KV read':>8} {'attn GB/s':>9} {'%copy':>6} {'speedup':>8} {'err':>8}"]
+    for r in result["rows"]:
+        lines.append(f"{r['context']:>7} {r['batch']:>3} {r['method']:<13} {r['setting'][:36]:<36} "
+                     f"{_f(r['step_ms'], '.4f'):>8} {_f(r['select_ms'], '.4f'):>7} {_f(r['attn_ms'], '.4f'):>8} "
+                     f"{_f(r['kv_fraction'], '.2%'):>8} {_f(r['attn_gbs'], '.0f'):>9} "
+                     f"{_f(r['attn_bw_fraction'], '.0%'):>6} {_f(r['speedup'], '.2f'):>8} "
+                     f"{_f(r['rel_err_vs_dense'], '.1e'):>8} {r['note'][:40]}")
+    c = result.get("clustering")
+    if c:
+        lines.append(f"clustering at {c['context']} (1 layer, 8 KV heads): windowed {c['cluster_windowed_ms']:.1f} ms "
+                     f"= {c['cluster_windowed_fraction']:.1%} of dense prefill attention {c['prefill_attention_ms']:.1f}"
+                     f" ms; full K-means {c['cluster_full_ms']:.1f} ms = {c['cluster_full_fraction']:.1%}")
+    for r in result.get("e2e", []):
+        if "tokens_per_s" in r:
+            lines.append(f"e2e ctx {r['context']:>7} B {r['batch']:>2} {r['method']:<7} {str(r['options']):<18} "
+                         f"{r['tokens_per_s']:8.1f} tok/s  step {r['step_ms_graph']:.2f} ms (graph) "
+                         f"{r['step_ms_eager']:.2f} ms (eager)  KV read {r['kv_fraction']:.2%}")
+        else:
+            lines.append(f"e2e ctx {r['context']:>7} B {r['batch']:>2} {r['method']:<7} {r.get('note', '')}")
+    return "\n".join(lines)
+
+
+def plot(result, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r.get("speedup")]
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    for ax, B in zip(axes[0], batches):
+        series = sorted({(r["method"], r["setting"]) for r in rows if r["batch"] == B and "reference" not in r["setting"]})
+        for m, s in series:
+            pts = sorted((r["context"], r["speedup"]) for r in rows if r["batch"] == B and (r["method"], r["setting"]) == (m, s))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{m} {s}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.axhline(10, color="grey", ls=":")
+        ax.set_title(f"batch {B}: decode step speedup vs best dense")
+        ax.set_xlabel("context (tokens)")
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

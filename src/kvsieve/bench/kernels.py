@@ -1,0 +1,255 @@
+"""Kernel-level decode-step benchmark at Llama-3.1-8B attention shapes.
+
+Per (context, batch) cell: dense baselines (torch SDPA flash and cuDNN on contiguous
+K/V, our Triton paged dense decode), then quest and tactic at fixed budgets (fractions
+of the context) on a paged cache (16-token pages in shuffled order), and tactic at
+thresholds (torch reference selection on the GPU, small cells only). Each decode step
+(selection + attention) is captured in a CUDA graph and timed with the L2 flushed.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import dispatch
+from ..methods import make_method
+from ..ops.attention import attend
+from .timing import capture, median_ms
+
+
+@dataclass
+class Row:
+    context: int
+    batch: int
+    method: str
+    setting: str
+    step_ms: float
+    select_ms: Optional[float] = None
+    attn_ms: Optional[float] = None
+    kv_fraction: float = 1.0
+    attn_gbs: Optional[float] = None
+    attn_bw_fraction: Optional[float] = None
+    speedup: Optional[float] = None
+    rel_err_vs_dense: Optional[float] = None
+    note: str = ""
+
+
+@dataclass
+class Shapes:
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 16
+    dtype: torch.dtype = torch.bfloat16
+
+
+def synthetic_kv(B: int, H: int, S: int, D: int, dtype, seed: int = 0, centers: int = 256):
+    """Keys around `centers` random directions per head (clusterable, like real keys),
+    Gaussian values; generated on the GPU in chunks."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    k = torch.empty(B, H, S, D, dtype=dtype, device="cuda")
+    v = torch.empty(B, H, S, D, dtype=dtype, device="cuda")
+    mu = torch.randn(B, H, centers, D, generator=g, device="cuda")
+    for s0 in range(0, S, 16384):
+        n = min(16384, S - s0)
+        c = torch.randint(0, centers, (B, H, n), generator=g, device="cuda")
+        x = torch.gather(mu, 2, c[..., None].expand(B, H, n, D)) + 0.6 * torch.randn(B, H, n, D, generator=g,
+                                                                                      device="cuda")
+        k[:, :, s0:s0 + n] = x.to(dtype)
+        v[:, :, s0:s0 + n] = torch.randn(B, H, n, D, generator=g, device="cuda").to(dtype)
+    return k, v
+
+
+def to_paged(k, v, page: int, seed: int = 0):
+    """Copy contiguous [B, H, S, D] into pools [pages, H, page, D] in shuffled page order."""
+    B, H, S, D = k.shape
+    per = S // page
+    perm = torch.randperm(B * per, generator=torch.Generator().manual_seed(seed)).cuda()
+    pk = torch.empty(B * per, H, page, D, dtype=k.dtype, device="cuda")
+    pv = torch.empty_like(pk)
+    for b in range(B):
+        dst = perm[b * per:(b + 1) * per]
+        pk[dst] = k[b].view(H, per, page, D).transpose(0, 1)
+        pv[dst] = v[b].view(H, per, page, D).transpose(0, 1)
+    return pk, pv, perm.view(B, per).to(torch.int32)
+
+
+def prepare_per_request(method, k, lengths):
+    """method.prepare one request at a time (bounds the transient memory) and stack."""
+    states = [method.prepare(k[b:b + 1], lengths[b:b + 1]) for b in range(k.shape[0])]
+    first = states[0]
+    if isinstance(first, int):
+        return first
+    for f, val in vars(first).items():
+        if isinstance(val, torch.Tensor):
+            setattr(first, f, torch.cat([getattr(s, f) for s in states], 0))
+        elif isinstance(val, list):
+            setattr(first, f, sum((getattr(s, f) for s in states), []))
+    return first
+
+
+def rel_err(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: float,
+               threshold_max_tokens: int, log) -> List[Row]:
+    Hq, Hkv, D, page = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim, shapes.page_size
+    k, v = synthetic_kv(B, Hkv, S, D, shapes.dtype, seed=S + B)
+    q = (torch.randn(B, Hq, D, device="cuda") * 1.5).to(shapes.dtype)
+    lengths = torch.full((B,), S, device="cuda", dtype=torch.long)
+    host = [S] * B
+    rows: List[Row] = []
+    dense_bytes = 2 * B * Hkv * S * D * k.element_size()
+
+    q4 = q[:, :, None, :]
+    ref_out = None
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            def run():
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+            out = run()
+            ref_out = out[:, :, 0] if ref_out is None else ref_out
+            ms = median_ms(capture(run))
+            rows.append(Row(S, B, name, "dense", ms, attn_ms=ms, attn_gbs=dense_bytes / ms / 1e6,
+                            attn_bw_fraction=dense_bytes / ms / 1e6 / copy_gbs))
+        except Exception as e:  # a backend may not support these shapes
+            rows.append(Row(S, B, name, "dense", float("nan"), note=f"unavailable: {type(e).__name__}: {e}"[:160]))
+        log(rows[-1])
+
+    threshold_ok = S * B <= threshold_max_tokens
+    thr_states = {}
+    if threshold_ok:
+        for P in thresholds:
+            m = make_method("tactic", threshold=P)
+            thr_states[P] = (m, prepare_per_request(m, k, lengths))
+    if not threshold_ok:
+        pass
+    pk, pv, bt = to_paged(k, v, page)
+    keep_kv = threshold_ok
+    if not keep_kv:
+        del v
+
+    configs = [("triton_dense", "dense", {})]
+    for f in budgets:
+        tok = max(page, int(round(f * S)))
+        configs.append(("quest", f"budget {f:.1%}", {"budget": tok}))
+        configs.append(("tactic", f"budget {f:.1%}", {"budget": tok}))
+    states = {}  # the index does not depend on the budget: build it once per method
+    for label, setting, opts in configs:
+        name = "dense" if label == "triton_dense" else label
+        m = make_method(name, **opts)
+        if name not in states:
+            states[name] = prepare_per_request(m, k, lengths)
+        st = states[name]
+
+        def plan():
+            return m.plan(q, st, lengths, host)
+
+        p0 = plan()
+        torch.cuda.synchronize()
+        read = float(p0.counts.double().sum() / (B * Hkv * S))
+
+        def step():
+            p = plan()
+            return dispatch.paged_decode(q, pk, pv, bt, p.counts, p.indices, cap=p.cap)[0]
+
+        out = step()
+        t_step = median_ms(capture(step))
+        t_sel = None if label == "triton_dense" else median_ms(capture(plan))
+        t_attn = median_ms(capture(lambda: dispatch.paged_decode(q, pk, pv, bt, p0.counts, p0.indices, cap=p0.cap)))
+        nbytes = read * dense_bytes + (0 if p0.indices is None else 4 * float(p0.counts.sum()))
+        gbs = nbytes / t_attn / 1e6
+        rows.append(Row(S, B, label, setting, t_step, t_sel, t_attn, read, gbs, gbs / copy_gbs,
+                        rel_err_vs_dense=rel_err(out, ref_out) if ref_out is not None else None))
+        log(rows[-1])
+    del states
+
+    for P, (m, st) in thr_states.items():  # torch reference selection (reads every key)
+        def step_ref():
+            sel = m.select(q, k, lengths, st)
+            return attend(q, k, v, sel.mask)[0], sel
+
+        out, sel = step_ref()
+        read = float(sel.read_fraction(lengths).mean())
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            step_ref()
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) / 5 * 1e3
+        rows.append(Row(S, B, "tactic", f"P={P} (torch reference selection)", ms, kv_fraction=read,
+                        rel_err_vs_dense=rel_err(out, ref_out) if ref_out is not None else None,
+                        note="eager torch, not a kernel"))
+        log(rows[-1])
+
+    best = min((r.step_ms for r in rows if r.method in ("sdpa_flash", "sdpa_cudnn", "triton_dense")
+                and not math.isnan(r.step_ms)), default=float("nan"))
+    for r in rows:
+        r.speedup = best / r.step_ms if r.step_ms == r.step_ms else None
+    del k, pk, pv
+    if keep_kv:
+        del v
+    torch.cuda.empty_cache()
+    return rows
+
+
+def bench_clustering(S: int, shapes: Shapes, log) -> Dict[str, float]:
+    """One layer at batch 1: K-means over its KV heads vs dense causal prefill attention."""
+    Hq, Hkv, D = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim
+    k, v = synthetic_kv(1, Hkv, S, D, shapes.dtype, seed=7)
+    q = torch.randn(1, Hq, S, D, device="cuda", dtype=shapes.dtype)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def prefill():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    res = {"context": S, "prefill_attention_ms": _wall_ms(prefill, 3)}
+    lengths = torch.full((1,), S, device="cuda", dtype=torch.long)
+    for label, window in (("windowed", 16384), ("full", None)):
+        m = make_method("tactic", cluster_window=window)
+        res[f"cluster_{label}_ms"] = _wall_ms(lambda: m.prepare(k, lengths), 2)
+        res[f"cluster_{label}_fraction"] = res[f"cluster_{label}_ms"] / res["prefill_attention_ms"]
+    log(res)
+    return res
+
+
+def _wall_ms(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def run(contexts, batches, budgets, thresholds, threshold_max_tokens=262144, log=print,
+        shapes: Shapes = Shapes(), cluster_context: Optional[int] = None) -> dict:
+    from .timing import copy_bandwidth_gbs
+
+    copy = copy_bandwidth_gbs()
+    log({"copy_bandwidth_gbs": copy})
+    rows: List[Row] = []
+    for S in contexts:
+        for B in batches:
+            try:
+                rows += bench_cell(S, B, budgets, thresholds, shapes, copy, threshold_max_tokens, log)
+            except torch.cuda.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                rows.append(Row(S, B, "all", "-", float("nan"), note="out of GPU memory: skipped"))
+                log(rows[-1])
+    clustering = bench_clustering(cluster_context, shapes, log) if cluster_context else None
+    return {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": copy,
+            "shapes": {k: str(v) for k, v in asdict(shapes).items()},
+            "rows": [asdict(r) for r in rows], "clustering": clustering}
