@@ -18,8 +18,9 @@ def capture(fn: Callable[[], object]) -> Callable[[], None]:
     with torch.cuda.graph(g):
         fn()
     torch.cuda.synchronize()
-    replay = g.replay
-    replay.graph = g  # keep the graph alive with the callable
+    def replay():
+        g.replay()
+
     return replay
 
 

@@ -71,8 +71,11 @@ def _split_kernel(Q, K, V, BT, IDX, CNT, OUT, LSE,
         l_i = l_i * alpha + tl.sum(p, 1)
         if IEEE:
             pv = tl.dot(p, v, input_precision="ieee")
-        else:  # tf32 keeps 10 bits of p; a cast to bf16 would keep 7 and double the error
-            pv = tl.dot(p, v.to(tl.float32))
+        else:  # v is exact in tf32; p is split into a tf32-exact head and a small tail
+            # (two tensor-core dots) so the product keeps float32 accuracy
+            p_hi = (p.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+            v32 = v.to(tl.float32)
+            pv = tl.dot(p_hi, v32) + tl.dot(p - p_hi, v32)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     has = l_i > 0
