@@ -154,7 +154,7 @@ def test_generate_json_contract(capsys):
     (["--prompt", "   "], "prompt 0 is empty"),
     (["--max-new-tokens", "0", "--prompt", "hi"], "--max-new-tokens must be >= 1, got 0"),
     (["--method", "fancy", "--prompt", "hi"], "unknown method 'fancy'"),
-    (["--method", "tactic", "--budget", "100", "--prompt", "hi"], "unknown option(s) budget for method 'tactic'"),
+    (["--method", "tactic", "--page-size", "100", "--prompt", "hi"], "unknown option(s) page_size for method 'tactic'"),
     (["--threshold", "1.5", "--prompt", "hi"], "threshold must be a number in (0, 1]"),
     (["--prompt-file", "/nonexistent.txt"], "prompt file '/nonexistent.txt' not found"),
     (["--prompt", "hi", "--max-new-tokens", "8200"], "the model allows 8192 positions"),

@@ -100,6 +100,7 @@ class Engine:
             raise ValueError(f"method {method!r} with these options has no paged fast path (tactic needs "
                              "--budget); drop paged=True to use the reference decode path")
         self.paged = self.method.supports_plan() and (model.device.type == "cuda" if paged is None else paged)
+        self._block_table: Optional[Tensor] = None  # per generation, see _table
 
     def check_lengths(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         if max_new_tokens <= 0:
