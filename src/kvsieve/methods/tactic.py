@@ -134,10 +134,9 @@ class Tactic(SparseMethod):
         C = st.sizes.shape[-1]
         if cfg.budget is not None:
             return self._select_budget(q, st, always_kv, in_list_kv, G)
-        sizes_kv = st.sizes
 
         # 1. rank clusters per query head by q . centroid
-        sizes = sizes_kv.repeat_interleave(G, 1)  # [B, Hq, C] tokens of each cluster in the list
+        sizes = st.sizes.repeat_interleave(G, 1)  # [B, Hq, C] tokens of each cluster in the list
         cscore = torch.einsum("bhd,bhcd->bhc", q.to(ct), st.centroids.to(ct).repeat_interleave(G, 1))
         cscore = cscore.masked_fill(sizes == 0, float("-inf"))
         order = cscore.argsort(dim=-1, descending=True, stable=True)
