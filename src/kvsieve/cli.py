@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _extra_commands():
     """Subcommands that live next to their features (model, eval, bench)."""
     found = []
-    for mod in ("kvsieve.model.cli", "kvsieve.bench.cli"):
+    for mod in ("kvsieve.model.cli", "kvsieve.eval.cli", "kvsieve.bench.cli"):
         try:
             found.append(__import__(mod, fromlist=["register"]).register)
         except ModuleNotFoundError as e:
@@ -64,6 +64,7 @@ def _extra_commands():
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, UsageError, ModuleNotFoundError) as e:

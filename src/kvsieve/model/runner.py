@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -17,9 +17,12 @@ from torch import Tensor
 
 from .. import dispatch
 from ..cache import PagedKVCache
-from ..methods import make_method
+from ..methods import Selection, make_method
 from ..ops.attention import attend
 from .llama import LlamaModel
+
+# observe(layer, q [B, Hq, D], k, v [B, Hkv, S, D], selection, lengths [B], out [B, Hq, D])
+AttentionObserver = Callable[[int, Tensor, Tensor, Tensor, Selection, Tensor, Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -150,17 +153,21 @@ class Engine:
                 bar.update(T)
         return torch.cat(hidden) if all_positions else hidden[-1][0]
 
+    def build_index(self, cache: PagedKVCache, reqs: List[int], lengths: Tensor) -> None:
+        """Let the method index each layer's prefill keys (lengths [B] on the device)."""
+        for layer in range(self.model.cfg.num_layers):
+            k, _ = cache.view(layer, reqs, lengths.tolist())
+            cache.index[layer] = self.method.prepare(k, lengths, layer)
+
     # ------------------------------------------------------------------ decode
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
                  sampling: SamplingConfig = SamplingConfig(), stop_ids: Sequence[int] = ()) -> GenerationResult:
         self.check_lengths(prompts, max_new_tokens)
-        model, cfg = self.model, self.model.cfg
+        model = self.model
         cache = self.new_cache(prompts, max_new_tokens)
         reqs = list(range(len(prompts)))
         for r, p in zip(reqs, prompts):
             cache.reserve(r, len(p) + max_new_tokens)
-        stop = set(stop_ids) | set(cfg.eos_token_ids)
-        gen = torch.Generator().manual_seed(sampling.seed)
 
         t0 = time.perf_counter()
         bar = _progress(sum(map(len, prompts)), self.progress and sum(map(len, prompts)) > self.prefill_chunk)
@@ -169,17 +176,35 @@ class Engine:
             bar.close()
         _sync(model.device)
         t1 = time.perf_counter()
-        lengths = torch.tensor([len(p) for p in prompts], device=model.device)
-        for layer in range(cfg.num_layers):
-            k, _ = cache.view(layer, reqs, lengths.tolist())
-            cache.index[layer] = self.method.prepare(k, lengths, layer)
+        self.build_index(cache, reqs, torch.tensor([len(p) for p in prompts], device=model.device))
         _sync(model.device)
         t2 = time.perf_counter()
+        out, layer_frac = self.decode(cache, reqs, last, [len(p) for p in prompts], max_new_tokens, sampling,
+                                      stop_ids)
+        _sync(model.device)
+        t3 = time.perf_counter()
+        result = GenerationResult(
+            tokens=out, prompt_tokens=[len(p) for p in prompts], prefill_s=t1 - t0, index_s=t2 - t1,
+            decode_s=t3 - t2, kv_fraction=sum(layer_frac) / len(layer_frac), kv_bytes=cache.bytes_used(),
+            layer_kv_fraction=layer_frac)
+        for r in reqs:
+            cache.release(r)
+        return result
 
+    def decode(self, cache: PagedKVCache, reqs: List[int], last: Tensor, prompt_lengths: List[int],
+               max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(), stop_ids: Sequence[int] = (),
+               observe: Optional[AttentionObserver] = None):
+        """Decode after prefill + build_index. last [B, hidden]: each prompt's last hidden state.
+        Returns (tokens per request, mean fraction of KV read per layer over the steps; 1.0
+        when no decode step ran)."""
+        model, cfg = self.model, self.model.cfg
+        stop = set(stop_ids) | set(cfg.eos_token_ids)
+        gen = torch.Generator().manual_seed(sampling.seed)
+        lengths = torch.tensor(prompt_lengths, device=model.device)
+        host_len = list(prompt_lengths)
         out: List[List[int]] = [[] for _ in reqs]
         done = torch.zeros(len(reqs), dtype=torch.bool)
         frac_sum = torch.zeros(cfg.num_layers, dtype=torch.float64, device=model.device)
-        host_len = [len(p) for p in prompts]
         self._block_table = None
         steps = 0
         token = sample(model.logits(last), sampling, gen)
@@ -190,35 +215,44 @@ class Engine:
                     done[b] = t in stop or len(out[b]) >= max_new_tokens
             if done.all():
                 break
-            new_len = lengths + 1
             host_len = [n + 1 for n in host_len]
-            live = ~done.to(model.device)
-            hidden = self.decode_step(cache, reqs, token, lengths, host_len, frac_sum, live)
-            lengths = new_len
+            hidden = self.decode_step(cache, reqs, token, lengths, host_len, frac_sum, ~done.to(model.device),
+                                      observe)
+            lengths = lengths + 1
             steps += 1
             token = sample(model.logits(hidden), sampling, gen)
-        _sync(model.device)
-        t3 = time.perf_counter()
+        layer_frac = (frac_sum.cpu() / steps).tolist() if steps else [1.0] * cfg.num_layers
+        return out, layer_frac
 
-        layer_frac = (frac_sum.cpu() / max(steps, 1)).tolist()
-        result = GenerationResult(
-            tokens=out, prompt_tokens=[len(p) for p in prompts], prefill_s=t1 - t0, index_s=t2 - t1,
-            decode_s=t3 - t2, kv_fraction=sum(layer_frac) / len(layer_frac) if steps else 1.0,
-            kv_bytes=cache.bytes_used(), layer_kv_fraction=layer_frac)
-        for r in reqs:
-            cache.release(r)
-        return result
-
+    def score(self, cache: PagedKVCache, reqs: List[int], prompt_lengths: List[int], tokens: Tensor,
+              observe: Optional[AttentionObserver] = None) -> Tensor:
+        """Teacher-forced decode after prefill + build_index: feed tokens [B, N] one step at a
+        time (token i at position prompt_length + i). Returns log-probabilities [B, N, vocab]
+        float32, row i predicting the token after tokens[:, i]."""
+        dev = self.model.device
+        lengths = torch.tensor(prompt_lengths, device=dev)
+        host_len = list(prompt_lengths)
+        self._block_table = None
+        logprobs = []
+        for i in range(tokens.shape[1]):
+            host_len = [n + 1 for n in host_len]
+            hidden = self.decode_step(cache, reqs, tokens[:, i].to(dev), lengths, host_len, observe=observe)
+            lengths = lengths + 1
+            logprobs.append(torch.log_softmax(self.model.logits(hidden).float(), -1))
+        return torch.stack(logprobs, 1)
 
     def decode_step(self, cache: PagedKVCache, reqs: List[int], token: Tensor, lengths: Tensor,
-                    host_len: List[int], frac_sum: Optional[Tensor] = None, live: Optional[Tensor] = None) -> Tensor:
+                    host_len: List[int], frac_sum: Optional[Tensor] = None, live: Optional[Tensor] = None,
+                    observe: Optional[AttentionObserver] = None) -> Tensor:
         """One decode step for every request: token [B] at positions lengths [B] (device);
         host_len: the lengths after this step as ints. Returns the last hidden states [B, hidden].
-        frac_sum [layers] accumulates the mean fraction of KV read over `live` requests."""
+        frac_sum [layers] accumulates the mean fraction of KV read over `live` requests.
+        observe(layer, q, k, v, selection, lengths, out) sees every layer's attention inputs
+        and output (it forces the reference path, which materialises k, v and the mask)."""
         new_len = lengths + 1
         method, dev = self.method, self.model.device
         live = torch.ones(len(reqs), dtype=torch.bool, device=dev) if live is None else live
-        if self.paged:
+        if self.paged and observe is None:
             table = self._table(cache, reqs)
             page_of = table.gather(1, (lengths // cache.page_size)[:, None].to(table.dtype))[:, 0].long()
             slot = lengths % cache.page_size
@@ -248,10 +282,14 @@ class Engine:
             sel = method.select(q, kk, new_len, state)
             if frac_sum is not None:
                 frac_sum[layer] += _live_mean(sel.read_fraction(new_len), live)
-            return attend(q, kk, vv, sel.mask)[0]
+            out = attend(q, kk, vv, sel.mask)[0]
+            if observe is not None:
+                observe(layer, q, kk, vv, sel, new_len, out)
+            return out
 
-        hidden = self.model.forward(token, lengths, attend_paged if self.paged else attend_reference)
-        if self.paged:
+        paged = self.paged and observe is None
+        hidden = self.model.forward(token, lengths, attend_paged if paged else attend_reference)
+        if paged:
             for r, n in zip(reqs, host_len):
                 cache.lengths[r] = n
         return hidden

@@ -1,0 +1,175 @@
+"""`kvsieve eval`: fidelity and retrieval of every method against dense, on a real model."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+from .harness import TASKS, EvalPlan, quick_plan
+from .needles import VARIANTS
+from .sweep import EVAL_METHODS
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="accuracy of every method against dense on a real model: attention "
+                                    "fidelity, perplexity/KL, passkey and needle retrieval, at equal cost",
+                       description="Writes cells.jsonl (resumable), results.json, report.md and PNG plots to "
+                                   "--out. Options left out take the preset's values (full, or --quick).")
+    p.add_argument("--model", help="Hugging Face directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--quick", action="store_true", help="smoke preset: one short length, one point per method "
+                                                        "(tactic P 0.8/0.9/0.95), every task; < 5 min on 2 CPU cores")
+    p.add_argument("--out", default="eval-results", help="results directory (re-running resumes; default eval-results)")
+    p.add_argument("--tasks", help=f"comma-separated, from: {', '.join(TASKS)}")
+    p.add_argument("--methods", help=f"comma-separated, from: {', '.join(EVAL_METHODS)}")
+    p.add_argument("--text-file", help="real text for the fidelity task (default: Python's pydoc_data.topics)")
+    p.add_argument("--lengths", help="fidelity context lengths in tokens (default 2048,4096,7680 or up to the "
+                                     "model's limit)")
+    p.add_argument("--samples", type=int, help="text windows per length (default 2)")
+    p.add_argument("--decode-tokens", type=int, help="teacher-forced decode steps per window (default 32)")
+    p.add_argument("--thresholds", help="tactic/hybrid thresholds P of the fidelity sweep")
+    p.add_argument("--fractions", help="quest/lserve/streaming budgets of the fidelity sweep, fractions of context")
+    p.add_argument("--retrieval-thresholds", help="tactic thresholds in the retrieval comparison (0.8,0.9,0.95)")
+    p.add_argument("--retrieval-fraction", type=float, help="quest/lserve/streaming budget for retrieval (0.1)")
+    p.add_argument("--variants", help=f"retrieval variants, from: {', '.join(VARIANTS)}")
+    p.add_argument("--retrieval-lengths", help="retrieval prompt lengths in tokens")
+    p.add_argument("--passkey-depths", help="needle depths of the passkey grid, in [0, 1]")
+    p.add_argument("--needle-depths", help="needle depths of the RULER-style variants, in [0, 1]")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_eval)
+
+
+def _list(text: str, flag: str, kind=float) -> tuple:
+    try:
+        vals = tuple(kind(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag} must be a comma-separated list of {kind.__name__}s, got {text!r}") from None
+    if not vals:
+        raise ValueError(f"{flag} is empty; give at least one value")
+    return vals
+
+
+def build_plan(args, max_positions: int) -> EvalPlan:
+    """The preset (full or --quick) with every option the user gave applied on top."""
+    plan = quick_plan() if args.quick else EvalPlan(lengths=default_lengths(max_positions),
+                                                    retrieval_lengths=default_lengths(max_positions))
+    given = {
+        "tasks": args.tasks and _list(args.tasks, "--tasks", str),
+        "methods": args.methods and _list(args.methods, "--methods", str),
+        "lengths": args.lengths and _list(args.lengths, "--lengths", int),
+        "samples": args.samples, "decode_tokens": args.decode_tokens,
+        "thresholds": args.thresholds and _list(args.thresholds, "--thresholds"),
+        "fractions": args.fractions and _list(args.fractions, "--fractions"),
+        "retrieval_thresholds": args.retrieval_thresholds and _list(args.retrieval_thresholds, "--retrieval-thresholds"),
+        "retrieval_fraction": args.retrieval_fraction,
+        "variants": args.variants and _list(args.variants, "--variants", str),
+        "retrieval_lengths": args.retrieval_lengths and _list(args.retrieval_lengths, "--retrieval-lengths", int),
+        "passkey_depths": args.passkey_depths and _list(args.passkey_depths, "--passkey-depths"),
+        "needle_depths": args.needle_depths and _list(args.needle_depths, "--needle-depths"),
+    }
+    plan = dataclasses.replace(plan, **{k: v for k, v in given.items() if v is not None})
+    plan.validate(max_positions)
+    return plan
+
+
+def default_lengths(max_positions: int) -> tuple:
+    """2K, 4K, ... up to half the limit, then the limit less room for decoding
+    (the embedded model's 8192 positions -> 2048, 4096, 7680)."""
+    top = (max_positions - 512) // 256 * 256
+    out, L = [], 2048
+    while L <= max_positions // 2 and L < top:
+        out.append(L)
+        L *= 2
+    return tuple(out + [top]) if top >= 64 else (max_positions // 2,)
+
+
+def read_text(path) -> str:
+    if path is None:
+        from pydoc_data.topics import topics
+
+        return "\n\n".join(topics[k] for k in sorted(topics))
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--text-file {path!r} not found; pass an existing text file")
+    text = p.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise ValueError(f"--text-file {path!r} is empty; give a long real text")
+    return text
+
+
+def cmd_eval(args) -> int:
+    import torch
+
+    from ..model.loader import load_model
+    from .harness import count_cells, run_fidelity, run_retrieval
+    from .report import write_report
+    from .store import ResultStore
+
+    t_start = time.time()
+    # fail fast on what needs no model: unknown names, output directory, text file
+    EvalPlan(**{k: v for k, v in {"tasks": args.tasks and _list(args.tasks, "--tasks", str),
+                                  "methods": args.methods and _list(args.methods, "--methods", str)}.items()
+                if v}).validate(10**9)
+    ResultStore(args.out, {})
+    text = read_text(args.text_file)
+    model, tok, model_dir = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    plan = build_plan(args, model.cfg.max_positions)
+    text_ids = tok.encode(text, add_special_tokens=False) if "fidelity" in plan.tasks else []
+    import kvsieve
+
+    versions = {"kvsieve": getattr(kvsieve, "__version__", "?"), "torch": torch.__version__,
+                "transformers": __import__("transformers").__version__, "python": platform.python_version()}
+    text_source = args.text_file or "pydoc_data.topics"
+    store = ResultStore(args.out, {"model": str(model_dir), "text": text_source, "text_tokens": len(text_ids),
+                                   "dtype": args.dtype, "decode_tokens": plan.decode_tokens, "samples": plan.samples,
+                                   "seed": plan.seed, "versions": versions, "streaming_heads": None})
+    bar = _bar(count_cells(plan), not args.no_progress)
+
+    def progress(cell_id: str) -> None:
+        if bar is not None:
+            bar.set_postfix_str(cell_id, refresh=False)
+            bar.update(1)
+
+    resumed = len(store.cells)
+    if "fidelity" in plan.tasks:
+        run_fidelity(model, text_ids, plan, store, progress)
+    if "retrieval" in plan.tasks:
+        run_retrieval(model, tok, plan, store, progress)
+    if bar:
+        bar.close()
+    results = {
+        "model": str(model_dir), "model_config": dataclasses.asdict(model.cfg), "text": text_source,
+        "text_tokens": len(text_ids), "plan": dataclasses.asdict(plan), "versions": versions,
+        "device": _device_name(args.device), "dtype": args.dtype, "date": time.strftime("%Y-%m-%d"),
+        "command": "kvsieve " + " ".join(getattr(args, "argv", [])), "wall_s": time.time() - t_start, "resumed_cells": resumed,
+        "cells": [c for c in store.cells.values()],
+    }
+    with open(store.dir / "results.json", "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    report = write_report(results, store.dir)
+    print(report.summary)
+    print(f"results: {store.dir}/report.md, results.json, {len(report.plots)} plots "
+          f"({time.time() - t_start:.0f} s, {resumed} cells resumed)")
+    return 0
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="eval cells", unit="cell", file=sys.stderr)

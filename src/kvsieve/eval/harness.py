@@ -1,0 +1,183 @@
+"""The evaluation plan (presets, validation) and its execution into a ResultStore.
+
+Tasks:
+  fidelity   real text, teacher-forced: per layer/head attention mass, output error and KV
+             read at every decode step, plus perplexity, KL(dense || sparse) and top-1
+             agreement of the next-token distributions; every method at every knob value.
+  retrieval  passkey and RULER-style needles at chosen depths, greedy answers scored
+             exactly; dense plus one point per method (tactic at each threshold).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch
+
+from .needles import MAX_NEW_TOKENS, VARIANTS, make_task
+from .metrics import next_token_metrics
+from .runs import PrefilledBatch
+from .store import ResultStore
+from .sweep import EVAL_METHODS, MethodPoint, headline_points, sweep_points
+
+TASKS = ("fidelity", "retrieval")
+
+
+@dataclass
+class EvalPlan:
+    """Everything an evaluation runs. Lengths are prompt tokens; fractions are of the context."""
+
+    tasks: Tuple[str, ...] = TASKS
+    methods: Tuple[str, ...] = EVAL_METHODS
+    lengths: Tuple[int, ...] = (2048, 4096, 7680)
+    samples: int = 2
+    decode_tokens: int = 32
+    thresholds: Tuple[float, ...] = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
+    fractions: Tuple[float, ...] = (0.02, 0.05, 0.1, 0.2, 0.4)
+    retrieval_thresholds: Tuple[float, ...] = (0.8, 0.9, 0.95)
+    retrieval_fraction: float = 0.1
+    variants: Tuple[str, ...] = VARIANTS
+    retrieval_lengths: Tuple[int, ...] = (2048, 4096, 7680)
+    passkey_depths: Tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    needle_depths: Tuple[float, ...] = (0.1, 0.5, 0.9)
+    seed: int = 0
+
+    def validate(self, max_positions: int) -> None:
+        bad = [t for t in self.tasks if t not in TASKS]
+        if bad or not self.tasks:
+            raise ValueError(f"unknown task(s) {', '.join(bad) or '(none)'} for --tasks; choose from {', '.join(TASKS)}")
+        bad = [m for m in self.methods if m not in EVAL_METHODS]
+        if bad:
+            raise ValueError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(EVAL_METHODS)}")
+        bad = [v for v in self.variants if v not in VARIANTS]
+        if bad or not self.variants:
+            raise ValueError(f"unknown retrieval variant(s) {', '.join(bad) or '(none)'}; choose from {', '.join(VARIANTS)}")
+        for name, vals in (("thresholds", self.thresholds + self.retrieval_thresholds),
+                           ("fractions", self.fractions + (self.retrieval_fraction,)),
+                           ("depths", self.passkey_depths + self.needle_depths)):
+            if any(not (0 <= v <= 1) for v in vals) or (name != "depths" and any(v == 0 for v in vals)):
+                raise ValueError(f"--{name} must lie in (0, 1] (depths in [0, 1]), got {sorted(set(vals))}")
+        if self.samples < 1 or self.decode_tokens < 1:
+            raise ValueError(f"--samples and --decode-tokens must be >= 1, got {self.samples}, {self.decode_tokens}")
+        longest_answer = max(MAX_NEW_TOKENS[v] for v in self.variants)
+        for L in self.lengths if "fidelity" in self.tasks else ():
+            _check_length(L, self.decode_tokens, max_positions, "--lengths", "--decode-tokens")
+        for L in self.retrieval_lengths if "retrieval" in self.tasks else ():
+            _check_length(L, longest_answer, max_positions, "--retrieval-lengths", "the answer")
+
+
+def _check_length(L: int, extra: int, limit: int, flag: str, what: str) -> None:
+    if L < 64:
+        raise ValueError(f"{flag} value {L} is too short for a long-context evaluation; use >= 64 tokens")
+    if L + extra > limit:
+        raise ValueError(f"{flag} value {L} plus {extra} tokens for {what} exceeds the model's {limit} positions; "
+                         f"use lengths <= {limit - extra}")
+
+
+def quick_plan() -> EvalPlan:
+    """CI smoke preset (< 5 min on 2 CPU cores): every task, method and variant, small."""
+    return EvalPlan(lengths=(2048,), samples=1, decode_tokens=8, thresholds=(0.8, 0.9, 0.95),
+                    fractions=(0.1,), retrieval_lengths=(1024,), passkey_depths=(0.5,), needle_depths=(0.5,))
+
+
+Progress = Callable[[str], None]  # called with a cell id after each cell, finished or resumed
+
+
+def count_cells(plan: EvalPlan) -> int:
+    n = 0
+    if "fidelity" in plan.tasks:
+        n += len(plan.lengths) * len(_fidelity_points(plan))
+    if "retrieval" in plan.tasks:
+        n += len(plan.variants) * len(plan.retrieval_lengths) * len(_retrieval_points(plan))
+    return n
+
+
+def _fidelity_points(plan: EvalPlan) -> List[MethodPoint]:
+    points = sweep_points(plan.methods, plan.thresholds, plan.fractions)
+    return [MethodPoint("dense")] + [p for p in points if p.method != "dense"]
+
+
+def _retrieval_points(plan: EvalPlan) -> List[MethodPoint]:
+    return headline_points(plan.methods, plan.retrieval_thresholds, plan.retrieval_fraction)
+
+
+def text_windows(ids: Sequence[int], length: int, need: int, samples: int) -> List[List[int]]:
+    """`samples` windows of `length + need` tokens spread evenly over the text."""
+    total = length + need
+    if len(ids) < total:
+        raise ValueError(f"the evaluation text has {len(ids)} tokens but length {length} needs {total}; "
+                         "use shorter --lengths or a longer --text-file")
+    last = len(ids) - total
+    starts = [round(last * i / max(1, samples - 1)) for i in range(samples)] if samples > 1 else [0]
+    return [list(ids[s:s + total]) for s in starts]
+
+
+def run_fidelity(model, text_ids: Sequence[int], plan: EvalPlan, store: ResultStore, progress: Progress,
+                 streaming_heads=None) -> None:
+    N = plan.decode_tokens
+    for L in plan.lengths:
+        points = _fidelity_points(plan)
+        todo = [p for p in points if store.get(f"fidelity/{L}/{p.label}") is None]
+        if not todo:
+            for p in points:
+                progress(f"fidelity/{L}/{p.label}")
+            continue
+        windows = text_windows(text_ids, L, N + 1, plan.samples)
+        batch = PrefilledBatch(model, [w[:L] for w in windows], N, streaming_heads)
+        fed = torch.tensor([w[L:L + N] for w in windows])
+        targets = torch.tensor([w[L + 1:L + N + 1] for w in windows])
+        dense_lp = store.load_tensor(f"fidelity-{L}")
+        for p in points:
+            cid = f"fidelity/{L}/{p.label}"
+            if store.get(cid) is not None:
+                progress(cid)
+                continue
+            t0 = time.perf_counter()
+            lp, attn = batch.teacher_forced(p, fed)
+            if p.method == "dense":
+                dense_lp = lp
+                store.save_tensor(f"fidelity-{L}", lp)
+            per_sample = [next_token_metrics(lp[b], dense_lp[b], targets[b]) for b in range(len(windows))]
+            lm = {k: sum(m[k] for m in per_sample) / len(per_sample) for k in per_sample[0]}
+            store.put(cid, {"task": "fidelity", "length": L, "method": p.method, "knob": p.knob, "label": p.label,
+                            "options": _jsonable(p.options(L, streaming_heads)), "samples": len(windows),
+                            "decode_tokens": N, **attn, **lm, "per_sample": per_sample,
+                            "seconds": time.perf_counter() - t0})
+            progress(cid)
+
+
+def run_retrieval(model, tokenizer, plan: EvalPlan, store: ResultStore, progress: Progress,
+                  streaming_heads=None) -> None:
+    count = lambda s: len(tokenizer.encode(s, add_special_tokens=False))
+    points = _retrieval_points(plan)
+    for variant in plan.variants:
+        depths = plan.passkey_depths if variant == "passkey" else plan.needle_depths
+        for L in plan.retrieval_lengths:
+            if all(store.get(f"retrieval/{variant}/{L}/{p.label}") for p in points):
+                for p in points:
+                    progress(f"retrieval/{variant}/{L}/{p.label}")
+                continue
+            tasks = [make_task(variant, count, L, d, seed=plan.seed + i) for i, d in enumerate(depths)]
+            prompts = [tokenizer.encode(t.prompt, add_special_tokens=False) for t in tasks]
+            batch = PrefilledBatch(model, prompts, tasks[0].max_new_tokens, streaming_heads)
+            for p in points:
+                cid = f"retrieval/{variant}/{L}/{p.label}"
+                if store.get(cid) is not None:
+                    progress(cid)
+                    continue
+                t0 = time.perf_counter()
+                out, frac = batch.greedy(p, tasks[0].max_new_tokens)
+                answers = [tokenizer.decode(o, skip_special_tokens=True) for o in out]
+                scores = [t.score(a) for t, a in zip(tasks, answers)]
+                store.put(cid, {"task": "retrieval", "variant": variant, "length": L, "method": p.method,
+                                "knob": p.knob, "label": p.label, "options": _jsonable(p.options(L, streaming_heads)),
+                                "depths": list(depths), "prompt_tokens": [len(x) for x in prompts],
+                                "expected": [list(t.expected) for t in tasks], "answers": answers, "scores": scores,
+                                "score": sum(scores) / len(scores), "kv_fraction": frac,
+                                "seconds": time.perf_counter() - t0})
+                progress(cid)
+
+
+def _jsonable(opts: Dict) -> Dict:
+    return {k: (v if k != "streaming_heads" else "pattern") for k, v in opts.items()}

@@ -1,0 +1,102 @@
+"""PNG plots of an evaluation (matplotlib, headless)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from .report import COMPARED, fidelity_cells  # noqa: E402
+
+HEATMAP_PREFERENCE = ("tactic P=0.9", "hybrid P=0.9", "quest 10%", "lserve 10%")
+
+
+def make_all(results: Dict, out_dir: Path) -> List[str]:
+    names = []
+    lengths = sorted({c["length"] for c in results["cells"] if c["task"] == "fidelity"})
+    for L in lengths:
+        names.append(fidelity_curves(results, L, out_dir / f"fidelity-{L}.png"))
+        names.append(heatmaps(results, L, out_dir / f"heatmaps-{L}.png"))
+    variants = sorted({c["variant"] for c in results["cells"] if c["task"] == "retrieval"})
+    for v in variants:
+        names.append(retrieval_grid(results, v, out_dir / f"retrieval-{v}.png"))
+    return [n for n in names if n]
+
+
+def fidelity_curves(results: Dict, length: int, path: Path) -> str:
+    cells = fidelity_cells(results, length)
+    metrics = [("mass_mean", "attention mass kept", False), ("out_err_mean", "relative output error", True),
+               ("kl", "KL(dense || method), nats", True), ("ppl", "perplexity", False)]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.6 * len(metrics), 3.8))
+    for ax, (key, title, log) in zip(axes, metrics):
+        for m in COMPARED:
+            pts = sorted((c["kv_fraction"], c[key]) for c in cells if c["method"] == m)
+            if pts:
+                ax.plot([p[0] for p in pts], [max(p[1], 1e-12) if log else p[1] for p in pts], marker="o", label=m)
+        dense = [c for c in cells if c["method"] == "dense"]
+        if dense and not log:
+            ax.scatter([dense[0]["kv_fraction"]], [dense[0][key]], color="k", marker="*", s=80, label="dense", zorder=5)
+        ax.set_xscale("log")
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel("fraction of KV read")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{Path(results['model']).name}: fidelity vs cost at {length} tokens", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def heatmaps(results: Dict, length: int, path: Path) -> str:
+    cells = {c["label"]: c for c in fidelity_cells(results, length)}
+    chosen = [lab for lab in HEATMAP_PREFERENCE if lab in cells] or [lab for lab in cells if lab != "dense"][:4]
+    if not chosen:
+        return ""
+    fig, axes = plt.subplots(2, len(chosen), figsize=(3.2 * len(chosen), 7), squeeze=False)
+    for j, lab in enumerate(chosen):
+        lh = cells[lab]["layer_head"]
+        for i, (key, title, cmap) in enumerate((("kv_fraction", "KV read per KV head", "viridis"),
+                                                 ("mass", "mass kept per query head", "magma"))):
+            ax = axes[i][j]
+            im = ax.imshow(np.array(lh[key]), aspect="auto", cmap=cmap, vmin=0, vmax=1, interpolation="nearest")
+            ax.set_title(f"{lab}\n{title}", fontsize=9)
+            ax.set_xlabel("head")
+            ax.set_ylabel("layer")
+            fig.colorbar(im, ax=ax, fraction=0.05)
+    fig.suptitle(f"per layer and head at {length} tokens (mean over steps and windows)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def retrieval_grid(results: Dict, variant: str, path: Path) -> str:
+    cells = [c for c in results["cells"] if c["task"] == "retrieval" and c["variant"] == variant]
+    labels = list(dict.fromkeys(c["label"] for c in cells))
+    lengths = sorted({c["length"] for c in cells})
+    depths = sorted({d for c in cells for d in c["depths"]})
+    fig, axes = plt.subplots(1, len(labels), figsize=(2.3 * len(labels) + 1, 0.45 * len(depths) + 1.8), squeeze=False)
+    for ax, lab in zip(axes[0], labels):
+        grid = np.full((len(depths), len(lengths)), np.nan)
+        for c in cells:
+            if c["label"] == lab:
+                for d, s in zip(c["depths"], c["scores"]):
+                    grid[depths.index(d), lengths.index(c["length"])] = s
+        ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(L) for L in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
+        ax.set_title(lab, fontsize=8)
+        ax.set_xlabel("context")
+    axes[0][0].set_ylabel("needle depth")
+    fig.suptitle(f"{variant}: score by depth x length", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name

@@ -1,0 +1,127 @@
+"""report.md and PNG plots from an evaluation's results (the dict written to results.json)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+
+EQUAL_COST_FRACTIONS = (0.05, 0.1, 0.2)
+COMPARED = ("tactic", "hybrid", "quest", "lserve", "streaming")
+
+
+@dataclass
+class Report:
+    summary: str
+    plots: List[str] = field(default_factory=list)
+
+
+def _fmt(x, spec=".3f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def fidelity_cells(results: Dict, length: int) -> List[Dict]:
+    cells = [c for c in results["cells"] if c["task"] == "fidelity" and c["length"] == length]
+    return sorted(cells, key=lambda c: (c["method"] != "dense", c["method"], c["knob"] or 0))
+
+
+def at_equal_cost(cells: List[Dict], method: str, metric: str, fraction: float) -> Optional[float]:
+    """metric of `method` linearly interpolated at `fraction` of KV read; None outside the
+    measured range (no extrapolation)."""
+    pts = sorted((c["kv_fraction"], c[metric]) for c in cells if c["method"] == method)
+    if len(pts) < 2 or not pts[0][0] <= fraction <= pts[-1][0]:
+        return None
+    return float(np.interp(fraction, [p[0] for p in pts], [p[1] for p in pts]))
+
+
+def _table(header: List[str], rows: List[List[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def fidelity_section(results: Dict, length: int) -> str:
+    cells = fidelity_cells(results, length)
+    rows = [[c["label"], _fmt(c["kv_fraction"], ".1%"), _fmt(c["mass_mean"]), _fmt(c["mass_p10"]),
+             _fmt(c["mass_reaching"]["0.9"], ".0%"), _fmt(c["out_err_mean"], ".3g"), _fmt(c["ppl"], ".3f"),
+             _fmt(c["kl"], ".2e"), _fmt(c["top1_agree"], ".0%")] for c in cells]
+    out = [f"### Context {length} tokens ({cells[0]['samples']} text windows x {cells[0]['decode_tokens']} "
+           "teacher-forced decode steps)" if cells else f"### Context {length}",
+           _table(["method", "KV read", "mass", "mass p10", "heads >= 0.9", "out err", "ppl", "KL(dense||m)",
+                   "top-1 = dense"], rows)]
+    eq_rows = []
+    for f in EQUAL_COST_FRACTIONS:
+        for m in COMPARED:
+            vals = [at_equal_cost(cells, m, k, f) for k in ("mass_mean", "out_err_mean", "kl")]
+            if any(v is not None for v in vals):
+                eq_rows.append([f"{f:.0%}", m, _fmt(vals[0]), _fmt(vals[1], ".3g"), _fmt(vals[2], ".2e")])
+    if eq_rows:
+        out += ["", f"Equal cost at {length} tokens (each method's sweep interpolated at the same fraction of KV read; "
+                "— where the sweep does not reach it):", "",
+                _table(["KV read", "method", "mass", "out err", "KL"], eq_rows)]
+    return "\n".join(out)
+
+
+def threshold_section(results: Dict) -> str:
+    rows = []
+    for c in sorted((c for c in results["cells"] if c["task"] == "fidelity" and c["method"] == "tactic"),
+                    key=lambda c: (c["length"], c["knob"])):
+        reach = c["mass_reaching"].get(f"{c['knob']:g}")
+        rows.append([str(c["length"]), f"{c['knob']:g}", _fmt(c["kv_fraction"], ".1%"), _fmt(c["mass_mean"]),
+                     _fmt(c["mass_p10"]), _fmt(reach, ".0%") if reach is not None else "—"])
+    if not rows:
+        return ""
+    return "\n".join(["## Does tactic's achieved mass track P?", "",
+                      "mass: mean over layers, heads and steps of the dense softmax mass on the selected tokens; "
+                      "p10: its 10th percentile; reach P: share of (step, layer, head) at or above P.", "",
+                      _table(["context", "P", "KV read", "mass", "mass p10", "reach P"], rows)])
+
+
+def retrieval_section(results: Dict) -> str:
+    cells = [c for c in results["cells"] if c["task"] == "retrieval"]
+    if not cells:
+        return ""
+    variants = list(dict.fromkeys(c["variant"] for c in cells))
+    labels = list(dict.fromkeys(c["label"] for c in cells))
+    rows = []
+    for lab in labels:
+        mine = [c for c in cells if c["label"] == lab]
+        row = [lab, _fmt(np.mean([c["kv_fraction"] for c in mine]), ".1%")]
+        for v in variants:
+            sc = [c["score"] for c in mine if c["variant"] == v]
+            row.append(_fmt(np.mean(sc), ".2f") if sc else "—")
+        rows.append(row)
+    lengths = sorted({c["length"] for c in cells})
+    return "\n".join(["## Retrieval", "",
+                      f"Score: fraction of expected strings in the greedy answer, mean over depths and lengths "
+                      f"{', '.join(map(str, lengths))}. Dense is the ceiling the model itself reaches.", "",
+                      _table(["method", "KV read", *variants], rows)])
+
+
+def write_report(results: Dict, out_dir) -> Report:
+    out_dir = Path(out_dir)
+    lengths = sorted({c["length"] for c in results["cells"] if c["task"] == "fidelity"})
+    plots = []
+    try:
+        from . import plots as plotting
+
+        plots = plotting.make_all(results, out_dir)
+    except ImportError:
+        pass
+    parts = [f"# kvsieve eval: {Path(results['model']).name}", "",
+             f"- device: {results['device']}, dtype {results['dtype']}, date {results['date']}",
+             f"- command: `{results['command']}`",
+             f"- wall time: {results['wall_s']:.0f} s ({results['resumed_cells']} cells resumed from an earlier run)",
+             f"- fidelity text: {results['text']} ({results['text_tokens']} tokens)",
+             f"- versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()), "",
+             "## Attention and next-token fidelity", "",
+             "mass: dense softmax mass on the tokens read; out err: ||o - o_dense|| / ||o_dense|| per head, "
+             "dense in float64 on the same q, k, v; ppl of the true next tokens; KL(dense || method) of the "
+             "next-token distribution in nats; top-1 = dense: same argmax token as dense."]
+    parts += ["\n" + fidelity_section(results, L) for L in lengths]
+    parts += ["", threshold_section(results), "", retrieval_section(results), ""]
+    parts += [f"![{p}]({p})" for p in plots]
+    text = "\n".join(parts) + "\n"
+    (out_dir / "report.md").write_text(text)
+    summary = "\n\n".join(s for s in [*(fidelity_section(results, L) for L in lengths), retrieval_section(results)] if s)
+    return Report(summary, plots)

@@ -1,0 +1,64 @@
+"""Results directory: finished cells appended to cells.jsonl, so a re-run skips them.
+
+A cell is keyed by an id naming everything it depends on inside one evaluation (task,
+length, method point, ...) plus a fingerprint of the run-wide inputs (model, text,
+decode length, package version); cells with another fingerprint are recomputed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+
+class ResultStore:
+    def __init__(self, out: str, fingerprint: Dict):
+        self.dir = Path(out)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            probe = self.dir / ".write-test"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise ValueError(f"cannot write to the output directory {out!r} ({e.strerror}); "
+                             "pass a writable --out directory") from e
+        self.fingerprint = hashlib.sha1(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        self.cells: Dict[str, Dict] = {}
+        path = self.dir / "cells.jsonl"
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    cell = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by an interrupted run
+                if cell.get("fingerprint") == self.fingerprint:
+                    self.cells[cell["id"]] = cell
+
+    def get(self, cell_id: str) -> Optional[Dict]:
+        return self.cells.get(cell_id)
+
+    def put(self, cell_id: str, cell: Dict) -> Dict:
+        cell = {"id": cell_id, "fingerprint": self.fingerprint, **cell}
+        with open(self.dir / "cells.jsonl", "a") as f:
+            f.write(json.dumps(cell) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.cells[cell_id] = cell
+        return cell
+
+    # dense next-token distributions, kept so KL can be computed for cells run later
+    def _tensor_path(self, name: str) -> Path:
+        return self.dir / "dense" / f"{name}-{self.fingerprint}.pt"
+
+    def load_tensor(self, name: str):
+        p = self._tensor_path(name)
+        return torch.load(p) if p.is_file() else None
+
+    def save_tensor(self, name: str, t) -> None:
+        p = self._tensor_path(name)
+        p.parent.mkdir(exist_ok=True)
+        torch.save(t, p)
