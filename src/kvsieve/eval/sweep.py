@@ -19,26 +19,30 @@ STREAMING_SINK = 64
 
 @dataclass(frozen=True)
 class MethodPoint:
-    """One method at one knob value (P for threshold methods, fraction of context otherwise)."""
+    """One method at one knob value (P for threshold methods, fraction of context otherwise);
+    fixed: further method options as (name, value) pairs, e.g. (("cluster_size", 16),)."""
 
     method: str
     knob: Optional[float] = None
+    fixed: Tuple[Tuple[str, object], ...] = ()
 
     @property
     def label(self) -> str:
+        extra = "".join(f" {k}={v}" for k, v in self.fixed)
         if self.knob is None:
-            return self.method
+            return self.method + extra
         if self.method in THRESHOLD_METHODS:
-            return f"{self.method} P={self.knob:g}"
-        return f"{self.method} {self.knob:.0%}"
+            return f"{self.method} P={self.knob:g}{extra}"
+        return f"{self.method} {self.knob:.0%}{extra}"
 
     def options(self, context: int, streaming_heads=None) -> Dict:
         """Method options for a prompt of `context` tokens. streaming_heads: the model's
         pattern for lserve/hybrid (None: no streaming heads)."""
         m, f = self.method, self.knob
-        if m == "dense":
-            return {}
         extra = {"streaming_heads": streaming_heads} if m in ("lserve", "hybrid") and streaming_heads else {}
+        extra.update(self.fixed)
+        if m == "dense":
+            return dict(self.fixed)
         if m in THRESHOLD_METHODS:
             return {"threshold": f, **extra}
         if m == "quest":

@@ -1,0 +1,236 @@
+"""kvsieve eval: prompts, sweep points, metrics against the float64 oracle, resumable
+store, shared-prefill runs against independent ones, the CLI's --quick smoke run and its
+bad-input errors."""
+import json
+import math
+
+import pytest
+import torch
+
+from kvsieve.eval.metrics import AttentionFidelity, attention_fidelity, next_token_metrics
+from kvsieve.eval.needles import VARIANTS, make_task
+from kvsieve.eval.store import ResultStore
+from kvsieve.eval.sweep import MethodPoint, headline_points, parse_methods, sweep_points
+from kvsieve.methods import Selection
+from kvsieve.ops.attention import attend
+
+from conftest import clustered_qkv, oracle, rel_err
+
+words = lambda s: len(s.split())  # a stand-in tokenizer: one token per word
+
+
+# ------------------------------------------------------------------ needles
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("depth", [0.0, 0.37, 1.0])
+def test_needle_prompts_hold_their_answers_at_the_requested_depth(variant, depth):
+    task = make_task(variant, words, 3000, depth, seed=3)
+    n = words(task.prompt)
+    assert 0.9 * 3000 <= n <= 1.05 * 3000, n
+    body = task.prompt[: task.prompt.rindex("\n")]  # the question may name the key, not the answer
+    first = min(body.index(e) for e in task.expected)
+    if variant != "vartrack":  # a group of needles starts at depth, moved left to fit (spread 0.2)
+        want = min(depth, 0.78) if variant == "multivalue" else depth
+        assert abs(words(body[:first]) / n - want) < 0.08, (variant, words(body[:first]) / n)
+    assert task.score(" ".join(task.expected)) == 1.0
+    assert task.score("nothing here") == 0.0
+    if len(task.expected) > 1:
+        assert task.score(task.expected[0]) == pytest.approx(1 / len(task.expected))
+
+
+def test_needle_prompts_differ_by_seed_and_reject_bad_input():
+    assert make_task("single", words, 500, 0.5, seed=1).expected != make_task("single", words, 500, 0.5, seed=2).expected
+    multikey = make_task("multikey", words, 800, 0.5, seed=0)
+    assert multikey.prompt.count("special magic numbers for") == 4  # 3 distractor keys + the asked one
+    with pytest.raises(ValueError, match="unknown retrieval variant 'nope'"):
+        make_task("nope", words, 500, 0.5)
+    with pytest.raises(ValueError, match=r"depth must be in \[0, 1\]"):
+        make_task("passkey", words, 500, 1.5)
+
+
+# ------------------------------------------------------------------ sweep points
+def test_points_resolve_to_budgets_of_the_context():
+    assert MethodPoint("quest", 0.1).options(2048) == {"budget": 208}
+    assert MethodPoint("lserve", 0.1).options(2048) == {"budget": 192}
+    assert MethodPoint("streaming", 0.1).options(2048) == {"sink": 64, "local": 141}
+    assert MethodPoint("tactic", 0.9).options(2048) == {"threshold": 0.9}
+    assert MethodPoint("hybrid", 0.9).options(100, streaming_heads=[[1, 0, 0]]) == {
+        "threshold": 0.9, "streaming_heads": [[1, 0, 0]]}
+    assert MethodPoint("tactic", 0.8).index_key(2048) == MethodPoint("tactic", 0.95).index_key(2048)
+    assert MethodPoint("quest", 0.1).index_key(2048) != MethodPoint("quest", 0.2).index_key(2048)
+    labels = [p.label for p in sweep_points(["dense", "tactic", "quest"], [0.8, 0.9], [0.05])]
+    assert labels == ["dense", "tactic P=0.8", "tactic P=0.9", "quest 5%"]
+    head = [p.label for p in headline_points(["tactic", "hybrid", "lserve"], [0.8, 0.95], 0.1)]
+    assert head == ["dense", "tactic P=0.8", "tactic P=0.95", "hybrid P=0.9", "lserve 10%"]
+    with pytest.raises(ValueError, match="unknown method.*nope.*choose from"):
+        parse_methods("tactic,nope")
+
+
+# ------------------------------------------------------------------ metrics
+@pytest.mark.parametrize("S,G", [(1, 1), (54, 3), (97, 4)])
+def test_attention_fidelity_against_float64_oracle(S, G):
+    q, k, v = clustered_qkv(2, 2 * G, 2, S, 64, seed=S, dtype=torch.float32)
+    lengths = torch.tensor([S, max(1, S - 7)])
+    g = torch.Generator().manual_seed(S)
+    mask = (torch.rand(2, 2, S, generator=g) < 0.4) | (torch.arange(S) == 0)
+    mask &= torch.arange(S)[None, None] < lengths[:, None, None]
+    out = attend(q, k, v, mask)[0]
+    mass, err = attention_fidelity(q, k, v, mask, lengths, out)
+    _, p_dense = oracle(q, k, v, lengths)
+    o_dense, _ = oracle(q, k, v, lengths)
+    want_mass = (p_dense.view(2, 2, G, S) * mask[:, :, None]).sum(-1).view(2, 2 * G)
+    assert torch.allclose(mass, want_mass, atol=1e-12)
+    for b in range(2):
+        for h in range(2 * G):
+            assert err[b, h].item() == pytest.approx(rel_err(out[b, h], o_dense[b, h]), rel=1e-6)
+    full = torch.ones_like(mask)
+    mass_full, err_full = attention_fidelity(q, k, v, full, lengths, o_dense.float())
+    assert torch.allclose(mass_full, torch.ones_like(mass_full)) and err_full.max() < 1e-6
+
+
+def test_attention_fidelity_observer_averages_per_layer():
+    q, k, v = clustered_qkv(1, 4, 2, 40, 64, dtype=torch.float32)
+    lengths = torch.tensor([40])
+    obs = AttentionFidelity(2, 4, 2)
+    half = torch.arange(40)[None, None].expand(1, 2, 40) < 20
+    for layer, mask in ((0, torch.ones(1, 2, 40, dtype=torch.bool)), (1, half)):
+        obs(layer, q, k, v, Selection(mask), lengths, attend(q, k, v, mask)[0])
+    s = obs.summary()
+    assert s["layer_head"]["kv_fraction"] == [[1.0, 1.0], [0.5, 0.5]]
+    assert s["layer_head"]["mass"][0] == pytest.approx([1.0] * 4)
+    assert all(m < 1 for m in s["layer_head"]["mass"][1])
+    assert s["kv_fraction"] == pytest.approx(0.75)
+
+
+def test_next_token_metrics():
+    logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(0))
+    dense = torch.log_softmax(logits, -1)
+    targets = torch.tensor([0, 3, 5, 7, 10])
+    same = next_token_metrics(dense, dense, targets)
+    assert same["kl"] == pytest.approx(0, abs=1e-7) and same["top1_agree"] == 1.0
+    assert same["ppl"] == pytest.approx(math.exp(-dense.gather(1, targets[:, None]).mean().item()))
+    flat = torch.full_like(dense, -math.log(11))
+    m = next_token_metrics(flat, dense, targets)
+    want_kl = (dense.exp() * (dense + math.log(11))).sum(-1).mean().item()
+    assert m["kl"] == pytest.approx(want_kl, rel=1e-5) and m["ppl"] == pytest.approx(11, rel=1e-5)
+    assert m["dense_ppl"] == pytest.approx(same["ppl"])
+
+
+# ------------------------------------------------------------------ store
+def test_store_resumes_only_cells_of_the_same_run(tmp_path):
+    s = ResultStore(tmp_path / "r", {"model": "a"})
+    s.put("fidelity/2048/dense", {"x": 1})
+    with open(tmp_path / "r" / "cells.jsonl", "a") as f:
+        f.write('{"id": "cut sho')  # an interrupted write
+    assert ResultStore(tmp_path / "r", {"model": "a"}).get("fidelity/2048/dense")["x"] == 1
+    assert ResultStore(tmp_path / "r", {"model": "b"}).get("fidelity/2048/dense") is None
+    s.save_tensor("t", torch.arange(3))
+    assert torch.equal(ResultStore(tmp_path / "r", {"model": "a"}).load_tensor("t"), torch.arange(3))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="cannot write to the output directory"):
+        ResultStore(tmp_path / "file" / "sub", {})
+
+
+# ------------------------------------------------------------------ shared-prefill runs
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    from kvsieve.model.loader import load_weights
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024)
+    d = tmp_path_factory.mktemp("tiny")
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    return load_weights(d)
+
+
+def test_teacher_forced_dense_equals_full_prefill_logits(tiny_model):
+    from kvsieve.eval.runs import PrefilledBatch
+    from kvsieve.model.runner import Engine
+
+    ids = torch.randint(0, 300, (2, 150), generator=torch.Generator().manual_seed(2))
+    batch = PrefilledBatch(tiny_model, [ids[0, :137].tolist(), ids[1, :137].tolist()], 13)
+    lp, attn = batch.teacher_forced(MethodPoint("dense"), ids[:, 137:])
+    assert attn["mass_mean"] == pytest.approx(1.0) and attn["out_err_mean"] < 1e-6
+    eng = Engine(tiny_model, "dense", progress=False)
+    for b in range(2):
+        cache = eng.new_cache([ids[b].tolist()], 1)
+        cache.reserve(0, 150)
+        full = torch.log_softmax(tiny_model.logits(eng.prefill(cache, 0, ids[b].tolist(), all_positions=True)), -1)
+        assert (lp[b] - full[137:]).abs().max() < 1e-4
+
+
+def test_shared_prefill_and_index_give_what_independent_runs_give(tiny_model):
+    """A threshold sweep reuses one prefill and one K-means index; each point must still
+    match a run from scratch (the index copy isolates the runs' folding/updates)."""
+    from kvsieve.eval.runs import PrefilledBatch
+
+    ids = torch.randint(0, 300, (1, 400), generator=torch.Generator().manual_seed(3))
+    prompt, fed = [ids[0, :380].tolist()], ids[:, 380:]
+    shared = PrefilledBatch(tiny_model, prompt, 20)
+    fixed = (("fold_every", 4), ("local", 4), ("sink", 2))  # folding happens within the 20 steps
+    for p in (0.5, 0.9, 0.5):
+        point = MethodPoint("tactic", p, fixed)
+        lp_shared, a_shared = shared.teacher_forced(point, fed)
+        lp_alone, a_alone = PrefilledBatch(tiny_model, prompt, 20).teacher_forced(point, fed)
+        assert torch.equal(lp_shared, lp_alone)
+        assert a_shared["kv_fraction"] == a_alone["kv_fraction"] < 1
+    assert len(shared._indexes) == 1  # one K-means for the whole sweep
+
+
+# ------------------------------------------------------------------ CLI (embedded model)
+def run_cli(capsys, *argv):
+    from kvsieve.cli import main
+
+    code = main(list(argv))
+    return code, capsys.readouterr()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tasks", "fidelity,nope"], "unknown task(s) nope for --tasks"),
+    (["--methods", "tactic,magic"], "unknown method(s) magic"),
+    (["--lengths", "8190"], "--lengths value 8190 plus 32 tokens for --decode-tokens exceeds the model's 8192"),
+    (["--retrieval-lengths", "8180", "--tasks", "retrieval"], "exceeds the model's 8192 positions"),
+    (["--thresholds", "0.9,1.5"], "--thresholds must lie in (0, 1]"),
+    (["--text-file", "/no/such.txt"], "--text-file '/no/such.txt' not found"),
+])
+def test_eval_bad_input_exits_2_with_one_line(capsys, tmp_path, argv, message):
+    code, out = run_cli(capsys, "eval", "--out", str(tmp_path / "o"), "--no-progress", *argv)
+    assert code == 2
+    assert out.err.count("\n") == 1 and message in out.err, out.err
+
+
+def test_eval_unwritable_output_directory(capsys, tmp_path):
+    (tmp_path / "f").write_text("")
+    code, out = run_cli(capsys, "eval", "--quick", "--out", str(tmp_path / "f" / "o"))
+    assert code == 2 and "cannot write to the output directory" in out.err and out.err.count("\n") == 1
+
+
+def test_eval_quick_smoke_and_resume(capsys, tmp_path):
+    """The --quick preset end to end on the embedded model, then a re-run that resumes."""
+    out_dir = tmp_path / "quick"
+    code, out = run_cli(capsys, "eval", "--quick", "--out", str(out_dir), "--no-progress")
+    assert code == 0, out.err
+    res = json.loads((out_dir / "results.json").read_text())
+    cells = {c["id"]: c for c in res["cells"]}
+    assert len(cells) == 10 + 5 * 8  # fidelity: dense + 9 points; retrieval: 5 variants x 8 points
+    dense = cells["fidelity/2048/dense"]
+    assert dense["mass_mean"] == pytest.approx(1.0) and dense["out_err_mean"] < 1e-5 and dense["kl"] < 1e-9
+    for label in ("tactic P=0.8", "tactic P=0.9", "tactic P=0.95", "quest 10%", "lserve 10%", "streaming 10%"):
+        c = cells[f"fidelity/2048/{label}"]
+        assert 0 < c["kv_fraction"] < 0.6 and 0.3 < c["mass_mean"] < 1 and c["kl"] > 0, (label, c)
+        assert len(c["layer_head"]["mass"]) == 30 and len(c["layer_head"]["mass"][0]) == 9
+    tactic = [cells[f"fidelity/2048/tactic P={p}"] for p in (0.8, 0.9, 0.95)]
+    assert tactic[0]["kv_fraction"] < tactic[1]["kv_fraction"] < tactic[2]["kv_fraction"]
+    assert tactic[0]["mass_mean"] < tactic[1]["mass_mean"] < tactic[2]["mass_mean"]
+    assert cells["retrieval/passkey/1024/dense"]["score"] == 1.0
+    assert cells["retrieval/passkey/1024/tactic P=0.9"]["score"] == 1.0
+    assert res["versions"]["torch"] == torch.__version__ and res["model_config"]["num_layers"] == 30
+    report = (out_dir / "report.md").read_text()
+    assert "tactic P=0.9" in report and "Retrieval" in report
+    for png in ("fidelity-2048.png", "heatmaps-2048.png", "retrieval-passkey.png"):
+        assert (out_dir / png).stat().st_size > 10_000
+
+    code, out = run_cli(capsys, "eval", "--quick", "--out", str(out_dir), "--no-progress")
+    assert code == 0 and "50 cells resumed" in out.out
+    assert json.loads((out_dir / "results.json").read_text())["cells"] == res["cells"]
