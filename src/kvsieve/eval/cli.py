@@ -141,11 +141,15 @@ def cmd_eval(args) -> int:
         run_retrieval(model, tok, plan, store, progress)
     if bar:
         bar.close()
+    runs = store.log_run({"date": time.strftime("%Y-%m-%d %H:%M"), "command": "kvsieve " + " ".join(args.argv),
+                          "wall_s": round(time.time() - t_start, 1), "new_cells": len(store.cells) - resumed,
+                          "device": _device_name(args.device)})
     results = {
         "model": str(model_dir), "model_config": dataclasses.asdict(model.cfg), "text": text_source,
         "text_tokens": len(text_ids), "plan": dataclasses.asdict(plan), "versions": versions,
         "device": _device_name(args.device), "dtype": args.dtype, "date": time.strftime("%Y-%m-%d"),
-        "command": "kvsieve " + " ".join(getattr(args, "argv", [])), "wall_s": time.time() - t_start, "resumed_cells": resumed,
+        "command": "kvsieve " + " ".join(args.argv), "wall_s": time.time() - t_start, "resumed_cells": resumed,
+        "runs": runs, "streaming_heads": None,
         "cells": [c for c in store.cells.values()],
     }
     with open(store.dir / "results.json", "w") as f:

@@ -13,6 +13,8 @@ import numpy as np  # noqa: E402
 from .report import COMPARED, fidelity_cells  # noqa: E402
 
 HEATMAP_PREFERENCE = ("tactic P=0.9", "hybrid P=0.9", "quest 10%", "lserve 10%")
+STYLE = {"tactic": ("o", "-"), "hybrid": ("x", "--"), "quest": ("s", "-"), "lserve": ("^", "-."),
+         "streaming": ("v", ":")}  # hybrid without streaming heads coincides with tactic: keep both visible
 
 
 def make_all(results: Dict, out_dir: Path) -> List[str]:
@@ -30,15 +32,19 @@ def make_all(results: Dict, out_dir: Path) -> List[str]:
 def fidelity_curves(results: Dict, length: int, path: Path) -> str:
     cells = fidelity_cells(results, length)
     metrics = [("mass_mean", "attention mass kept", False), ("out_err_mean", "relative output error", True),
-               ("kl", "KL(dense || method), nats", True), ("ppl", "perplexity", False)]
+               ("kl", "KL(dense || method), nats", True), ("ppl", "perplexity (dense: dotted)", True)]
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.6 * len(metrics), 3.8))
     for ax, (key, title, log) in zip(axes, metrics):
         for m in COMPARED:
             pts = sorted((c["kv_fraction"], c[key]) for c in cells if c["method"] == m)
             if pts:
-                ax.plot([p[0] for p in pts], [max(p[1], 1e-12) if log else p[1] for p in pts], marker="o", label=m)
+                marker, ls = STYLE[m]
+                ax.plot([p[0] for p in pts], [max(p[1], 1e-12) if log else p[1] for p in pts], marker=marker,
+                        ls=ls, label=m)
         dense = [c for c in cells if c["method"] == "dense"]
-        if dense and not log:
+        if dense and key == "ppl":
+            ax.axhline(dense[0]["ppl"], color="k", ls=":")
+        elif dense and not log:
             ax.scatter([dense[0]["kv_fraction"]], [dense[0][key]], color="k", marker="*", s=80, label="dense", zorder=5)
         ax.set_xscale("log")
         if log:
@@ -67,6 +73,7 @@ def heatmaps(results: Dict, length: int, path: Path) -> str:
             ax = axes[i][j]
             im = ax.imshow(np.array(lh[key]), aspect="auto", cmap=cmap, vmin=0, vmax=1, interpolation="nearest")
             ax.set_title(f"{lab}\n{title}", fontsize=9)
+            ax.set_xticks(range(len(lh[key][0])))
             ax.set_xlabel("head")
             ax.set_ylabel("layer")
             fig.colorbar(im, ax=ax, fraction=0.05)
@@ -82,19 +89,28 @@ def retrieval_grid(results: Dict, variant: str, path: Path) -> str:
     labels = list(dict.fromkeys(c["label"] for c in cells))
     lengths = sorted({c["length"] for c in cells})
     depths = sorted({d for c in cells for d in c["depths"]})
-    fig, axes = plt.subplots(1, len(labels), figsize=(2.3 * len(labels) + 1, 0.45 * len(depths) + 1.8), squeeze=False)
-    for ax, lab in zip(axes[0], labels):
+    cols = min(4, len(labels))
+    rows = -(-len(labels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(0.9 * len(lengths) * cols + 2, (0.35 * len(depths) + 1.2) * rows),
+                             squeeze=False)
+    for ax in axes.flat[len(labels):]:
+        ax.axis("off")
+    for ax, lab in zip(axes.flat, labels):
         grid = np.full((len(depths), len(lengths)), np.nan)
         for c in cells:
             if c["label"] == lab:
                 for d, s in zip(c["depths"], c["scores"]):
                     grid[depths.index(d), lengths.index(c["length"])] = s
         ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        for (i, j), val in np.ndenumerate(grid):
+            if not np.isnan(val):
+                ax.text(j, i, f"{val:.2g}", ha="center", va="center", fontsize=7)
         ax.set_xticks(range(len(lengths)), [str(L) for L in lengths], fontsize=7)
         ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
         ax.set_title(lab, fontsize=8)
         ax.set_xlabel("context")
-    axes[0][0].set_ylabel("needle depth")
+    for row in axes:
+        row[0].set_ylabel("needle depth")
     fig.suptitle(f"{variant}: score by depth x length", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -111,7 +111,12 @@ def write_report(results: Dict, out_dir) -> Report:
     parts = [f"# kvsieve eval: {Path(results['model']).name}", "",
              f"- device: {results['device']}, dtype {results['dtype']}, date {results['date']}",
              f"- command: `{results['command']}`",
-             f"- wall time: {results['wall_s']:.0f} s ({results['resumed_cells']} cells resumed from an earlier run)",
+             f"- wall time: {sum(r['wall_s'] for r in results['runs']):.0f} s over {len(results['runs'])} "
+             f"invocation(s) (" + "; ".join(f"{r['date']}: {r['wall_s']:.0f} s, {r['new_cells']} new cells"
+                                           for r in results["runs"]) + ")",
+             "- streaming heads (lserve, hybrid): " + (
+                 "none: no pattern for this model, so lserve = hierarchical page selection on every head and "
+                 "hybrid = tactic" if results["streaming_heads"] is None else str(results["streaming_heads"])),
              f"- fidelity text: {results['text']} ({results['text_tokens']} tokens)",
              f"- versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()), "",
              "## Attention and next-token fidelity", "",

@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -49,6 +49,15 @@ class ResultStore:
             os.fsync(f.fileno())
         self.cells[cell_id] = cell
         return cell
+
+    def log_run(self, run: Dict) -> List[Dict]:
+        """Append one invocation's summary to runs.jsonl; return every run with this fingerprint
+        (so the report can state the total time a resumed evaluation took)."""
+        path = self.dir / "runs.jsonl"
+        with open(path, "a") as f:
+            f.write(json.dumps({**run, "fingerprint": self.fingerprint}) + "\n")
+        runs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [r for r in runs if r.get("fingerprint") == self.fingerprint]
 
     # dense next-token distributions, kept so KL can be computed for cells run later
     def _tensor_path(self, name: str) -> Path:
