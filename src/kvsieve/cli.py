@@ -21,6 +21,8 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, help="quest/lserve: logical page size in tokens")
     p.add_argument("--sink", type=int, help="streaming/lserve/hybrid: sink tokens")
     p.add_argument("--local", type=int, help="streaming/lserve/hybrid: local window tokens")
+    p.add_argument("--streaming-heads", metavar="FILE", help="lserve/hybrid: streaming-heads pattern from `kvsieve "
+                   "calibrate` ('none': no streaming head; default: the shipped pattern of the embedded model)")
 
 
 def method_options(args: argparse.Namespace) -> dict:
@@ -52,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _extra_commands():
     """Subcommands that live next to their features (model, eval, bench)."""
     found = []
-    for mod in ("kvsieve.model.cli", "kvsieve.eval.cli", "kvsieve.bench.cli"):
+    for mod in ("kvsieve.model.cli", "kvsieve.eval.cli", "kvsieve.eval.calibrate", "kvsieve.bench.cli"):
         try:
             found.append(__import__(mod, fromlist=["register"]).register)
         except ModuleNotFoundError as e:

@@ -37,6 +37,8 @@ def register(sub) -> None:
     p.add_argument("--retrieval-lengths", help="retrieval prompt lengths in tokens")
     p.add_argument("--passkey-depths", help="needle depths of the passkey grid, in [0, 1]")
     p.add_argument("--needle-depths", help="needle depths of the RULER-style variants, in [0, 1]")
+    p.add_argument("--streaming-heads", metavar="FILE", help="pattern for lserve/hybrid from `kvsieve calibrate` "
+                   "('none': no streaming head; default: the shipped pattern of the embedded model)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--no-progress", action="store_true")
@@ -105,7 +107,8 @@ def cmd_eval(args) -> int:
     import torch
 
     from ..model.loader import load_model
-    from .harness import count_cells, run_fidelity, run_retrieval
+    from ..patterns import pattern_for, pattern_tag
+    from .harness import plan_cell_ids, run_fidelity, run_retrieval
     from .report import write_report
     from .store import ResultStore
 
@@ -118,6 +121,7 @@ def cmd_eval(args) -> int:
     text = read_text(args.text_file)
     model, tok, model_dir = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     plan = build_plan(args, model.cfg.max_positions)
+    heads = pattern_for("lserve", args.streaming_heads, model_dir, model.cfg.num_layers, model.cfg.num_kv_heads)
     text_ids = tok.encode(text, add_special_tokens=False) if "fidelity" in plan.tasks else []
     import kvsieve
 
@@ -127,30 +131,33 @@ def cmd_eval(args) -> int:
     store = ResultStore(args.out, {"model": str(model_dir), "text": text_source, "text_tokens": len(text_ids),
                                    "dtype": args.dtype, "decode_tokens": plan.decode_tokens, "samples": plan.samples,
                                    "seed": plan.seed, "versions": versions, "streaming_heads": None})
-    bar = _bar(count_cells(plan), not args.no_progress)
+    ids = plan_cell_ids(plan, heads)
+    bar = _bar(len(ids), not args.no_progress)
 
     def progress(cell_id: str) -> None:
         if bar is not None:
             bar.set_postfix_str(cell_id, refresh=False)
             bar.update(1)
 
-    resumed = len(store.cells)
+    resumed = sum(store.get(i) is not None for i in ids)
     if "fidelity" in plan.tasks:
-        run_fidelity(model, text_ids, plan, store, progress)
+        run_fidelity(model, text_ids, plan, store, progress, heads)
     if "retrieval" in plan.tasks:
-        run_retrieval(model, tok, plan, store, progress)
+        run_retrieval(model, tok, plan, store, progress, heads)
     if bar:
         bar.close()
     runs = store.log_run({"date": time.strftime("%Y-%m-%d %H:%M"), "command": "kvsieve " + " ".join(args.argv),
-                          "wall_s": round(time.time() - t_start, 1), "new_cells": len(store.cells) - resumed,
+                          "wall_s": round(time.time() - t_start, 1), "new_cells": len(ids) - resumed,
                           "device": _device_name(args.device)})
     results = {
         "model": str(model_dir), "model_config": dataclasses.asdict(model.cfg), "text": text_source,
         "text_tokens": len(text_ids), "plan": dataclasses.asdict(plan), "versions": versions,
         "device": _device_name(args.device), "dtype": args.dtype, "date": time.strftime("%Y-%m-%d"),
         "command": "kvsieve " + " ".join(args.argv), "wall_s": time.time() - t_start, "resumed_cells": resumed,
-        "runs": runs, "streaming_heads": None,
-        "cells": [c for c in store.cells.values()],
+        "runs": runs, "streaming_heads": None if heads is None else {
+            "file": args.streaming_heads or "shipped pattern", "tag": pattern_tag(heads),
+            "streaming": sum(map(sum, heads)), "kv_heads": sum(map(len, heads))},
+        "cells": [store.get(i) for i in ids if store.get(i)],
     }
     with open(store.dir / "results.json", "w") as f:
         json.dump(results, f, indent=1, default=str)

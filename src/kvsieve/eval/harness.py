@@ -19,6 +19,7 @@ from .needles import MAX_NEW_TOKENS, VARIANTS, make_task
 from .metrics import next_token_metrics
 from .runs import PrefilledBatch
 from .store import ResultStore
+from ..patterns import STREAMING_METHODS, pattern_tag
 from .sweep import EVAL_METHODS, MethodPoint, headline_points, sweep_points
 
 TASKS = ("fidelity", "retrieval")
@@ -39,8 +40,8 @@ class EvalPlan:
     retrieval_fraction: float = 0.1
     variants: Tuple[str, ...] = VARIANTS
     retrieval_lengths: Tuple[int, ...] = (2048, 4096, 7680)
-    passkey_depths: Tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
-    needle_depths: Tuple[float, ...] = (0.1, 0.5, 0.9)
+    passkey_depths: Tuple[float, ...] = (0.1, 0.5, 0.9)
+    needle_depths: Tuple[float, ...] = (0.5,)
     seed: int = 0
 
     def validate(self, max_positions: int) -> None:
@@ -84,13 +85,20 @@ def quick_plan() -> EvalPlan:
 Progress = Callable[[str], None]  # called with a cell id after each cell, finished or resumed
 
 
-def count_cells(plan: EvalPlan) -> int:
-    n = 0
+def cell_id(parts: Sequence, point: MethodPoint, heads=None) -> str:
+    """e.g. "fidelity/2048/tactic P=0.9"; lserve/hybrid cells also name their streaming heads."""
+    tag = f" heads={pattern_tag(heads)}" if point.method in STREAMING_METHODS and heads is not None else ""
+    return "/".join(map(str, [*parts, point.label])) + tag
+
+
+def plan_cell_ids(plan: EvalPlan, heads=None) -> List[str]:
+    ids = []
     if "fidelity" in plan.tasks:
-        n += len(plan.lengths) * len(_fidelity_points(plan))
+        ids += [cell_id(("fidelity", L), p, heads) for L in plan.lengths for p in _fidelity_points(plan)]
     if "retrieval" in plan.tasks:
-        n += len(plan.variants) * len(plan.retrieval_lengths) * len(_retrieval_points(plan))
-    return n
+        ids += [cell_id(("retrieval", v, L), p, heads) for v in plan.variants for L in plan.retrieval_lengths
+                for p in _retrieval_points(plan)]
+    return ids
 
 
 def _fidelity_points(plan: EvalPlan) -> List[MethodPoint]:
@@ -118,10 +126,10 @@ def run_fidelity(model, text_ids: Sequence[int], plan: EvalPlan, store: ResultSt
     N = plan.decode_tokens
     for L in plan.lengths:
         points = _fidelity_points(plan)
-        todo = [p for p in points if store.get(f"fidelity/{L}/{p.label}") is None]
-        if not todo:
-            for p in points:
-                progress(f"fidelity/{L}/{p.label}")
+        ids = {p: cell_id(("fidelity", L), p, streaming_heads) for p in points}
+        if all(store.get(i) for i in ids.values()):
+            for i in ids.values():
+                progress(i)
             continue
         windows = text_windows(text_ids, L, N + 1, plan.samples)
         batch = PrefilledBatch(model, [w[:L] for w in windows], N, streaming_heads)
@@ -129,7 +137,7 @@ def run_fidelity(model, text_ids: Sequence[int], plan: EvalPlan, store: ResultSt
         targets = torch.tensor([w[L + 1:L + N + 1] for w in windows])
         dense_lp = store.load_tensor(f"fidelity-{L}")
         for p in points:
-            cid = f"fidelity/{L}/{p.label}"
+            cid = ids[p]
             if store.get(cid) is not None:
                 progress(cid)
                 continue
@@ -154,15 +162,16 @@ def run_retrieval(model, tokenizer, plan: EvalPlan, store: ResultStore, progress
     for variant in plan.variants:
         depths = plan.passkey_depths if variant == "passkey" else plan.needle_depths
         for L in plan.retrieval_lengths:
-            if all(store.get(f"retrieval/{variant}/{L}/{p.label}") for p in points):
-                for p in points:
-                    progress(f"retrieval/{variant}/{L}/{p.label}")
+            ids = {p: cell_id(("retrieval", variant, L), p, streaming_heads) for p in points}
+            if all(store.get(i) for i in ids.values()):
+                for i in ids.values():
+                    progress(i)
                 continue
             tasks = [make_task(variant, count, L, d, seed=plan.seed + i) for i, d in enumerate(depths)]
             prompts = [tokenizer.encode(t.prompt, add_special_tokens=False) for t in tasks]
             batch = PrefilledBatch(model, prompts, tasks[0].max_new_tokens, streaming_heads)
             for p in points:
-                cid = f"retrieval/{variant}/{L}/{p.label}"
+                cid = ids[p]
                 if store.get(cid) is not None:
                     progress(cid)
                     continue
@@ -180,4 +189,4 @@ def run_retrieval(model, tokenizer, plan: EvalPlan, store: ResultStore, progress
 
 
 def _jsonable(opts: Dict) -> Dict:
-    return {k: (v if k != "streaming_heads" else "pattern") for k, v in opts.items()}
+    return {k: (v if k != "streaming_heads" else pattern_tag(v)) for k, v in opts.items()}

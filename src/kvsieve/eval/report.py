@@ -116,7 +116,8 @@ def write_report(results: Dict, out_dir) -> Report:
                                            for r in results["runs"]) + ")",
              "- streaming heads (lserve, hybrid): " + (
                  "none: no pattern for this model, so lserve = hierarchical page selection on every head and "
-                 "hybrid = tactic" if results["streaming_heads"] is None else str(results["streaming_heads"])),
+                 "hybrid = tactic" if results["streaming_heads"] is None else
+                 "{streaming} of {kv_heads} KV heads stream ({file}, tag {tag})".format(**results["streaming_heads"])),
              f"- fidelity text: {results['text']} ({results['text_tokens']} tokens)",
              f"- versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()), "",
              "## Attention and next-token fidelity", "",

@@ -62,6 +62,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from ..cli import method_options
+    from ..patterns import STREAMING_METHODS, pattern_for
     from .loader import load_model
     from .runner import Engine, SamplingConfig
 
@@ -75,6 +76,9 @@ def cmd_generate(args) -> int:
 
     config_for(args.method, **opts)  # fail on bad options before loading anything
     model, tok, model_dir = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    heads = pattern_for(args.method, args.streaming_heads, model_dir, model.cfg.num_layers, model.cfg.num_kv_heads)
+    if heads is not None:
+        opts["streaming_heads"] = heads
     prompts, builtin = read_prompts(args, tok)
 
     def run(method, options):
@@ -87,7 +91,8 @@ def cmd_generate(args) -> int:
     report = {
         "text": texts[0] if len(texts) == 1 else texts,
         "method": args.method,
-        "options": opts,
+        "options": {k: v for k, v in opts.items() if k != "streaming_heads"},
+        "streaming_heads": None if heads is None else args.streaming_heads or "shipped pattern",
         "model": str(model_dir),
         "prompt_tokens": res.prompt_tokens[0] if len(prompts) == 1 else res.prompt_tokens,
         "generated_tokens": res.generated_tokens,

@@ -1,0 +1,101 @@
+"""Streaming-head pattern files: which KV heads of a model see only sink + local tokens.
+
+A pattern is found offline by `kvsieve calibrate` and stored as human-readable JSON:
+
+    {"format": "kvsieve-streaming-heads/1", "model": "smollm2-135m-instruct",
+     "num_layers": 30, "num_kv_heads": 3, "ratio": 0.5, "sink": 128, "local": 256,
+     "streaming": ["010", "110", ...],          one string per layer, "1" = streaming head
+     "lambda_mass": [[0.91, 0.42, 0.77], ...],  the calibration score per layer and KV head
+     "criterion": "...", "calibration": {...}}
+
+`load_pattern` checks it against the model it is used with.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+FORMAT = "kvsieve-streaming-heads/1"
+DATA_DIR = Path(__file__).parent / "data"
+EMBEDDED_PATTERN = DATA_DIR / "smollm2-135m-instruct.streaming.json"
+
+Pattern = Tuple[Tuple[bool, ...], ...]
+
+
+def check_ratio(ratio: float) -> None:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"--ratio must be a fraction of KV heads in [0, 1], got {ratio!r}")
+
+
+def choose_streaming(scores: Sequence[Sequence[float]], ratio: float) -> Pattern:
+    """The round(ratio x heads) heads with the highest score (over all layers) stream.
+    scores: [layers][kv_heads]; ties keep the earlier (layer, head)."""
+    check_ratio(ratio)
+    flat = [(-s, i, j) for i, row in enumerate(scores) for j, s in enumerate(row)]
+    chosen = {(i, j) for _, i, j in sorted(flat)[: round(ratio * len(flat))]}
+    return tuple(tuple((i, j) in chosen for j in range(len(row))) for i, row in enumerate(scores))
+
+
+def save_pattern(path, pattern: Pattern, tables: Dict[str, Sequence[Sequence[float]]], meta: Dict) -> None:
+    """Write the pattern file; `streaming` and each per-(layer, head) table one row per line."""
+    head = {"format": FORMAT, **meta, "num_layers": len(pattern), "num_kv_heads": len(pattern[0])}
+    rows = {"streaming": [json.dumps("".join("1" if f else "0" for f in row)) for row in pattern]}
+    rows.update({k: [json.dumps([round(float(x), 4) for x in r]) for r in t] for k, t in tables.items()})
+    body = ",".join(f'\n "{k}": [\n  ' + ",\n  ".join(r) + "\n ]" for k, r in rows.items())
+    Path(path).write_text(json.dumps(head, indent=1)[:-2] + "," + body + "\n}\n")
+
+
+def load_pattern(path, num_layers: Optional[int] = None, num_kv_heads: Optional[int] = None) -> Pattern:
+    """Read a pattern file; with the model's layer and KV-head counts, check it fits."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"streaming-heads file {str(path)!r} not found; create one with "
+                                "`kvsieve calibrate --out FILE`")
+    fix = "regenerate it with `kvsieve calibrate`"
+    try:
+        doc = json.loads(p.read_text())
+        rows: List[str] = doc["streaming"]
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"format is {doc.get('format')!r}, expected {FORMAT!r}")
+        if not rows or not all(isinstance(r, str) and r and set(r) <= {"0", "1"} for r in rows):
+            raise ValueError("'streaming' must be a non-empty list of 0/1 strings, one per layer")
+        if len({len(r) for r in rows}) != 1:
+            raise ValueError("every layer of 'streaming' must have the same number of KV heads")
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"malformed streaming-heads file {str(path)!r}: {e}; {fix}") from None
+    if num_layers is not None and (len(rows), len(rows[0])) != (num_layers, num_kv_heads):
+        raise ValueError(f"streaming-heads file {str(path)!r} is for a model with {len(rows)} layers x "
+                         f"{len(rows[0])} KV heads (model {doc.get('model', '?')!r}), but this model has "
+                         f"{num_layers} x {num_kv_heads}; calibrate this model with `kvsieve calibrate`")
+    return tuple(tuple(c == "1" for c in r) for r in rows)
+
+
+def default_pattern(model_dir) -> Optional[Path]:
+    """The shipped pattern for a known model directory (the embedded default), else None."""
+    return EMBEDDED_PATTERN if Path(model_dir).name == "smollm2-135m-instruct" and EMBEDDED_PATTERN.is_file() else None
+
+
+STREAMING_METHODS = ("lserve", "hybrid")
+
+
+def pattern_for(method: str, path: Optional[str], model_dir, num_layers: int, num_kv_heads: int) -> Optional[Pattern]:
+    """The streaming heads `method` runs with: the file given (`none`: no streaming head),
+    else the shipped pattern of a known model, else None. Only lserve and hybrid take one."""
+    if method not in STREAMING_METHODS:
+        if path:
+            raise ValueError(f"--streaming-heads applies to {' and '.join(STREAMING_METHODS)} only, not {method!r}")
+        return None
+    if path is not None and path.lower() == "none":
+        return None
+    path = path or default_pattern(model_dir)
+    return load_pattern(path, num_layers, num_kv_heads) if path else None
+
+
+def pattern_tag(pattern: Optional[Pattern]) -> str:
+    """A short stable name for a pattern (part of eval cell ids)."""
+    if pattern is None:
+        return "none"
+    import hashlib
+
+    return hashlib.sha1(repr(pattern).encode()).hexdigest()[:8]
