@@ -9,6 +9,7 @@ from kvsieve.patterns import (EMBEDDED_PATTERN, choose_streaming, default_patter
                               save_pattern)
 
 from conftest import oracle
+from test_eval import error_lines
 
 
 def test_choose_streaming_takes_the_highest_lambda_mass_over_all_layers():
@@ -89,7 +90,7 @@ def test_calibrate_cli_bad_input(capsys, tmp_path):
                       (["--length", "100000"], "--length must exceed sink + local")]:
         assert main(["calibrate", *argv]) == 2
         err = capsys.readouterr().err
-        assert msg in err and err.count("\n") == 1, err
+        assert msg in err and len(error_lines(err)) == 1, err
 
 
 def test_generate_rejects_a_pattern_for_another_model(capsys, tmp_path):
@@ -99,4 +100,4 @@ def test_generate_rejects_a_pattern_for_another_model(capsys, tmp_path):
     save_pattern(path, ((True, False),) * 4, {"lambda_mass": [[1, 0]] * 4}, {"model": "tiny"})
     assert main(["generate", "--method", "lserve", "--streaming-heads", str(path), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
-    assert "is for a model with 4 layers x 2 KV heads" in err and err.count("\n") == 1
+    assert "is for a model with 4 layers x 2 KV heads" in err and len(error_lines(err)) == 1

@@ -9,6 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import NullFormatter, PercentFormatter  # noqa: E402
 
 from .report import COMPARED, fidelity_cells  # noqa: E402
 
@@ -47,6 +48,8 @@ def fidelity_curves(results: Dict, length: int, path: Path) -> str:
         elif dense and not log:
             ax.scatter([dense[0]["kv_fraction"]], [dense[0][key]], color="k", marker="*", s=80, label="dense", zorder=5)
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         if log:
             ax.set_yscale("log")
         ax.set_xlabel("fraction of KV read")
