@@ -5,7 +5,8 @@ A pattern is found offline by `kvsieve calibrate` and stored as human-readable J
     {"format": "kvsieve-streaming-heads/1", "model": "smollm2-135m-instruct",
      "num_layers": 30, "num_kv_heads": 3, "ratio": 0.5, "sink": 128, "local": 256,
      "streaming": ["010", "110", ...],          one string per layer, "1" = streaming head
-     "lambda_mass": [[0.91, 0.42, 0.77], ...],  the calibration score per layer and KV head
+     "score": [[0.91, 0.42, 0.77], ...],        the calibration score per layer and KV head
+     "lambda_mass_text": ..., "lambda_mass_retrieval": ..., (its parts; output errors alike)
      "criterion": "...", "calibration": {...}}
 
 `load_pattern` checks it against the model it is used with.
