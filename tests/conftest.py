@@ -58,3 +58,17 @@ def rel_err(a, b):
 @pytest.fixture
 def gen():
     return make_generator(1234)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A 2-layer random Llama (6 query / 2 KV heads) loaded through kvsieve's loader."""
+    transformers = pytest.importorskip("transformers")
+    from kvsieve.model.loader import load_weights
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024)
+    d = tmp_path_factory.mktemp("tiny")
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    return load_weights(d)

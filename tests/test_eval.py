@@ -131,19 +131,6 @@ def test_store_resumes_only_cells_of_the_same_run(tmp_path):
 
 
 # ------------------------------------------------------------------ shared-prefill runs
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
-    from kvsieve.model.loader import load_weights
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024)
-    d = tmp_path_factory.mktemp("tiny")
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
-    return load_weights(d)
-
-
 def test_teacher_forced_dense_equals_full_prefill_logits(tiny_model):
     from kvsieve.eval.runs import PrefilledBatch
     from kvsieve.model.runner import Engine

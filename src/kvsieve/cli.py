@@ -23,12 +23,17 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local", type=int, help="streaming/lserve/hybrid: local window tokens")
     p.add_argument("--streaming-heads", metavar="FILE", help="lserve/hybrid: streaming-heads pattern from `kvsieve "
                    "calibrate` ('none': no streaming head; default: the shipped pattern of the embedded model)")
+    p.add_argument("--prefill-local", type=int, help="lserve/hybrid: local window of streaming heads during "
+                                                     "prefill (default: model positions / 16, up to 8192)")
+    p.add_argument("--dense-prefill", action="store_const", const=False, dest="sparse_prefill",
+                   help="lserve/hybrid: prefill every head densely (no block-sparse prefill)")
 
 
 def method_options(args: argparse.Namespace) -> dict:
     """The method options the user actually gave (unset ones keep the method's defaults)."""
     names = {"threshold": "threshold", "cluster_size": "cluster_size", "budget": "budget",
-             "page_size": "page_size", "sink": "sink", "local": "local"}
+             "page_size": "page_size", "sink": "sink", "local": "local", "prefill_local": "prefill_local",
+             "sparse_prefill": "sparse_prefill"}
     return {dst: getattr(args, src) for src, dst in names.items() if getattr(args, src, None) is not None}
 
 

@@ -45,3 +45,12 @@ def kmeans(x, lengths, cluster_size, max_iters=10, seed=0, row_period=1, window=
         from .kernels import kmeans as k
         nearest, update = k.nearest_centroid, k.update_centroids
     return _kmeans_reference(x, lengths, cluster_size, max_iters, seed, row_period, window, nearest, update)
+
+
+def block_sparse_prefill(q, k, v, streaming=None, sink=128, local=8192, scale=None):
+    """See ops.prefill.block_sparse_prefill_reference."""
+    if use_triton(q):
+        from .kernels.prefill import block_sparse_prefill as kernel
+        return kernel(q, k, v, streaming, sink, local, scale)
+    from .ops.prefill import block_sparse_prefill_reference
+    return block_sparse_prefill_reference(q, k, v, streaming, sink, local, scale)

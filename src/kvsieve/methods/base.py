@@ -45,6 +45,16 @@ class TokenPlan:
         return self.counts.double() / lengths[:, None].double()
 
 
+@dataclass(frozen=True)
+class PrefillWindow:
+    """Static prefill sparsity of one layer: heads flagged in `streaming` ([Hkv] bool, on
+    the CPU) see only keys j < sink or within `local` of the query; the others are causal."""
+
+    streaming: Tensor
+    sink: int
+    local: int
+
+
 @dataclass
 class SparseMethod:
     """Base class. Subclasses override prepare/append/select; state is whatever they need."""
@@ -54,6 +64,11 @@ class SparseMethod:
 
     def prepare(self, k: Tensor, lengths: Tensor, layer: int = 0) -> Optional[Any]:
         """Build the per-layer index from keys k [B, Hkv, S, D] (valid: first lengths[b])."""
+        return None
+
+    def prefill_window(self, layer: int, num_kv_heads: int, max_positions: int) -> Optional[PrefillWindow]:
+        """How the runner may prefill this layer: None (every head dense causal), or a
+        PrefillWindow for the unified block-sparse prefill kernel."""
         return None
 
     def append(self, state: Any, k: Tensor, lengths: Tensor) -> Any:

@@ -129,9 +129,13 @@ class Engine:
     # ------------------------------------------------------------------ prefill
     def prefill(self, cache: PagedKVCache, req: int, prompt: Sequence[int], bar=None,
                 all_positions: bool = False) -> Tensor:
-        """Dense causal prefill in chunks; returns the last hidden state [hidden], or every
+        """Causal prefill in chunks (block-sparse where the method has streaming heads: see
+        SparseMethod.prefill_window); returns the last hidden state [hidden], or every
         position's [T, hidden] with all_positions=True (used to check logits)."""
         dev = self.model.device
+        cfg = self.model.cfg
+        windows = [self.method.prefill_window(i, cfg.num_kv_heads, cfg.max_positions) for i in range(cfg.num_layers)]
+        flags = [None if w is None else w.streaming.to(dev) for w in windows]
         ids = torch.tensor(prompt, device=dev)
         hidden = []
         for start in range(0, len(prompt), self.prefill_chunk):
@@ -142,6 +146,13 @@ class Engine:
             def attend_prefill(layer, q, k, v):
                 cache.write(layer, req, start, k.transpose(0, 1), v.transpose(0, 1))
                 kk, vv = cache.read(layer, req, start + T)  # [Hkv, start+T, D]
+                win = windows[layer]
+                if win is not None:
+                    return dispatch.block_sparse_prefill(q, kk, vv, flags[layer], win.sink, win.local)
+                if start == 0:  # square causal: SDPA's flash / cuDNN kernels on the GPU
+                    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk[None], vv[None],
+                                                       is_causal=True, enable_gqa=True)
+                    return o[0].transpose(0, 1)
                 causal = torch.arange(start + T, device=dev)[None, :] <= pos[:, None]
                 o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk[None], vv[None],
                                                    attn_mask=causal, enable_gqa=True)
