@@ -206,6 +206,8 @@ def test_windowed_kmeans_is_per_window_and_kernels_agree():
     ("dense", {}), ("streaming", {"sink": 4, "local": 16}), ("quest", {"budget": 64}),
     ("pages", {"budget": 128, "reuse_steps": 1}), ("tactic", {"budget": 100}),
     ("tactic", {"budget": 60, "sink": 0, "local": 0}),
+    ("lserve", {"budget": 128, "streaming_heads": ((True, False),), "sink": 8, "local": 32}),
+    ("hybrid", {"budget": 100, "streaming_heads": ((False, True),), "sink": 0, "local": 70}),
 ])
 def test_plan_selects_exactly_the_reference_mask(name, opts, monkeypatch):
     """The fast path's token lists (kernels) hold exactly the tokens of select()'s mask."""
@@ -226,7 +228,6 @@ def test_plan_selects_exactly_the_reference_mask(name, opts, monkeypatch):
 def _to(state, dev):
     if isinstance(state, int) or dev == "cpu":
         return state
-    for f in vars(state):
-        if isinstance(getattr(state, f), torch.Tensor):
-            setattr(state, f, getattr(state, f).to(dev))
+    for f, x in vars(state).items():
+        setattr(state, f, x.to(dev) if isinstance(x, torch.Tensor) else _to(x, dev) if hasattr(x, "__dict__") else x)
     return state

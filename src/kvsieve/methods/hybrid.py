@@ -5,9 +5,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from ..config import MethodConfig, StreamingConfig, _non_negative_int
-from .base import Selection, SparseMethod, recent_and_sink
+from .base import PrefillWindow, Selection, SparseMethod, TokenPlan, recent_and_sink
 
 Pattern = Optional[Tuple[Tuple[bool, ...], ...]]
 
@@ -36,12 +37,18 @@ def normalize_pattern(pattern) -> Pattern:
 @dataclass(frozen=True)
 class HybridConfig(MethodConfig):
     """streaming_heads: KV heads that only see sink + local (None: no streaming head);
-    sink/local: their window ([LServe] decode 128 + 256); dynamic: name of the method on
-    the other heads, dynamic_config its config (built from the remaining options)."""
+    sink/local: their window at decode ([LServe] 128 + 256); dynamic: name of the method on
+    the other heads, dynamic_config its config (built from the remaining options).
+    sparse_prefill: prefill streaming heads with their Λ window too (the unified kernel);
+    prefill_local: that window's local part, None = scaled to the model: [LServe] uses
+    8192 for 128K-position models, we take max_positions / 16 capped at 8192 and at least
+    `local` (the embedded 8K model: 512)."""
 
     streaming_heads: Pattern = None
     sink: int = 128
     local: int = 256
+    sparse_prefill: bool = True
+    prefill_local: Optional[int] = None
     dynamic: str = "tactic"
     dynamic_config: Any = None
 
@@ -49,6 +56,8 @@ class HybridConfig(MethodConfig):
         object.__setattr__(self, "streaming_heads", normalize_pattern(self.streaming_heads))
         _non_negative_int("sink", self.sink)
         _non_negative_int("local", self.local)
+        if self.prefill_local is not None:
+            _non_negative_int("prefill_local", self.prefill_local)
         if self.dynamic in ("hybrid", "lserve"):
             raise ValueError(f"dynamic method must not itself be hybrid, got {self.dynamic!r}")
 
@@ -56,7 +65,8 @@ class HybridConfig(MethodConfig):
     def from_options(cls, method: str, **options):
         from . import config_for
 
-        own = {k: options.pop(k) for k in ("streaming_heads", "sink", "local", "dynamic") if k in options}
+        own = {k: options.pop(k) for k in ("streaming_heads", "sink", "local", "dynamic",
+                                                "sparse_prefill", "prefill_local") if k in options}
         dynamic = own.get("dynamic", cls.__dataclass_fields__["dynamic"].default)
         return cls(**own, dynamic_config=config_for(dynamic, **options))
 
@@ -98,6 +108,16 @@ class Hybrid(SparseMethod):
                              f"{Hkv} KV heads; use a pattern made for this model")
         return torch.tensor(row, dtype=torch.bool, device=device)
 
+    def prefill_window(self, layer, num_kv_heads, max_positions):
+        cfg = self.config
+        if cfg.streaming_heads is None or not cfg.sparse_prefill:
+            return None
+        flags = self.flags_for(layer, num_kv_heads, "cpu")
+        if not flags.any():
+            return None
+        local = cfg.prefill_local if cfg.prefill_local is not None else max(cfg.local, min(8192, max_positions // 16))
+        return PrefillWindow(flags, cfg.sink, local)
+
     def prepare(self, k, lengths, layer=0):
         return HybridState(self.flags_for(layer, k.shape[1], k.device),
                            self.dynamic.prepare(k, lengths, layer))
@@ -112,3 +132,27 @@ class Hybrid(SparseMethod):
         lam = recent_and_sink(lengths, S, self.config.sink, self.config.local, k.device)
         mask = torch.where(state.flags[None, :, None], lam[:, None, :], dyn.mask)
         return Selection(mask, dyn.stats)
+
+    # --------------------------------------------------------------- paged fast path
+    def supports_plan(self) -> bool:
+        return self.dynamic.supports_plan()
+
+    def append_token(self, state: HybridState, k_new, lengths, host_lengths, read_keys):
+        state.dynamic = self.dynamic.append_token(state.dynamic, k_new, lengths, host_lengths, read_keys)
+        return state
+
+    def plan(self, q, state: HybridState, lengths, host_lengths):
+        """The dynamic method's token lists, with every streaming head's list replaced by its
+        Λ window (sink + local tokens: constant cost per step)."""
+        from .streaming import sink_local_plan
+
+        dyn = self.dynamic.plan(q, state.dynamic, lengths, host_lengths)
+        B, Hkv = dyn.counts.shape
+        lam = sink_local_plan(lengths, B, Hkv, self.config.sink, self.config.local)
+        cap = max(dyn.cap, lam.cap)
+        dyn_idx = dyn.indices
+        if dyn_idx is None:  # a dense prefix
+            dyn_idx = torch.arange(dyn.cap, dtype=torch.int32, device=q.device).expand(B, Hkv, dyn.cap)
+        flags = state.flags[None, :]
+        idx = torch.where(flags[..., None], F.pad(lam.indices, (0, cap - lam.cap)), F.pad(dyn_idx, (0, cap - dyn.cap)))
+        return TokenPlan(idx, torch.where(flags, lam.counts, dyn.counts), cap)
