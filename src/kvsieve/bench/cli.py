@@ -23,6 +23,10 @@ def register(sub) -> None:
     p.add_argument("--cluster-context", type=int, default=131072, help="context for clustering vs prefill (0: skip)")
     p.add_argument("--e2e-contexts", default="32768,131072", help="end-to-end contexts ('' to skip)")
     p.add_argument("--e2e-batches", default="1,8")
+    p.add_argument("--prefill-contexts", default="32768,65536,131072",
+                   help="contexts for prefill attention, dense vs unified block-sparse ('' to skip)")
+    p.add_argument("--prefill-e2e-contexts", default="32768,65536,131072",
+                   help="contexts for whole-model prefill, dense vs lserve ('' to skip)")
     p.add_argument("--out", default="bench-results", help="output directory")
     p.set_defaults(func=cmd_bench)
 
@@ -52,6 +56,8 @@ def cmd_bench(args) -> int:
     budgets, thresholds = _fractions(args.budgets, "budgets"), _fractions(args.thresholds, "thresholds")
     e2e_contexts = _ints(args.e2e_contexts, "e2e-contexts") if args.e2e_contexts else []
     e2e_batches = _ints(args.e2e_batches, "e2e-batches")
+    prefill_contexts = _ints(args.prefill_contexts, "prefill-contexts") if args.prefill_contexts else []
+    prefill_e2e = _ints(args.prefill_e2e_contexts, "prefill-e2e-contexts") if args.prefill_e2e_contexts else []
     if any(c % 16 for c in contexts):
         raise ValueError(f"--contexts must be multiples of 16 (the page size), got {args.contexts}")
     import torch
@@ -70,7 +76,7 @@ def cmd_bench(args) -> int:
     except OSError as e:
         raise ValueError(f"cannot write to --out {args.out!r}: {e.strerror}; choose a writable directory")
 
-    from . import e2e, kernels
+    from . import e2e, kernels, prefill
 
     def log(x):
         print(json.dumps(asdict(x) if hasattr(x, "__dataclass_fields__") else x, default=str), file=sys.stderr,
@@ -80,6 +86,7 @@ def cmd_bench(args) -> int:
     result = kernels.run(contexts, batches, budgets, thresholds, args.threshold_max_tokens, log,
                          cluster_context=args.cluster_context or None)
     result["e2e"] = e2e.run(e2e_contexts, e2e_batches, log=log) if e2e_contexts else []
+    result["prefill"] = prefill.run(prefill_contexts, prefill_e2e, log=log)
     result.update({"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "seconds": time.time() - t0,
                    "torch": torch.__version__, "triton": triton.__version__})
     with open(os.path.join(args.out, "bench.json"), "w") as f:
@@ -118,6 +125,17 @@ def format_table(result) -> str:
                          f"{r['step_ms_eager']:.2f} ms (eager)  KV read {r['kv_fraction']:.2%}")
         else:
             lines.append(f"e2e ctx {r['context']:>7} B {r['batch']:>2} {r['method']:<7} {r.get('note', '')}")
+    pre = result.get("prefill") or {}
+    if pre.get("kernels") or pre.get("e2e"):
+        lines.append(f"prefill (batch 1; unified = 50% streaming KV heads, sink {pre['sink']} + local {pre['local']}):")
+    for r in pre.get("kernels", []):
+        lines.append(f"prefill attn ctx {r['context']:>7} {r['method']:<20} {_f(r.get('ms'), '9.2f')} ms "
+                     f"{_f(r.get('tflops'), '6.0f')} TFLOP/s  speedup {_f(r.get('speedup'), '.2f')}  "
+                     f"{r.get('note', '')}")
+    for r in pre.get("e2e", []):
+        lines.append(f"prefill e2e  ctx {r['context']:>7} {r['method']:<20} {_f(r.get('prefill_s'), '9.3f')} s "
+                     f"{_f(r.get('tokens_per_s'), '8.0f')} tok/s  speedup {_f(r.get('speedup'), '.2f')}  "
+                     f"{r.get('note', '')}")
     return "\n".join(lines)
 
 

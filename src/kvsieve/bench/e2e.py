@@ -18,7 +18,7 @@ from ..cache import PagedKVCache
 from ..model.config import ModelConfig
 from ..model.llama import LlamaModel
 from ..model.runner import Engine
-from .kernels import prepare_per_request
+from .kernels import half_streaming, prepare_per_request
 from .timing import capture, median_ms
 
 LLAMA31_8B = {
@@ -79,7 +79,7 @@ def decode_tokens_per_s(model: LlamaModel, method: str, context: int, batch: int
             cache.k[layer, p0:p0 + n] = x.to(model.dtype)
             cache.v[layer, p0:p0 + n] = torch.randn_like(x, dtype=model.dtype)
         k = torch.stack([cache.read(layer, r, context)[0] for r in reqs])
-        cache.index[layer] = prepare_per_request(eng.method, k, lengths)
+        cache.index[layer] = prepare_per_request(eng.method, k, lengths, layer)
         del k
     torch.cuda.synchronize()
     index_s = time.perf_counter() - t0
@@ -98,7 +98,8 @@ def decode_tokens_per_s(model: LlamaModel, method: str, context: int, batch: int
     step()
     kv_fraction = float(frac.mean())
     t_graph = median_ms(capture(step), rep_ms=500)
-    return {"method": method, "options": opts, "context": context, "batch": batch, "index_s": index_s,
+    shown = {k: ("50% of KV heads" if k == "streaming_heads" else v) for k, v in opts.items()}
+    return {"method": method, "options": shown, "context": context, "batch": batch, "index_s": index_s,
             "step_ms_graph": t_graph, "step_ms_eager": t_eager, "tokens_per_s": batch / t_graph * 1e3,
             "kv_fraction": kv_fraction}
 
@@ -118,7 +119,10 @@ def run(contexts, batches, budget_fraction: float = 0.025, log=print) -> List[di
     for S in contexts:
         for B in batches:
             tok = int(round(budget_fraction * S))
-            for method, opts in (("dense", {}), ("tactic", {"budget": tok}), ("quest", {"budget": tok})):
+            lserve = {"budget": tok, "streaming_heads": half_streaming(model.cfg.num_layers, model.cfg.num_kv_heads),
+                      "reuse_steps": 1}
+            for method, opts in (("dense", {}), ("tactic", {"budget": tok}), ("quest", {"budget": tok}),
+                                 ("lserve", lserve)):
                 try:
                     r = decode_tokens_per_s(model, method, S, B, **opts)
                 except torch.cuda.OutOfMemoryError:

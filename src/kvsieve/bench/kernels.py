@@ -22,6 +22,11 @@ from ..ops.attention import attend
 from .timing import capture, median_ms
 
 
+def half_streaming(num_layers: int, num_kv_heads: int):
+    """Every other KV head streams, in every layer (50%)."""
+    return tuple(tuple(h % 2 == 1 for h in range(num_kv_heads)) for _ in range(num_layers))
+
+
 @dataclass
 class Row:
     context: int
@@ -79,9 +84,15 @@ def to_paged(k, v, page: int, seed: int = 0):
     return pk, pv, perm.view(B, per).to(torch.int32)
 
 
-def prepare_per_request(method, k, lengths):
+def prepare_per_request(method, k, lengths, layer: int = 0):
     """method.prepare one request at a time (bounds the transient memory) and stack."""
-    states = [method.prepare(k[b:b + 1], lengths[b:b + 1]) for b in range(k.shape[0])]
+    dynamic = getattr(method, "dynamic", None)
+    if dynamic is not None:  # lserve / hybrid: static head flags + the dynamic method's index
+        from ..methods.hybrid import HybridState
+
+        return HybridState(method.flags_for(layer, k.shape[1], k.device),
+                           prepare_per_request(dynamic, k, lengths, layer))
+    states = [method.prepare(k[b:b + 1], lengths[b:b + 1], layer) for b in range(k.shape[0])]
     first = states[0]
     if isinstance(first, int):
         return first
@@ -139,6 +150,8 @@ def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: fl
         tok = max(page, int(round(f * S)))
         configs.append(("quest", f"budget {f:.1%}", {"budget": tok}))
         configs.append(("tactic", f"budget {f:.1%}", {"budget": tok}))
+        configs.append(("lserve", f"budget {f:.1%} + 50% streaming", {
+            "budget": tok, "streaming_heads": half_streaming(1, Hkv), "reuse_steps": 1}))
     states = {}  # the index does not depend on the budget: build it once per method
     for label, setting, opts in configs:
         name = "dense" if label == "triton_dense" else label
@@ -146,6 +159,8 @@ def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: fl
         if name not in states:
             states[name] = prepare_per_request(m, k, lengths)
         st = states[name]
+        if name == "lserve":
+            st.dynamic.last_plan = None  # pages chosen under another budget
 
         def plan():
             return m.plan(q, st, lengths, host)
@@ -167,6 +182,12 @@ def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: fl
         rows.append(Row(S, B, label, setting, t_step, t_sel, t_attn, read, gbs, gbs / copy_gbs,
                         rel_err_vs_dense=rel_err(out, ref_out) if ref_out is not None else None))
         log(rows[-1])
+        if label == "lserve":  # LServe reuses a page selection for 4 steps: amortized step
+            t_reuse = _reused_step_ms(opts, st, q, lengths, host, pk, pv, bt)
+            rows.append(Row(S, B, label, setting.replace("streaming", "streaming, reuse 4"),
+                            (t_step + 3 * t_reuse) / 4, None, t_attn, read, gbs, gbs / copy_gbs,
+                            note=f"(1 fresh + 3 reused steps of {t_reuse:.4f} ms) / 4"))
+            log(rows[-1])
     del states
 
     for P, (m, st) in thr_states.items():  # torch reference selection (reads every key)
@@ -196,6 +217,19 @@ def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: fl
         del v
     torch.cuda.empty_cache()
     return rows
+
+
+def _reused_step_ms(opts, st, q, lengths, host, pk, pv, bt) -> float:
+    """Step time when the page selection is reused (plan = token-list compaction only)."""
+    m = make_method("lserve", **{**opts, "reuse_steps": 4})
+    st.dynamic.last_plan, st.dynamic.step = None, 0
+    m.plan(q, st, lengths, host)  # step 0: fresh; steps 1-3 (warm-up and capture) reuse it
+
+    def step():
+        p = m.plan(q, st, lengths, host)
+        return dispatch.paged_decode(q, pk, pv, bt, p.counts, p.indices, cap=p.cap)[0]
+
+    return median_ms(capture(step))
 
 
 def bench_clustering(S: int, shapes: Shapes, log) -> Dict[str, float]:
