@@ -143,8 +143,8 @@ def test_prefill_window_defaults_scale_with_the_model():
     from kvsieve.methods import make_method
 
     m = make_method("lserve", streaming_heads=((True, False),))
-    assert m.prefill_window(0, 2, 8192).local == 512
-    assert m.prefill_window(0, 2, 131072).local == 8192 and m.prefill_window(0, 2, 2048).local == 256
+    assert m.prefill_window(0, 2, 8192).local == 1024
+    assert m.prefill_window(0, 2, 131072).local == 8192 and m.prefill_window(0, 2, 1024).local == 256
     assert make_method("lserve", streaming_heads=((True, False),), prefill_local=64).prefill_window(0, 2, 8192).local == 64
     assert make_method("lserve", streaming_heads=((False, False),)).prefill_window(0, 2, 8192) is None
     assert make_method("tactic").prefill_window(0, 2, 8192) is None

@@ -65,10 +65,14 @@ def test_passkey_retrieved_by_sparse_methods_wherever_dense_does(embedded, depth
     text, key = passkey_prompt(count(tok), 1800, depth, seed=int(depth * 10))
     ids = tok.encode(text, add_special_tokens=False)
     answers = {}
+    from kvsieve.patterns import EMBEDDED_PATTERN, load_pattern
+
+    shipped = load_pattern(EMBEDDED_PATTERN, 30, 3)  # calibrated streaming heads, block-sparse prefill
     for method, opts in [("dense", {}), ("tactic", {"threshold": 0.9}), ("lserve", {"budget": 256}),
-                         ("quest", {"budget": 256})]:
+                         ("quest", {"budget": 256}), ("lserve", {"budget": 256, "streaming_heads": shipped}),
+                         ("hybrid", {"streaming_heads": shipped})]:
         r = Engine(model, method, progress=False, **opts).generate([ids], 8)
-        answers[method] = (tok.decode(r.tokens[0]), r.kv_fraction)
+        answers[method + (" heads" if "streaming_heads" in opts else "")] = (tok.decode(r.tokens[0]), r.kv_fraction)
     assert key in answers["dense"][0], answers
     for method, (text_out, frac) in answers.items():
         assert key in text_out, (method, answers)

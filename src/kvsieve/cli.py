@@ -24,7 +24,7 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streaming-heads", metavar="FILE", help="lserve/hybrid: streaming-heads pattern from `kvsieve "
                    "calibrate` ('none': no streaming head; default: the shipped pattern of the embedded model)")
     p.add_argument("--prefill-local", type=int, help="lserve/hybrid: local window of streaming heads during "
-                                                     "prefill (default: model positions / 16, up to 8192)")
+                                                     "prefill (default: model positions / 8, up to 8192)")
     p.add_argument("--dense-prefill", action="store_const", const=False, dest="sparse_prefill",
                    help="lserve/hybrid: prefill every head densely (no block-sparse prefill)")
 

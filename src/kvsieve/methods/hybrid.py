@@ -41,8 +41,9 @@ class HybridConfig(MethodConfig):
     the other heads, dynamic_config its config (built from the remaining options).
     sparse_prefill: prefill streaming heads with their Λ window too (the unified kernel);
     prefill_local: that window's local part, None = scaled to the model: [LServe] uses
-    8192 for 128K-position models, we take max_positions / 16 capped at 8192 and at least
-    `local` (the embedded 8K model: 512)."""
+    8192 (for 128K+ models), we take max_positions / 8 capped at 8192 and at least `local`
+    (the embedded 8K model: 1024; at 512 a passkey in the middle of 1,800 tokens lost a
+    digit under lserve with a 256-token page budget)."""
 
     streaming_heads: Pattern = None
     sink: int = 128
@@ -115,7 +116,7 @@ class Hybrid(SparseMethod):
         flags = self.flags_for(layer, num_kv_heads, "cpu")
         if not flags.any():
             return None
-        local = cfg.prefill_local if cfg.prefill_local is not None else max(cfg.local, min(8192, max_positions // 16))
+        local = cfg.prefill_local if cfg.prefill_local is not None else max(cfg.local, min(8192, max_positions // 8))
         return PrefillWindow(flags, cfg.sink, local)
 
     def prepare(self, k, lengths, layer=0):
