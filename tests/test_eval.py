@@ -208,7 +208,11 @@ def test_eval_quick_smoke_and_resume(capsys, tmp_path):
     assert len(cells) == 10 + 5 * 8  # fidelity: dense + 9 points; retrieval: 5 variants x 8 points
     dense = cells["fidelity/2048/dense"]
     assert dense["mass_mean"] == pytest.approx(1.0) and dense["out_err_mean"] < 1e-5 and dense["kl"] < 1e-9
-    for label in ("tactic P=0.8", "tactic P=0.9", "tactic P=0.95", "quest 10%", "lserve 10%", "streaming 10%"):
+    from kvsieve.patterns import EMBEDDED_PATTERN, load_pattern, pattern_tag
+
+    heads = f" heads={pattern_tag(load_pattern(EMBEDDED_PATTERN))}"  # the shipped pattern is the default
+    assert f"fidelity/2048/hybrid P=0.9{heads}" in cells
+    for label in ("tactic P=0.8", "tactic P=0.9", "tactic P=0.95", "quest 10%", f"lserve 10%{heads}", "streaming 10%"):
         c = cells[f"fidelity/2048/{label}"]
         assert 0 < c["kv_fraction"] < 0.6 and 0.3 < c["mass_mean"] < 1 and c["kl"] > 0, (label, c)
         assert len(c["layer_head"]["mass"]) == 30 and len(c["layer_head"]["mass"][0]) == 9
