@@ -103,7 +103,24 @@ def test_summary_scores(minmax, G, D, N):
     assert (a[fin].double() - a64[fin]).abs().max().item() < 1e-4 * D if fin.any() else True
 
 
-@pytest.mark.parametrize("N", [1, 54, 97, 300])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_summary_scores_group_only_low_precision_summaries(dtype):
+    """Centroids kept in the keys' dtype, per-request valid counts as a stride-0 view, the
+    per-head scores skipped: the group maxima still equal the float64 scores of the same
+    (rounded) centroids."""
+    g = torch.Generator().manual_seed(5)
+    B, Hkv, G, N, D = 3, 2, 4, 97, 128
+    q = torch.randn(B, Hkv * G, D, generator=g).to(dtype).to(DEV)
+    lo = torch.randn(B, Hkv, N, D, generator=g).to(dtype).to(DEV)
+    nv = torch.tensor([97, 54, 1]).to(DEV)[:, None].expand(B, Hkv)
+    a, b = kselect.summary_scores(q, lo, None, nv, group_only=True)
+    _, b64 = rselect.summary_scores(q.double(), lo.double(), None, nv)
+    assert a is None and torch.equal(torch.isinf(b), torch.isinf(b64))
+    fin = torch.isfinite(b64)
+    assert (b[fin].double() - b64[fin]).abs().max().item() < 1e-4 * D
+
+
+@pytest.mark.parametrize("N", [1, 54, 97, 300, 5000, 9000])
 @pytest.mark.parametrize("ties", [False, True])
 def test_select_by_budget(N, ties):
     g = torch.Generator().manual_seed(N)
@@ -112,10 +129,11 @@ def test_select_by_budget(N, ties):
         s = s.round()
     s[0, 0, : N // 3] = float("-inf")
     sizes = torch.randint(0, 40, (3, 2, N), generator=g)
-    for budget in (0, 7, 100, 5000):
+    for budget in (0, 7, 100, 5000, 10 ** 6):
         bud = torch.full((3, 2), budget)
         want = rselect.select_by_budget(s, sizes, bud)
-        got = kselect.select_by_budget(s.to(DEV), sizes.to(DEV), bud.to(DEV))
+        # int32 sizes and a stride-0 budget are read in place
+        got = kselect.select_by_budget(s.to(DEV), sizes.int().to(DEV), torch.tensor(budget).to(DEV).expand(3, 2))
         for w, x in zip(want, got):
             assert torch.equal(w.int().cpu(), x.int().cpu())
         chosen, _, total = want
@@ -126,13 +144,35 @@ def test_select_by_budget(N, ties):
             assert chosen[r][ss == ss.max()].all() and chosen[r].sum() == (ss == ss.max()).sum()
 
 
+@pytest.mark.parametrize("case", ["extremes", "narrow", "signed_zeros"])
+def test_select_by_budget_extreme_scores(case):
+    """The search picks its test points from score values: extreme, nearly equal and
+    signed-zero scores must still give exactly the reference's choice."""
+    g = torch.Generator().manual_seed(3)
+    N = 700
+    s = torch.randn(2, N, generator=g)
+    if case == "extremes":
+        s[:, :5] = torch.tensor([3.4e38, -3.4e38, 1e-38, -1e-38, float("inf")])
+    elif case == "narrow":
+        s = 7.0 + torch.randint(0, 50, (2, N), generator=g) * 2 ** -20
+    else:
+        s = torch.tensor([0.0, -0.0, 1.0, -1.0]).repeat(N // 4 + 1)[:N].expand(2, N).clone()
+    sizes = torch.randint(1, 9, (2, N), generator=g)
+    for budget in (1, 40, 1000, 3000):
+        bud = torch.full((2,), budget)
+        want = rselect.select_by_budget(s, sizes, bud)
+        got = kselect.select_by_budget(s.to(DEV), sizes.to(DEV), bud.to(DEV))
+        for w, x in zip(want, got):
+            assert torch.equal(w.int().cpu(), x.int().cpu())
+
+
 def _csr(assign, N):
     S = assign.shape[-1]
     key = torch.where(assign >= 0, assign * S + torch.arange(S), N * S + torch.arange(S))
     mem = key.argsort(-1)
     sizes = torch.zeros(*assign.shape[:-1], N, dtype=torch.long).scatter_add_(-1, assign.clamp(min=0),
                                                                               (assign >= 0).long())
-    return mem.int(), assign.gather(-1, mem).int(), (sizes.cumsum(-1) - sizes).int(), sizes
+    return mem.int(), (sizes.cumsum(-1) - sizes).int(), sizes
 
 
 @pytest.mark.parametrize("S,cap", [(97, 300), (97, 20), (1, 8), (200, 64)])
@@ -145,19 +185,20 @@ def test_compact_tokens(S, cap):
     pos = torch.arange(S)
     indexed = (pos >= a_end[..., None]) & (pos < a_start[..., None])  # the always ranges are not entries
     assign = torch.randint(-1, N, (B, Hkv, S), generator=g).masked_fill(~indexed, -1)
-    mem, ment, est, sizes = _csr(assign, N)
+    mem, est, sizes = _csr(assign, N)
     scores = torch.randn(B, Hkv, N, generator=g)
     chosen, off, tot = rselect.select_by_budget(scores, sizes, torch.full((B, Hkv), S // 3))
     for csr in (True, False):
-        args = (mem, ment, est, 0) if csr else (None, None, None, 8)
+        args = (mem, est, sizes.int(), 0) if csr else (None, None, None, 8)
         if not csr:
             sizes_p = (a_start[..., None] - torch.arange(N) * 8).clamp(0, 8) * (torch.arange(N) * 8 >= 8)
             scores = scores.masked_fill(torch.arange(N) * 8 < a_end[..., None], float("-inf"))
             chosen, off, tot = rselect.select_by_budget(scores, sizes_p, torch.full((B, Hkv), 24))
         want_i, want_c = rselect.compact_tokens(chosen, off, tot, *args, a_end, a_start, lengths, cap)
         dev = [None if t is None else t.to(DEV) for t in args[:3]]
+        # the always ranges as broadcast views (one value, one per request): read in place
         got_i, got_c = kselect.compact_tokens(chosen.to(DEV), off.to(DEV), tot.to(DEV), *dev, args[3],
-                                              a_end.to(DEV), a_start.to(DEV), lengths.to(DEV), cap)
+                                              a_end[:1, :1].to(DEV), a_start[:, :1].to(DEV), lengths.to(DEV), cap)
         assert torch.equal(want_c, got_c.cpu())
         live = torch.arange(cap)[None, None, :] < want_c[..., None]
         assert torch.equal(want_i[live], got_i.cpu()[live])
@@ -165,6 +206,19 @@ def test_compact_tokens(S, cap):
             for h in range(Hkv):
                 lst = want_i[b, h, : want_c[b, h]]
                 assert lst.unique().numel() == lst.numel() and (lst < lengths[b]).all()
+
+
+def test_compact_tokens_always_range_stops_at_length():
+    """always_end past a request's length (a fixed sink on a short request) adds no token twice."""
+    chosen = torch.zeros(2, 1, 1, dtype=torch.bool)
+    zero = torch.zeros(2, 1, dtype=torch.int32)
+    lengths = torch.tensor([3, 9])
+    args = (chosen, zero[..., None], zero, None, None, None, 4, torch.tensor([[5]]), torch.tensor([[3], [6]]),
+            lengths)
+    for fn, dev in ((rselect.compact_tokens, "cpu"), (kselect.compact_tokens, DEV)):
+        idx, cnt = fn(*[a.to(dev) if isinstance(a, torch.Tensor) else a for a in args], 16)
+        assert cnt.tolist() == [[3], [8]]
+        assert idx[0, 0, :3].tolist() == [0, 1, 2] and idx[1, 0, :8].tolist() == [0, 1, 2, 3, 4, 6, 7, 8]
 
 
 @pytest.mark.parametrize("D,S,C", [(64, 97, 7), (128, 54, 2), (64, 1, 1)])
@@ -185,6 +239,22 @@ def test_nearest_centroid_and_update(D, S, C):
     upd_k = kkmeans.update_centroids((x * tv[..., None]).to(DEV), want.to(DEV), tv.to(DEV), cent.to(DEV)).cpu()
     upd_r = rkmeans.update_centroids(x * tv[..., None], want, tv, cent)
     assert torch.allclose(upd_k, upd_r, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_nearest_centroid_low_precision_keys(dtype):
+    """16-bit keys: distances to the centroids rounded to the keys' dtype, in both twins."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 97, 128, generator=g).to(dtype)
+    cent = torch.randn(2, 7, 128, generator=g)
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    got = kkmeans.nearest_centroid(x.to(DEV), cent.to(DEV), valid.to(DEV)).cpu()
+    want = rkmeans.nearest_centroid(x, cent, valid)
+    c = cent.to(dtype).double()
+    d = ((x.double()[:, :, None] - c[:, None]) ** 2).sum(-1)
+    assert torch.equal(want, d.argmin(-1))
+    dg, dw = d.gather(-1, got[..., None]), d.gather(-1, want[..., None])
+    assert ((got == want) | ((dg - dw).abs() <= 1e-4 * dw.abs().clamp(min=1))[..., 0]).all()
 
 
 def test_windowed_kmeans_is_per_window_and_kernels_agree():

@@ -16,11 +16,11 @@ def paged_decode(q, k_pool, v_pool, block_table, counts, indices=None, scale=Non
     return _paged_ref.paged_decode_reference(q, k_pool, v_pool, block_table, counts, indices, scale)
 
 
-def summary_scores(q, lo, hi=None, n_valid=None):
+def summary_scores(q, lo, hi=None, n_valid=None, group_only=False):
     if use_triton(q):
         from .kernels.select import summary_scores as kernel
-        return kernel(q, lo, hi, n_valid)
-    return _select_ref.summary_scores(q, lo, hi, n_valid)
+        return kernel(q, lo, hi, n_valid, group_only)
+    return _select_ref.summary_scores(q, lo, hi, n_valid, group_only)
 
 
 def select_by_budget(scores, sizes, budget):
@@ -30,12 +30,12 @@ def select_by_budget(scores, sizes, budget):
     return _select_ref.select_by_budget(scores, sizes, budget)
 
 
-def compact_tokens(chosen, offsets, total, members, member_entry, entry_start, width,
+def compact_tokens(chosen, offsets, total, members, entry_start, sizes, width,
                    always_end, always_start, lengths, cap):
     impl = _select_ref.compact_tokens
     if use_triton(offsets):
         from .kernels.select import compact_tokens as impl
-    return impl(chosen, offsets, total, members, member_entry, entry_start, width,
+    return impl(chosen, offsets, total, members, entry_start, sizes, width,
                 always_end, always_start, lengths, cap)
 
 

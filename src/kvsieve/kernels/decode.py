@@ -27,7 +27,7 @@ def _split_kernel(Q, K, V, BT, IDX, CNT, OUT, LSE,
                   Hkv, NS, scale,
                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                   SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, DENSE: tl.constexpr,
-                  UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                  UPCAST: tl.constexpr, IEEE: tl.constexpr, LOWP_PV: tl.constexpr):
     row = tl.program_id(0)
     s = tl.program_id(1)
     b = row // Hkv
@@ -71,6 +71,8 @@ def _split_kernel(Q, K, V, BT, IDX, CNT, OUT, LSE,
         l_i = l_i * alpha + tl.sum(p, 1)
         if IEEE:
             pv = tl.dot(p, v, input_precision="ieee")
+        elif LOWP_PV:  # p rounded to the values' dtype, as flash-decoding kernels do
+            pv = tl.dot(p.to(v.dtype), v)
         else:  # v is exact in tf32; p is split into a tf32-exact head and a small tail
             # (two tensor-core dots) so the product keeps float32 accuracy
             p_hi = (p.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
@@ -114,17 +116,19 @@ def _merge_kernel(PART, PLSE, OUT, LSE, NS, G: tl.constexpr, D: tl.constexpr):
     tl.store(LSE + pid + tl.arange(0, 1), tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf")))
 
 
-def choose_split(cap: int, rows: int, block_n: int) -> int:
-    """Split length (a multiple of block_n) giving about TARGET_PROGRAMS programs."""
-    want = -(-cap * rows // TARGET_PROGRAMS)
+def choose_split(cap: int, rows: int, block_n: int, target: int = TARGET_PROGRAMS) -> int:
+    """Split length (a multiple of block_n) giving about `target` programs."""
+    want = -(-cap * rows // target)
     return max(block_n, min(next_pow2(want), 8192))
 
 
 def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, counts: Tensor,
                  indices: Optional[Tensor] = None, scale: Optional[float] = None,
-                 cap: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+                 cap: Optional[int] = None, _config: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """Triton twin of paged_decode_reference. `cap` bounds the list lengths for the dense
-    case (default: the block table's capacity); with indices it is indices.shape[-1]."""
+    case (default: the block table's capacity); with indices it is indices.shape[-1].
+    `_config` overrides the launch parameters (block_n, num_warps, num_stages, target
+    programs, lowp_pv) for tuning sweeps."""
     B, Hq, D = q.shape
     Hkv, page = k_pool.shape[1], k_pool.shape[2]
     G = Hq // Hkv
@@ -143,8 +147,16 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
         idx = indices
         si_b, si_h = indices.stride(0), indices.stride(1)
     counts = counts.to(torch.int32).contiguous()
-    block_n = 32 if interpreting() else 64
-    split = choose_split(max(cap, 1), B * Hkv, block_n)
+    if interpreting():
+        cfg = {"block_n": 32, "num_warps": 4, "num_stages": 1, "target": TARGET_PROGRAMS, "lowp_pv": False}
+    elif q.dtype == torch.float32 or dense:  # dense lists: contiguous pages favour deeper pipelining
+        cfg = {"block_n": 64, "num_warps": 4, "num_stages": 3, "target": TARGET_PROGRAMS, "lowp_pv": False}
+    else:  # H200 sweep at 128K x batch 8/32 (docs/benchmarks.md): 128-token blocks, 2 warps,
+        # p rounded to the values' dtype for P.V (error within 1.3x of the bf16 reference's)
+        cfg = {"block_n": 128, "num_warps": 2, "num_stages": 2, "target": 512, "lowp_pv": True}
+    cfg.update(_config or {})
+    block_n = cfg["block_n"]
+    split = choose_split(max(cap, 1), B * Hkv, block_n, cfg["target"])
     ns = max(1, -(-cap // split))
     part = torch.empty(B * Hkv * ns * G * D, dtype=torch.float32, device=q.device)
     plse = torch.empty(B * Hkv * ns * G, dtype=torch.float32, device=q.device)
@@ -156,7 +168,8 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), block_table.stride(0), si_b, si_h,
         Hkv, ns, scale,
         G=G, GP=max(16, next_pow2(G)), D=D, PAGE=page, SPLIT=split, BLOCK_N=block_n, DENSE=dense,
-        UPCAST=upcast, IEEE=ieee and not interpreting(), num_warps=4, num_stages=3)
+        UPCAST=upcast, IEEE=ieee and not interpreting(), LOWP_PV=cfg["lowp_pv"] and not upcast,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
     _merge_kernel[(B * Hq,)](part, plse, out, lse, ns, G=G, D=D, num_warps=1)

@@ -1,6 +1,8 @@
 """K-means steps on the GPU (twins of kvsieve.ops.kmeans): nearest-centroid assignment as
-a tiled distance matmul with a running argmin, and the centroid update as a scatter of
-sums and counts. Rows are independent (one per (request, KV head[, window]))."""
+a tiled distance matmul with a running argmin, and the centroid update as a segmented
+mean: members sorted by cluster, one program per cluster sums its rows (no atomics: a
+scatter of 128 float atomics per key was the slowest part of an iteration). Rows are
+independent (one per (request, KV head[, window]))."""
 from __future__ import annotations
 
 import torch
@@ -18,7 +20,8 @@ def _nearest_kernel(X, C, CN, OUT, S, NC, sx_r, sx_s, sc_r, sc_c,
     offs_m = tl.program_id(1) * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     x = tl.load(X + r * sx_r + offs_m[:, None] * sx_s + offs_d[None, :], mask=offs_m[:, None] < S, other=0.0)
-    x = x.to(tl.float32)
+    if UPCAST:
+        x = x.to(tl.float32)
     best = tl.full([BM], float("inf"), tl.float32)
     arg = tl.zeros([BM], tl.int32)
     for c0 in range(0, NC, BC):
@@ -26,7 +29,7 @@ def _nearest_kernel(X, C, CN, OUT, S, NC, sx_r, sx_s, sc_r, sc_c,
         c = tl.load(C + r * sc_r + offs_c[:, None] * sc_c + offs_d[None, :], mask=offs_c[:, None] < NC, other=0.0)
         cn = tl.load(CN + r * NC + offs_c, mask=offs_c < NC, other=float("inf"))  # inf: invalid cluster
         if UPCAST:
-            dot = tl.dot(x, tl.trans(c), input_precision="ieee")
+            dot = tl.dot(x, tl.trans(c.to(tl.float32)), input_precision="ieee")
         else:
             dot = tl.dot(x, tl.trans(c))
         dist = cn[None, :] - 2.0 * dot
@@ -40,12 +43,15 @@ def _nearest_kernel(X, C, CN, OUT, S, NC, sx_r, sx_s, sc_r, sc_c,
 
 def nearest_centroid(x: Tensor, centroids: Tensor, cluster_valid: Tensor) -> Tensor:
     """Triton twin of ops.kmeans.nearest_centroid: x [N, S, D], centroids [N, C, D] float32,
-    cluster_valid [N, C] -> [N, S] long. Distances use ||c||^2 - 2 x.c in float32 (tf32
-    products on the GPU); near-ties may resolve differently from the reference."""
+    cluster_valid [N, C] -> [N, S] long. Distances use ||c||^2 - 2 x.c accumulated in
+    float32: a 16-bit matmul against the rounded centroids for fp16/bf16 keys, tf32
+    products for float32 keys; near-ties may resolve differently from the reference."""
     R, S, D = x.shape
     NC = centroids.shape[1]
-    c = centroids.to(torch.float32).contiguous()
-    cn = (c * c).sum(-1).masked_fill(~cluster_valid, float("inf")).contiguous()
+    low = x.dtype in (torch.float16, torch.bfloat16)
+    c = centroids.to(x.dtype if low else torch.float32).contiguous()
+    cf = c.float()
+    cn = (cf * cf).sum(-1).masked_fill(~cluster_valid, float("inf")).contiguous()
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(R, S, dtype=torch.int32, device=x.device)
     BM, BC = 64, 64
@@ -56,16 +62,23 @@ def nearest_centroid(x: Tensor, centroids: Tensor, cluster_valid: Tensor) -> Ten
 
 
 @triton.jit
-def _scatter_kernel(X, A, SUMS, CNT, S, NC, sx_r, sx_s, D: tl.constexpr, BM: tl.constexpr):
-    r = tl.program_id(0)
-    offs_m = tl.program_id(1) * BM + tl.arange(0, BM)
+def _segment_mean_kernel(X, ORDER, START, CNT, OLD, OUT, S, NC, sx_r, sx_s,
+                         D: tl.constexpr, BM: tl.constexpr):
+    pid = tl.program_id(0)
+    r = pid // NC
     offs_d = tl.arange(0, D)
-    a = tl.load(A + r * S + offs_m, mask=offs_m < S, other=-1)
-    ok = a >= 0
-    x = tl.load(X + r * sx_r + offs_m[:, None] * sx_s + offs_d[None, :], mask=ok[:, None], other=0.0)
-    dst = (r * NC + tl.maximum(a, 0)).to(tl.int64)
-    tl.atomic_add(SUMS + dst[:, None] * D + offs_d[None, :], x.to(tl.float32), mask=ok[:, None])
-    tl.atomic_add(CNT + dst, tl.where(ok, 1.0, 0.0), mask=ok)
+    start = tl.load(START + pid)
+    n = tl.load(CNT + pid)
+    acc = tl.zeros([D], tl.float32)
+    for m0 in range(0, n, BM):
+        offs = m0 + tl.arange(0, BM)
+        ok = offs < n
+        t = tl.load(ORDER + r * S + start + offs, mask=ok, other=0).to(tl.int64)
+        x = tl.load(X + r * sx_r + t[:, None] * sx_s + offs_d[None, :], mask=ok[:, None], other=0.0)
+        acc += tl.sum(x.to(tl.float32), 0)
+    old = tl.load(OLD + pid * D + offs_d).to(tl.float32)
+    out = tl.where(n > 0, acc / tl.maximum(n, 1).to(tl.float32), old)
+    tl.store(OUT + pid * D + offs_d, out.to(OUT.dtype.element_ty))
 
 
 def update_centroids(x_valid: Tensor, assign: Tensor, token_valid: Tensor, centroids: Tensor) -> Tensor:
@@ -73,12 +86,15 @@ def update_centroids(x_valid: Tensor, assign: Tensor, token_valid: Tensor, centr
     members; a cluster with no member keeps its centroid."""
     R, S, D = x_valid.shape
     NC = centroids.shape[1]
-    a = torch.where(token_valid, assign, torch.full_like(assign, -1)).to(torch.int32).contiguous()
-    sums = torch.zeros(R, NC, D, dtype=torch.float32, device=x_valid.device)
-    cnt = torch.zeros(R, NC, dtype=torch.float32, device=x_valid.device)
+    a = torch.where(token_valid, assign, torch.full_like(assign, NC)).to(torch.int32)  # padding sorts last
+    order = a.argsort(dim=1).to(torch.int32).contiguous()
+    cnt = torch.zeros(R, NC + 1, dtype=torch.int32, device=a.device)
+    cnt.scatter_add_(1, a.long(), torch.ones_like(a))
+    cnt = cnt[:, :NC].contiguous()
+    start = (cnt.cumsum(1, dtype=torch.int32) - cnt).contiguous()
     x = x_valid if x_valid.stride(-1) == 1 else x_valid.contiguous()
-    BM = 64
-    _scatter_kernel[(R, triton.cdiv(S, BM))](x, a, sums, cnt, S, NC, x.stride(0), x.stride(1), D=D, BM=BM,
-                                             num_warps=4)
-    means = (sums / cnt.clamp(min=1)[..., None]).to(centroids.dtype)
-    return torch.where(cnt[..., None] > 0, means, centroids)
+    old = centroids.contiguous()
+    out = torch.empty_like(old)
+    _segment_mean_kernel[(R * NC,)](x, order, start, cnt, old, out, S, NC, x.stride(0), x.stride(1),
+                                    D=D, BM=32, num_warps=4)
+    return out

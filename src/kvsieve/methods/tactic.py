@@ -19,16 +19,18 @@ from .base import Selection, SparseMethod, TokenPlan
 class ClusterIndex:
     """Per (request, KV head) K-means index of the keys.
 
-    centroids [B, Hkv, C, D] (float32/float64); sizes [B, Hkv, C] long;
+    centroids [B, Hkv, C, D]: float32 for float32/float64 keys computed in float32, the
+    keys' own dtype for fp16/bf16 keys (the decode step reads every centroid, so they are
+    kept as small as the keys; K-means itself runs in float32); sizes [B, Hkv, C] long;
     assign [B, Hkv, S] long cluster id, -1 for tokens not in the index (padding, the
     first `sink` tokens, the last `local` ones and those appended since the last fold);
     num_indexed [B]: tokens [sink, num_indexed) are indexed, [num_indexed, length) are
     not; num_clusters [B]: clusters [0, num_clusters) are in use;
     iters: K-means updates performed at prepare.
-    members/member_entry/entry_start: the same index as CSR for the paged fast path
-    (token ids grouped by cluster [B, Hkv, M] int32, each member's cluster or -1, first
-    member of each cluster [B, Hkv, C]); built on first use, dropped when the index
-    changes.
+    members/entry_start/sizes32: the same index as CSR for the paged fast path (token
+    ids grouped by cluster [B, Hkv, S] int32, first member of each cluster and cluster
+    sizes [B, Hkv, C] int32); built on first use, dropped when the index changes.
+    consts: small per-shape tensors a plan reuses (budget, sink) instead of refilling them.
     """
 
     centroids: Tensor
@@ -38,10 +40,11 @@ class ClusterIndex:
     num_clusters: Tensor
     iters: int = 0
     members: Optional[Tensor] = None
-    member_entry: Optional[Tensor] = None
     entry_start: Optional[Tensor] = None
+    sizes32: Optional[Tensor] = None
     max_size: int = 0
     host_indexed: Optional[List[int]] = None  # num_indexed mirrored on the host: no sync per step
+    consts: Optional[dict] = None
 
     def build_csr(self) -> None:
         B, Hkv, S = self.assign.shape
@@ -49,8 +52,8 @@ class ClusterIndex:
         key = torch.where(self.assign >= 0, self.assign * S + pos, self.sizes.shape[-1] * S + pos)
         order = key.argsort(-1)
         self.members = order.to(torch.int32)
-        self.member_entry = self.assign.gather(-1, order).to(torch.int32)
         self.entry_start = (self.sizes.cumsum(-1) - self.sizes).to(torch.int32)
+        self.sizes32 = self.sizes.to(torch.int32)
         self.max_size = int(self.sizes.max()) if self.sizes.numel() else 0
 
 
@@ -78,8 +81,9 @@ class Tactic(SparseMethod):
                               cfg.max_iters, cfg.seed + 7919 * layer, row_period=Hkv, window=cfg.cluster_window)
         C = res.centroids.shape[1]
         assign = torch.nn.functional.pad(res.assign.view(B, Hkv, S - sink), (sink, 0), value=-1)
+        cent = res.centroids.to(k.dtype) if k.dtype in (torch.float16, torch.bfloat16) else res.centroids
         return ClusterIndex(
-            res.centroids.view(B, Hkv, C, D), res.sizes.view(B, Hkv, C), assign, indexed_end.clone(),
+            cent.view(B, Hkv, C, D), res.sizes.view(B, Hkv, C), assign, indexed_end.clone(),
             res.num_clusters.view(B, Hkv)[:, 0].clone(), res.iters, host_indexed=indexed_end.tolist(),
         )
 
@@ -103,7 +107,7 @@ class Tactic(SparseMethod):
         start = max(start, self.config.sink)
         if start >= end or int(st.num_clusters[b]) == 0:  # nothing to fold into: stays always-attended
             return
-        cent = st.centroids[b]  # [Hkv, C, D]
+        cent = st.centroids[b].float() if st.centroids.dtype != torch.float64 else st.centroids[b]  # [Hkv, C, D]
         x = k[:, start:end].to(cent.dtype)  # [Hkv, n, D]
         C = cent.shape[1]
         valid = (torch.arange(C, device=cent.device) < st.num_clusters[b])[None, :].expand(cent.shape[0], C)
@@ -112,7 +116,7 @@ class Tactic(SparseMethod):
         cnt = torch.zeros_like(st.sizes[b]).scatter_add_(1, a, torch.ones_like(a))
         old = st.sizes[b].to(cent.dtype)[..., None]
         new_total = (old + cnt[..., None]).clamp(min=1)
-        st.centroids[b] = torch.where(cnt[..., None] > 0, (cent * old + add) / new_total, cent)
+        st.centroids[b] = torch.where(cnt[..., None] > 0, (cent * old + add) / new_total, cent).to(st.centroids.dtype)
         st.sizes[b] += cnt
         st.assign[b, :, start:end] = a
         st.num_indexed[b] = end
@@ -207,18 +211,23 @@ class Tactic(SparseMethod):
         return max(cfg.budget, state.max_size) + cfg.sink + cfg.local + cfg.fold_every + 1
 
     def plan(self, q, state: ClusterIndex, lengths, host_lengths):
+        """Three launches: centroid scores (group max only), budgeted cluster choice, and
+        compaction of the chosen clusters' members plus the always-attended tokens."""
         if state.members is None:
             state.build_csr()
         B, Hkv = state.sizes.shape[:2]
-        _, group_max = dispatch.summary_scores(q, state.centroids, None,
-                                               state.num_clusters[:, None].expand(B, Hkv))
-        budget = torch.full((B, Hkv), self.config.budget, dtype=torch.int32, device=q.device)
-        chosen, offsets, total = dispatch.select_by_budget(group_max, state.sizes, budget)
+        _, group_max = dispatch.summary_scores(q, state.centroids, None, state.num_clusters[:, None].expand(B, Hkv),
+                                               group_only=True)
+        key = (B, Hkv, self.config.budget, self.config.sink, q.device)
+        c = state.consts
+        if c is None or c["key"] != key:  # one index may serve methods with other budgets
+            c = state.consts = {
+                "key": key, "budget": torch.full((B, Hkv), self.config.budget, dtype=torch.int32, device=q.device),
+                "sink": torch.full((1, 1), self.config.sink, dtype=torch.int32, device=q.device)}
+        chosen, offsets, total = dispatch.select_by_budget(group_max, state.sizes32, c["budget"])
         cap = self.plan_capacity(state)
-        always_end = lengths.clamp(max=self.config.sink)[:, None].expand(B, Hkv)
-        always_start = state.num_indexed[:, None].expand(B, Hkv)
-        idx, counts = dispatch.compact_tokens(chosen, offsets, total, state.members, state.member_entry,
-                                              state.entry_start, 0, always_end, always_start, lengths, cap)
+        idx, counts = dispatch.compact_tokens(chosen, offsets, total, state.members, state.entry_start,
+                                              state.sizes32, 0, c["sink"], state.num_indexed[:, None], lengths, cap)
         return TokenPlan(idx, counts, cap)
 
     @staticmethod

@@ -20,8 +20,17 @@ class KMeansResult:
     iters: int
 
 
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
 def nearest_centroid(x: Tensor, centroids: Tensor, cluster_valid: Tensor) -> Tensor:
-    """x [N, S, D], centroids [N, C, D], cluster_valid [N, C] -> nearest valid cluster [N, S]."""
+    """x [N, S, D], centroids [N, C, D], cluster_valid [N, C] -> nearest valid cluster [N, S].
+
+    For fp16/bf16 keys the distances are to the centroids rounded to the keys' dtype (as
+    the index stores them; the GPU kernel then runs a 16-bit matmul), computed in float32."""
+    if x.dtype in LOW_PRECISION:
+        centroids = centroids.to(x.dtype).float()
+    x = x.to(centroids.dtype)
     dist = (centroids * centroids).sum(-1)[:, None, :] - 2 * torch.einsum("nsd,ncd->nsc", x, centroids)
     dist = dist.masked_fill(~cluster_valid[:, None, :], float("inf"))
     return dist.argmin(-1)
@@ -31,10 +40,12 @@ def kmeans(x: Tensor, lengths: Tensor, cluster_size: int, max_iters: int = 10, s
            row_period: int = 1, window: int | None = None, nearest=None, update=None) -> KMeansResult:
     """Cluster the first lengths[n] vectors of each row into ceil(lengths[n]/cluster_size) groups.
 
-    x: [N, S, D] any float dtype (computed in float32, float64 kept); lengths: [N] long, >= 1.
+    x: [N, S, D] any float dtype (centroids and sums in float32, float64 kept; fp16/bf16
+    keys are not copied to float32); lengths: [N] long, >= 1.
     Initial centroids are distinct vectors drawn uniformly at random; row r draws from a
     generator seeded by (seed, r % row_period) and its own length only, so a request's
-    clusters do not depend on what else is in the batch (row_period = heads per request). Each iteration updates the
+    clusters do not depend on what else is in the batch (row_period = heads per request);
+    CPU and CUDA draw the same initial centroids. Each iteration updates the
     centroids as means of their members (an empty cluster keeps its centroid, so no NaN)
     and reassigns; it stops when no assignment changes or after max_iters updates. The
     returned assignment is always to the nearest *final* centroid.
@@ -52,7 +63,8 @@ def kmeans(x: Tensor, lengths: Tensor, cluster_size: int, max_iters: int = 10, s
     N, S, D = x.shape
     device = x.device
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-    x = x.to(ct)
+    if x.dtype not in LOW_PRECISION:
+        x = x.to(ct)
     lengths = lengths.to(device=device, dtype=torch.long)
     pos = torch.arange(S, device=device)
     token_valid = pos[None, :] < lengths[:, None]  # [N, S]
@@ -66,9 +78,9 @@ def kmeans(x: Tensor, lengths: Tensor, cluster_size: int, max_iters: int = 10, s
         noise[r, :n] = torch.rand(n, generator=gen)
     noise = noise.to(device)
     init_idx = noise.argsort(dim=1)[:, :C]
-    centroids = torch.gather(x, 1, init_idx[:, :, None].expand(N, C, D))
+    centroids = torch.gather(x, 1, init_idx[:, :, None].expand(N, C, D)).to(ct)
 
-    x_valid = x * token_valid[..., None]
+    x_valid = x * token_valid[..., None].to(x.dtype)
     assign = nearest(x, centroids, cluster_valid)
     iters = 0
     for _ in range(max_iters):
@@ -107,6 +119,7 @@ def update_centroids(x_valid: Tensor, assign: Tensor, token_valid: Tensor, centr
     """Move each centroid [N, C, D] to the mean of its members (x_valid [N, S, D] zero on
     padding, assign [N, S], token_valid [N, S]); an empty cluster keeps its centroid."""
     N, C, D = centroids.shape
+    x_valid = x_valid.to(centroids.dtype)
     sums = torch.zeros_like(centroids).scatter_add_(1, assign[..., None].expand_as(x_valid), x_valid)
     counts = torch.zeros(N, C, dtype=x_valid.dtype, device=x_valid.device)
     counts.scatter_add_(1, assign, token_valid.to(x_valid.dtype))

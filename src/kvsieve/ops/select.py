@@ -15,13 +15,15 @@ from torch import Tensor
 
 
 def summary_scores(q: Tensor, lo: Tensor, hi: Optional[Tensor] = None,
-                   n_valid: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                   n_valid: Optional[Tensor] = None, group_only: bool = False
+                   ) -> Tuple[Optional[Tensor], Tensor]:
     """Score every entry for every query head (unscaled logits, float32).
 
     q [B, Hq, D]; lo [B, Hkv, N, D] centroids (hi None: score q.lo) or page key minima
     with hi the maxima (score sum_i max(q_i*hi_i, q_i*lo_i), an upper bound of q.k on the
     page); n_valid [B, Hkv] entries in use (the rest score -inf).
-    Returns (per_head [B, Hq, N], group_max [B, Hkv, N]: max over each KV head's group).
+    Returns (per_head [B, Hq, N], group_max [B, Hkv, N]: max over each KV head's group);
+    per_head is None with group_only (the kernel then skips writing it).
     """
     B, Hq, D = q.shape
     Hkv, N = lo.shape[1], lo.shape[2]
@@ -35,7 +37,7 @@ def summary_scores(q: Tensor, lo: Tensor, hi: Optional[Tensor] = None,
     if n_valid is not None:
         bad = torch.arange(N, device=q.device)[None, None, :] >= n_valid[..., None]
         s = s.masked_fill(bad[:, :, None, :], float("-inf"))
-    return s.reshape(B, Hq, N), s.amax(2)
+    return None if group_only else s.reshape(B, Hq, N), s.amax(2)
 
 
 def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -70,22 +72,25 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor) -> Tuple[Ten
 
 
 def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Optional[Tensor],
-                   member_entry: Optional[Tensor], entry_start: Optional[Tensor], width: int,
+                   entry_start: Optional[Tensor], sizes: Optional[Tensor], width: int,
                    always_end: Tensor, always_start: Tensor, lengths: Tensor, cap: int
                    ) -> Tuple[Tensor, Tensor]:
     """Write each row's token list: the chosen entries' tokens, then the tokens attended
-    regardless ([0, always_end) and [always_start, length)).
+    regardless ([0, min(always_end, length)) and [always_start, length)).
 
     Entries are either clusters given in CSR form: members [B, Hkv, M] int32 token ids
-    grouped by entry, member_entry [B, Hkv, M] int32 (the entry of each member, -1 past
-    the end), entry_start [B, Hkv, N] int32; or (members None) pages of `width` tokens:
-    entry e owns tokens [e*width, (e+1)*width) that are < always_start.
+    grouped by entry, entry e owning members [entry_start[e], entry_start[e] + sizes[e])
+    (entry_start, sizes [B, Hkv, N], entries stored in order); or (members None) pages
+    of `width` tokens: entry e owns tokens [e*width, (e+1)*width) that are < always_start.
     chosen/offsets/total: select_by_budget's outputs [B, Hkv, N]/[B, Hkv]; always_end,
-    always_start [B, Hkv] int32, lengths [B] long. Lists are cut at `cap`.
+    always_start: int tensors broadcastable to [B, Hkv]; lengths [B] long. Chosen entry
+    e's j-th token goes to position offsets[e] + j. Lists are cut at `cap`.
     Returns indices [B, Hkv, cap] int32 and counts [B, Hkv] int32.
     """
     B, Hkv, N = chosen.shape
     dev = chosen.device
+    always_end = torch.minimum(always_end.expand(B, Hkv).long(), lengths[:, None])
+    always_start = always_start.expand(B, Hkv).long()
     if members is None:
         pos = torch.arange(N * width, device=dev)
         entry = (pos // width).expand(B, Hkv, -1)
@@ -93,8 +98,11 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
         live = tok < always_start[..., None]
         starts = (torch.arange(N, device=dev) * width).expand(B, Hkv, -1)
     else:
-        entry, tok, starts = member_entry.long(), members.long(), entry_start.long()
-        live = entry >= 0
+        starts, tok = entry_start.long(), members.long()
+        p = torch.arange(tok.shape[-1], device=dev).expand_as(tok).contiguous()
+        entry = torch.searchsorted(starts.contiguous(), p, right=True) - 1
+        e = entry.clamp(min=0)
+        live = (entry >= 0) & (p < (starts + sizes.expand(B, Hkv, N).long()).gather(-1, e))
     e = entry.clamp(min=0)
     p = torch.arange(entry.shape[-1], device=dev).expand_as(entry)
     take = live & chosen.gather(-1, e)
@@ -103,13 +111,13 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
     out = torch.zeros(B, Hkv, cap + 1, dtype=torch.int32, device=dev)
     out.scatter_(-1, torch.where(take, dst, torch.full_like(dst, cap)), tok.to(torch.int32))
     j = torch.arange(cap, device=dev)
-    head = always_end.long()[..., None]
-    tail_n = (lengths[:, None] - always_start.long()).clamp(min=0)[..., None]
+    head = always_end[..., None]
+    tail_n = (lengths[:, None] - always_start).clamp(min=0)[..., None]
     sel = total.long()[..., None]
     first = (j >= sel) & (j < sel + head)
     second = (j >= sel + head) & (j < sel + head + tail_n)
     out = out[..., :cap]
     out = torch.where(first, (j - sel).int(), out)
-    out = torch.where(second, (always_start.long()[..., None] + j - sel - head).int(), out)
+    out = torch.where(second, (always_start[..., None] + j - sel - head).int(), out)
     counts = (sel + head + tail_n).clamp(max=cap)[..., 0].to(torch.int32)
     return out, counts

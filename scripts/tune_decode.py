@@ -1,0 +1,165 @@
+"""GPU tuning sweep for the tactic decode step at Llama-3.1-8B shapes (128K context):
+attention launch configurations, the three selection kernels timed one by one, and the
+K-means steps at prefill. Prints one JSON line per measurement.
+
+Usage (GPU machine): PYTHONPATH=src python3 scripts/tune_decode.py [--contexts 131072] [--batches 8,32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from kvsieve import dispatch
+from kvsieve.bench.kernels import prepare_per_request, synthetic_kv, to_paged
+from kvsieve.bench.timing import capture, median_ms
+from kvsieve.kernels import decode as kdecode, kmeans as kkmeans, select as kselect
+from kvsieve.methods import make_method
+from kvsieve.ops.paged import paged_decode_reference
+
+CONFIGS = [  # block_n, num_warps, num_stages, target programs, lowp_pv
+    (64, 4, 3, 1024, False), (128, 4, 2, 1024, True), (128, 4, 2, 512, True), (128, 4, 2, 256, True),
+    (128, 2, 2, 512, True), (64, 2, 2, 1024, True), (64, 2, 2, 512, True), (256, 4, 2, 512, True),
+    (128, 8, 2, 512, True), (64, 2, 3, 1024, True),
+]
+SCORE_CONFIGS = [(128, 8), (256, 8)]
+BUDGET_CONFIGS = [(8, 8), (8, 4), (4, 4), (16, 4), (8, 2), (4, 2)]
+
+
+CONFIGS_ONLY_DEFAULT = False
+
+
+def log(**kw):
+    print(json.dumps(kw), flush=True)
+
+
+def decode_cell(S: int, B: int, frac: float, copy_gbs: float):
+    Hq, Hkv, D = 32, 8, 128
+    k, v = synthetic_kv(B, Hkv, S, D, torch.bfloat16, seed=S + B)
+    q = (torch.randn(B, Hq, D, device="cuda") * 1.5).to(torch.bfloat16)
+    lengths = torch.full((B,), S, device="cuda", dtype=torch.long)
+    host = [S] * B
+    pk, pv, bt = to_paged(k, v, 16)
+    del v
+    m = make_method("tactic", budget=int(round(frac * S)))
+    st = prepare_per_request(m, k, lengths)
+    del k
+    p = m.plan(q, st, lengths, host)
+    torch.cuda.synchronize()
+    nbytes = float(p.counts.double().sum()) * 2 * D * 2 + 4 * float(p.counts.sum())
+    # selection, kernel by kernel
+    n_valid = st.num_clusters[:, None].expand(B, Hkv)
+    sc = lambda: dispatch.summary_scores(q, st.centroids, None, n_valid, group_only=True)  # noqa: E731
+    gmax = sc()[1]
+    bud = torch.full((B, Hkv), m.config.budget, dtype=torch.int32, device="cuda")
+    sb = lambda: dispatch.select_by_budget(gmax, st.sizes32, bud)  # noqa: E731
+    ch, off, tot = sb()
+    sink = torch.full((1, 1), m.config.sink, dtype=torch.int32, device="cuda")
+    cp = lambda: dispatch.compact_tokens(ch, off, tot, st.members, st.entry_start, st.sizes32, 0, sink,  # noqa: E731
+                                         st.num_indexed[:, None], lengths, p.cap)
+    parts = {name: median_ms(capture(fn)) for name, fn in (("scores", sc), ("budget", sb), ("compact", cp),
+                                                            ("plan", lambda: m.plan(q, st, lengths, host)))}
+    log(kind="selection", S=S, B=B, frac=frac, centroid_dtype=str(st.centroids.dtype),
+        clusters=st.centroids.shape[2], **{k_: round(v_, 4) for k_, v_ in parts.items()})
+    for cfg in SCORE_CONFIGS:
+        ms = median_ms(capture(lambda: kselect.summary_scores(q, st.centroids, None, n_valid, True, cfg)))
+        log(kind="scores", S=S, B=B, block=cfg[0], warps=cfg[1], ms=round(ms, 4))
+    for cfg in BUDGET_CONFIGS:
+        ms = median_ms(capture(lambda: kselect.select_by_budget(gmax, st.sizes32, bud, cfg)))
+        log(kind="budget", S=S, B=B, thresholds=cfg[0], warps=cfg[1], ms=round(ms, 4))
+    if CONFIGS_ONLY_DEFAULT:
+        return
+    # attention configurations
+    ref = None
+    if B <= 8:
+        ref = paged_decode_reference(q.double(), pk, pv, bt, p.counts, p.indices)[0]
+        lowp = paged_decode_reference(q, pk, pv, bt, p.counts, p.indices)[0]
+        log(kind="reference_error", S=S, B=B, rel_err_bf16_reference=rel(lowp, ref))
+    for bn, w, stg, tgt, lp in CONFIGS:
+        cfg = dict(block_n=bn, num_warps=w, num_stages=stg, target=tgt, lowp_pv=lp)
+        try:
+            fn = lambda: kdecode.paged_decode(q, pk, pv, bt, p.counts, p.indices, cap=p.cap, _config=cfg)  # noqa: E731
+            out = fn()[0]
+            ms = median_ms(capture(fn))
+            step = median_ms(capture(lambda: (m.plan(q, st, lengths, host),
+                                              kdecode.paged_decode(q, pk, pv, bt, p.counts, p.indices, cap=p.cap,
+                                                                   _config=cfg))))
+            log(kind="attention", S=S, B=B, frac=frac, **cfg, attn_ms=round(ms, 4),
+                gbs=round(nbytes / ms / 1e6), pct_copy=round(nbytes / ms / 1e6 / copy_gbs, 3),
+                step_ms=round(step, 4), rel_err=None if ref is None else rel(out, ref))
+        except Exception as e:  # a configuration may not compile (shared memory)
+            log(kind="attention", **cfg, error=f"{type(e).__name__}: {e}"[:200])
+    del pk, pv, st
+    torch.cuda.empty_cache()
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def kmeans_parts(S: int):
+    Hkv, D = 8, 128
+    k, _ = synthetic_kv(1, Hkv, S, D, torch.bfloat16, seed=7)
+    win = 16384
+    x = k[0, :, : S // win * win].reshape(-1, win, D).float().contiguous()
+    R = x.shape[0]
+    C = win // 32
+    cent = x[:, torch.randperm(win, device="cuda")[:C]].contiguous()
+    valid = torch.ones(R, C, dtype=torch.bool, device="cuda")
+    tv = torch.ones(R, win, dtype=torch.bool, device="cuda")
+    a = kkmeans.nearest_centroid(x, cent, valid)
+    t_near = median_ms(lambda: kkmeans.nearest_centroid(x, cent, valid))
+    t_upd = median_ms(lambda: kkmeans.update_centroids(x, a, tv, cent))
+    import time
+    t0 = time.perf_counter()
+    for r in range(R):  # the initial-centroid draw of ops.kmeans: one CPU generator per row
+        gen = torch.Generator().manual_seed(r)
+        torch.rand(win, generator=gen)
+    t_noise = (time.perf_counter() - t0) * 1e3
+    xb = k[0, :, 4:].reshape(Hkv, S - 4, D)
+    a16 = kkmeans.nearest_centroid(x.to(torch.bfloat16), cent, valid)
+    t_near16 = median_ms(lambda: kkmeans.nearest_centroid(x.to(torch.bfloat16), cent, valid))
+    log(kind="kmeans_detail", cpu_noise_ms=round(t_noise, 2), nearest_bf16_ms=round(t_near16, 3),
+        agree_bf16=float((a16 == a).float().mean()), x_shape=list(xb.shape))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        make_method("tactic").prepare(k, torch.full((1,), S, device="cuda", dtype=torch.long))
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12), flush=True)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8), flush=True)
+    m = make_method("tactic")
+    lengths = torch.full((1,), S, device="cuda", dtype=torch.long)
+    st = m.prepare(k, lengths)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    st = m.prepare(k, lengths)
+    torch.cuda.synchronize()
+    log(kind="kmeans", S=S, rows=R, nearest_ms=round(t_near, 3), update_ms=round(t_upd, 3),
+        prepare_ms=round((time.perf_counter() - t0) * 1e3, 2), iters=st.iters)
+    del k, x
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="131072")
+    ap.add_argument("--batches", default="8,32")
+    ap.add_argument("--budget", type=float, default=0.025)
+    ap.add_argument("--kmeans-context", type=int, default=131072)
+    ap.add_argument("--no-attention-sweep", action="store_true")
+    args = ap.parse_args()
+    global CONFIGS_ONLY_DEFAULT
+    CONFIGS_ONLY_DEFAULT = args.no_attention_sweep
+    from kvsieve.bench.timing import copy_bandwidth_gbs
+
+    copy = copy_bandwidth_gbs()
+    log(kind="device", name=torch.cuda.get_device_name(), copy_gbs=round(copy))
+    if args.kmeans_context:
+        kmeans_parts(args.kmeans_context)
+    for S in map(int, args.contexts.split(",")):
+        for B in map(int, args.batches.split(",")):
+            decode_cell(S, B, args.budget, copy)
+
+
+if __name__ == "__main__":
+    main()
