@@ -93,7 +93,8 @@ def cmd_bench(args) -> int:
         json.dump(result, f, indent=1, default=str)
     print(format_table(result))
     try:
-        plot(result, os.path.join(args.out, "bench.png"))
+        if result["rows"]:  # the plot shows the kernel table (absent with --contexts '')
+            plot(result, os.path.join(args.out, "bench.png"))
     except ImportError:
         print("(matplotlib not installed: no plot)")
     return 0
