@@ -130,10 +130,8 @@ def _budget_kernel(S, Z, BUD, CHOSEN, OFF, TOT, N, sz_r, sb_r, BLOCK: tl.constex
     tl.store(TOT + row, tl.sum(csz, 0))
 
 
-def thresholds_per_round(block: int) -> int:
-    """Thresholds tested per round: 4 was fastest on the H200 at 4096 entries (8 and 16
-    need fewer rounds but each costs more than it saves)."""
-    return 4
+THRESHOLDS_PER_ROUND = 4  # fastest on the H200 at 4096 entries: 8 or 16 need fewer rounds
+# but each costs more than it saves
 
 
 def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor,
@@ -151,7 +149,7 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor,
     off = torch.empty(R, N, dtype=torch.int32, device=s.device)
     tot = torch.empty(R, dtype=torch.int32, device=s.device)
     block = max(16, next_pow2(N))
-    k, warps = _config or (thresholds_per_round(block), min(16, max(4, block // 1024)))  # H200 sweep
+    k, warps = _config or (THRESHOLDS_PER_ROUND, min(16, max(4, block // 1024)))  # H200 sweep
     _budget_kernel[(R,)](s, z, bud, chosen, off, tot, N, z.stride(0), bud.stride(0), BLOCK=block, K=k,
                          num_warps=warps)
     return chosen.view(torch.bool).view(*lead, N), off.view(*lead, N), tot.view(lead)
