@@ -12,7 +12,7 @@ import json
 import torch
 
 from kvsieve import dispatch
-from kvsieve.bench.kernels import prepare_per_request, synthetic_kv, to_paged
+from kvsieve.bench.kernels import aimed_queries, prepare_per_request, synthetic_kv, to_paged
 from kvsieve.bench.timing import capture, median_ms
 from kvsieve.kernels import decode as kdecode, kmeans as kkmeans, select as kselect
 from kvsieve.methods import make_method
@@ -25,6 +25,8 @@ CONFIGS = [  # block_n, num_warps, num_stages, target programs, lowp_pv
 ]
 SCORE_CONFIGS = [(128, 8), (256, 8)]
 BUDGET_CONFIGS = [(8, 8), (8, 4), (4, 4), (16, 4), (8, 2), (4, 2)]
+NEAREST_CONFIGS = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3),
+                   (256, 64, 8, 3), (128, 32, 4, 4), (128, 64, 8, 4), (256, 128, 8, 3)]
 
 
 CONFIGS_ONLY_DEFAULT = False
@@ -94,6 +96,40 @@ def decode_cell(S: int, B: int, frac: float, copy_gbs: float):
     torch.cuda.empty_cache()
 
 
+def threshold_cell(S: int, B: int, P: float):
+    """Tactic's fitted-threshold plan: kernel-by-kernel profile, plan time, and attention
+    time over the full-context capacity at several program targets (split sizes)."""
+    from kvsieve.ops.paged import PagedKeys
+
+    Hq, Hkv, D = 32, 8, 128
+    k, v = synthetic_kv(B, Hkv, S, D, torch.bfloat16, seed=S + B)
+    q = aimed_queries(k, Hq, seed=S + B)
+    lengths = torch.full((B,), S, device="cuda", dtype=torch.long)
+    host = [S] * B
+    pk, pv, bt = to_paged(k, v, 16)
+    del v
+    m = make_method("tactic", threshold=P)
+    st = prepare_per_request(m, k, lengths)
+    del k
+    keys = PagedKeys(pk, bt)
+    plan = lambda: m.plan(q, st, lengths, host, keys)  # noqa: E731
+    p = plan()
+    torch.cuda.synchronize()
+    frac = float(p.counts.double().mean() / S)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        plan()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14), flush=True)
+    t_plan = median_ms(capture(plan))
+    for tgt in (512, 2048, 8192, 32768):
+        cfg = {"target": tgt}
+        fn = lambda: kdecode.paged_decode(q, pk, pv, bt, p.counts, p.indices, cap=p.cap, _config=cfg)  # noqa: E731
+        log(kind="threshold", S=S, B=B, P=P, read_fraction=round(frac, 4), plan_ms=round(t_plan, 4),
+            target=tgt, attn_ms=round(median_ms(capture(fn)), 4))
+    del pk, pv, st
+    torch.cuda.empty_cache()
+
+
 def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
@@ -122,6 +158,17 @@ def kmeans_parts(S: int):
     t_near16 = median_ms(lambda: kkmeans.nearest_centroid(x.to(torch.bfloat16), cent, valid))
     log(kind="kmeans_detail", cpu_noise_ms=round(t_noise, 2), nearest_bf16_ms=round(t_near16, 3),
         agree_bf16=float((a16 == a).float().mean()), x_shape=list(xb.shape))
+    xb16 = x.to(torch.bfloat16)
+    for cfg in NEAREST_CONFIGS:
+        try:
+            got = kkmeans.nearest_centroid(xb16, cent, valid, cfg)
+            ms = median_ms(lambda: kkmeans.nearest_centroid(xb16, cent, valid, cfg))
+            log(kind="nearest", config=cfg, ms=round(ms, 4), agree=float((got == a16).float().mean()))
+        except Exception as e:  # shared memory
+            log(kind="nearest", config=cfg, error=f"{type(e).__name__}: {e}"[:160])
+    from kvsieve.ops.kmeans import initial_draw
+    rows_len = torch.full((R,), win, device="cuda")
+    log(kind="initial_draw", ms=round(median_ms(lambda: initial_draw(rows_len, win, C, 7919, R)), 4))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         make_method("tactic").prepare(k, torch.full((1,), S, device="cuda", dtype=torch.long))
@@ -147,6 +194,8 @@ def main():
     ap.add_argument("--budget", type=float, default=0.025)
     ap.add_argument("--kmeans-context", type=int, default=131072)
     ap.add_argument("--no-attention-sweep", action="store_true")
+    ap.add_argument("--thresholds", default="", help="tactic thresholds to profile (fitted-budget plan)")
+    ap.add_argument("--no-budget-cells", action="store_true")
     args = ap.parse_args()
     global CONFIGS_ONLY_DEFAULT
     CONFIGS_ONLY_DEFAULT = args.no_attention_sweep
@@ -154,9 +203,13 @@ def main():
 
     copy = copy_bandwidth_gbs()
     log(kind="device", name=torch.cuda.get_device_name(), copy_gbs=round(copy))
+    for P in (float(x) for x in args.thresholds.split(",") if x):
+        for S in map(int, args.contexts.split(",")):
+            for B in map(int, args.batches.split(",")):
+                threshold_cell(S, B, P)
     if args.kmeans_context:
         kmeans_parts(args.kmeans_context)
-    for S in map(int, args.contexts.split(",")):
+    for S in [] if args.no_budget_cells else map(int, args.contexts.split(",")):
         for B in map(int, args.batches.split(",")):
             decode_cell(S, B, args.budget, copy)
 

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvsieve.kernels import decode as kdecode, kmeans as kkmeans, select as kselect  # noqa: E402
+from kvsieve.kernels import decode as kdecode, kmeans as kkmeans, logits as klogits, select as kselect  # noqa: E402
 from kvsieve.methods import make_method  # noqa: E402
 import importlib  # noqa: E402
 
@@ -85,6 +85,40 @@ def test_paged_decode_splits_long_lists_and_merges_exactly():
     o64, l64 = rpaged.paged_decode_reference(q.double(), kp.double(), vp.double(), bt, counts, idx)
     assert rel(out, o64) < 1e-5 and (lse.double() - l64).abs().max() < 1e-4
     assert kdecode.choose_split(1500, 2, 32) < 1500
+
+
+def test_paged_decode_lists_far_shorter_than_capacity():
+    """Threshold plans size the grid from a whole-context capacity: most splits are empty
+    and the merge reads only the splits that hold tokens."""
+    q, kp, vp, bt, _, _ = paged_case(2, 2, 4, 64, 16, 1500, torch.float32, seed=5, sparse=False)
+    g = torch.Generator().manual_seed(5)
+    idx = torch.stack([torch.stack([torch.randperm(1500, generator=g) for _ in range(2)]) for _ in range(2)]).int()
+    counts = torch.tensor([[0, 1], [37, 400]], dtype=torch.int32)
+    idx, counts = idx.to(DEV), counts.to(DEV)
+    out, lse = kdecode.paged_decode(q, kp, vp, bt, counts, idx, _config={"target": 4096})
+    o64, l64 = rpaged.paged_decode_reference(q.double(), kp.double(), vp.double(), bt, counts, idx)
+    assert rel(out, o64) < 1e-5 and torch.equal(torch.isinf(lse), torch.isinf(l64))
+    fin = torch.isfinite(l64)
+    assert (lse[fin].double() - l64[fin]).abs().max() < 1e-4 and (out[~fin] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("G,D,W", [(1, 64, 54), (3, 128, 97), (4, 64, 1), (8, 128, 33)])
+def test_list_logits_matches_reference_and_oracle(dtype, G, D, W):
+    """Per-query-head token lists (-1 = none), keys read through the page table."""
+    B, Hkv, S = 2, 2, 97
+    q, kp, _, bt, _, _ = paged_case(B, Hkv, G, D, 16, S, dtype, seed=W + G, sparse=False)
+    g = torch.Generator().manual_seed(W)
+    tokens = torch.randint(0, S, (B, Hkv * G, W), generator=g, dtype=torch.int32)
+    tokens[:, ::2, ::3] = -1
+    tokens = tokens.to(DEV)
+    got = klogits.list_logits(q, kp, bt, tokens)
+    want = rpaged.list_logits_reference(q, kp, bt, tokens)
+    exact = rpaged.list_logits_reference(q.double(), kp.double(), bt, tokens)
+    none = tokens < 0
+    assert got.dtype == torch.float32 and torch.equal(torch.isinf(got), none) and (got[none] < 0).all()
+    err, ref_err = (got[~none].double() - exact[~none]).abs().max(), (want[~none].double() - exact[~none]).abs().max()
+    assert err <= 1.5 * ref_err + 1e-4
 
 
 @pytest.mark.parametrize("minmax", [False, True])
@@ -236,8 +270,9 @@ def test_nearest_centroid_and_update(D, S, C):
     assert ((got == want) | ((dg - dw).abs() <= 1e-4 * dw.abs().clamp(min=1))[..., 0]).all()
     assert valid.gather(1, got).all()
     tv = torch.rand(3, S, generator=g) < 0.8
-    upd_k = kkmeans.update_centroids((x * tv[..., None]).to(DEV), want.to(DEV), tv.to(DEV), cent.to(DEV)).cpu()
-    upd_r = rkmeans.update_centroids(x * tv[..., None], want, tv, cent)
+    junk = torch.where(tv[..., None], x, float("nan"))  # padding is never read, whatever it holds
+    upd_k = kkmeans.update_centroids(junk.to(DEV), want.to(DEV), tv.to(DEV), cent.to(DEV)).cpu()
+    upd_r = rkmeans.update_centroids(junk, want, tv, cent)
     assert torch.allclose(upd_k, upd_r, atol=1e-5)
 
 
@@ -278,16 +313,21 @@ def test_windowed_kmeans_is_per_window_and_kernels_agree():
     ("tactic", {"budget": 60, "sink": 0, "local": 0}),
     ("lserve", {"budget": 128, "streaming_heads": ((True, False),), "sink": 8, "local": 32}),
     ("hybrid", {"budget": 100, "streaming_heads": ((False, True),), "sink": 0, "local": 70}),
+    ("tactic", {}), ("tactic", {"threshold": 0.5, "sink": 0, "local": 0}),
+    ("tactic", {"threshold": 0.99, "cluster_size": 8}), ("tactic", {"threshold": 1.0}),
+    ("tactic", {"threshold": 0.3, "min_budget": 100}), ("tactic", {"max_budget": 50}),
+    ("hybrid", {"threshold": 0.7, "streaming_heads": ((True, False),), "sink": 8, "local": 32}),
 ])
 def test_plan_selects_exactly_the_reference_mask(name, opts, monkeypatch):
-    """The fast path's token lists (kernels) hold exactly the tokens of select()'s mask."""
+    """The fast path's token lists (kernels) hold exactly the tokens of select()'s mask
+    (threshold plans: exact scores only where the fit reads, through the page table)."""
     monkeypatch.setenv("KVSIEVE_KERNELS", "auto")
     q, k, v = clustered_qkv(3, 6, 2, 397, 64, sharpness=5.0, seed=11, dtype=torch.float32)
     lengths = torch.tensor([397, 200, 54])
     m = make_method(name, **opts)
     st = m.prepare(k, lengths)
     sel = m.select(q, k, lengths, st)
-    plan = m.plan(q.to(DEV), _to(st, DEV), lengths.to(DEV), lengths.tolist())
+    plan = m.plan(q.to(DEV), _to(st, DEV), lengths.to(DEV), lengths.tolist(), paged_keys(k.to(DEV)))
     pos, valid = rpaged.plan_positions(None if plan.indices is None else plan.indices.cpu(), plan.counts.cpu(),
                                        plan.cap)
     hits = torch.zeros(3, 2, 398, dtype=torch.long).scatter_add_(-1, torch.where(valid, pos, 397), valid.long())
@@ -301,3 +341,71 @@ def _to(state, dev):
     for f, x in vars(state).items():
         setattr(state, f, x.to(dev) if isinstance(x, torch.Tensor) else _to(x, dev) if hasattr(x, "__dict__") else x)
     return state
+
+
+def paged_keys(k, page=16, seed=0):
+    """k [B, Hkv, S, D] scattered into a shuffled page pool -> PagedKeys."""
+    B, Hkv, S, D = k.shape
+    npg = -(-S // page)
+    perm = torch.randperm(B * npg + 3, generator=torch.Generator().manual_seed(seed))[:B * npg].view(B, npg)
+    pool = torch.zeros(B * npg + 3, Hkv, page, D, dtype=k.dtype, device=k.device)
+    pages = torch.nn.functional.pad(k, (0, 0, 0, npg * page - S)).view(B, Hkv, npg, page, D).transpose(1, 2)
+    pool[perm.reshape(-1).to(k.device)] = pages.reshape(-1, Hkv, page, D)
+    return rpaged.PagedKeys(pool, perm.int().to(k.device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("opts", [{"threshold": 0.8}, {"threshold": 0.95, "cluster_size": 16}])
+def test_threshold_plan_on_longer_lists(dtype, opts):
+    """3,000-token lists (fitted rows, not exact ones), G = 2, D = 128, three dtypes."""
+    q, k, v = clustered_qkv(2, 8, 4, 3001, 128, sharpness=8.0, seed=5, dtype=dtype)
+    lengths = torch.tensor([3001, 1777])
+    m = make_method("tactic", **opts)
+    st = m.prepare(k, lengths)
+    sel = m.select(q, k, lengths, st)
+    plan = m.plan(q.to(DEV), _to(st, DEV), lengths.to(DEV), lengths.tolist(), paged_keys(k.to(DEV)))
+    pos, valid = rpaged.plan_positions(plan.indices.cpu(), plan.counts.cpu(), plan.cap)
+    hits = torch.zeros(2, 4, 3002, dtype=torch.long).scatter_add_(-1, torch.where(valid, pos, 3001), valid.long())
+    assert hits.max() <= 1
+    assert torch.equal(hits[..., :3001].bool(), sel.mask)
+    assert sel.mask.sum() < 0.8 * 4 * lengths.sum()  # really sparse: not every cluster kept
+
+
+@pytest.mark.parametrize("G,D,C", [(1, 64, 1), (3, 128, 7), (4, 64, 54), (8, 64, 97)])
+def test_ranked_list_logits_matches_reference(G, D, C):
+    """Positions of each head's ranked cluster list -> tokens (binary search on the running
+    sizes, then CSR members) -> logits, against the torch twin and a float64 oracle."""
+    from kvsieve.kernels.logits import ranked_list_logits
+    from kvsieve.ops.threshold import ranked_list_logits_reference, ranked_list_tokens
+
+    B, Hkv, S = 2, 2, 97
+    Hq = Hkv * G
+    q, kp, _, bt, _, _ = paged_case(B, Hkv, G, D, 16, S, torch.float32, seed=C + G, sparse=False)
+    g = torch.Generator().manual_seed(C)
+    assign = torch.randint(0, C, (B, Hkv, S), generator=g)
+    sizes = torch.zeros(B, Hkv, C, dtype=torch.long).scatter_add_(-1, assign, torch.ones_like(assign))
+    members = (assign * S + torch.arange(S)).argsort(-1).int()
+    entry_start = (sizes.cumsum(-1) - sizes).int()
+    order = torch.stack([torch.stack([torch.randperm(C, generator=g) for _ in range(Hq)]) for _ in range(B)])
+    ranked = sizes.repeat_interleave(G, 1).gather(-1, order).int()
+    csize = ranked.cumsum(-1, dtype=torch.int32)
+    pos = torch.randint(-1, S, (B, Hq, 41), generator=g, dtype=torch.int32)
+    args = [t.to(DEV) for t in (pos, csize, ranked, order.int(), entry_start, members)]
+    tok = ranked_list_tokens(*[a.cpu() for a in args])
+    # the token at list position p of head h: walk the ranked clusters by hand
+    b, h, w = 1, Hq - 1, int((pos[1, -1] >= 0).nonzero()[0])
+    p = int(pos[b, h, w])
+    for r in range(C):
+        cid = int(order[b, h, r])
+        n = int(sizes[b, h // G, cid])
+        if p < n:
+            assert int(tok[b, h, w]) == int(members[b, h // G, int(entry_start[b, h // G, cid]) + p])
+            break
+        p -= n
+    assert ((tok >= 0) == (pos >= 0)).all() and (tok < S).all()
+    got = ranked_list_logits(q, kp, bt, *args)
+    want = ranked_list_logits_reference(q, kp, bt, *args)
+    exact = ranked_list_logits_reference(q.double(), kp.double(), bt, *args)
+    none = pos.to(DEV) < 0
+    assert torch.equal(torch.isinf(got), none) and torch.equal(torch.isinf(want), none)
+    assert (got[~none].double() - exact[~none]).abs().max() <= 1.5 * (want[~none].double() - exact[~none]).abs().max() + 1e-4

@@ -152,7 +152,8 @@ def test_prefill_window_defaults_scale_with_the_model():
         make_method("hybrid", prefill_local=-1)
 
 
-@pytest.mark.parametrize("method,opts", [("lserve", {"budget": 64}), ("hybrid", {"budget": 40})])
+@pytest.mark.parametrize("method,opts", [("lserve", {"budget": 64}), ("hybrid", {"budget": 40}),
+                                         ("hybrid", {"threshold": 0.5})])
 def test_paged_decode_with_streaming_heads_matches_the_reference_path(tiny_model, method, opts):
     """The fast path (Λ lists for streaming heads, planned page/cluster lists for the others,
     one paged kernel) generates what the mask-based reference path generates."""

@@ -91,7 +91,7 @@ def test_batch_of_prompts_matches_single_runs(embedded):
 
 
 @pytest.mark.parametrize("method,opts", [("dense", {}), ("quest", {"budget": 128}), ("tactic", {"budget": 200}),
-                                         ("streaming", {"sink": 16, "local": 64})])
+                                         ("tactic", {}), ("streaming", {"sink": 16, "local": 64})])
 def test_paged_fast_path_generates_what_the_reference_path_does(embedded, method, opts):
     """Plan + paged attention straight on the cache pages (the GPU path, here with the
     torch twins) against gather + mask + attend, on a batch of two real-text prompts."""
@@ -104,8 +104,11 @@ def test_paged_fast_path_generates_what_the_reference_path_does(embedded, method
         assert runs[1].kv_fraction < 0.6
 
 
-def test_paged_path_refused_for_threshold_tactic(embedded):
-    with pytest.raises(ValueError, match="budget"):
+def test_paged_path_refused_for_a_method_without_plan(embedded, monkeypatch):
+    from kvsieve.methods.tactic import Tactic
+
+    monkeypatch.setattr(Tactic, "supports_plan", lambda self: False)
+    with pytest.raises(ValueError, match="no paged fast path"):
         Engine(embedded[0], "tactic", paged=True)
 
 

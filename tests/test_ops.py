@@ -188,3 +188,56 @@ def test_page_summaries_are_channelwise_min_max():
     kmin, kmax = page_summaries(k, torch.tensor([37]), 16)
     assert torch.equal(kmin[0, 0, 1], k[0, 0, 16:32].amin(0))
     assert torch.equal(kmax[0, 0, 2], k[0, 0, 32:37].amax(0))
+
+
+@pytest.mark.parametrize("threshold,min_budget,max_budget", [(0.9, 0, None), (0.5, 0, None), (0.99, 0, None),
+                                                            (1.0, 0, None), (0.3, 300, None), (0.9, 0, 400)])
+@pytest.mark.parametrize("decay", [0.0, 1.0, 3.0])
+def test_threshold_keep_from_read_positions_equals_full_list_budget(threshold, min_budget, max_budget, decay):
+    """ops.threshold (cluster boundaries, closed-form fitted tail, only the read positions)
+    keeps exactly the clusters that estimate_budget over the whole list implies (float64)."""
+    from types import SimpleNamespace
+
+    from kvsieve.ops.threshold import keep_clusters, read_positions, read_widths
+
+    g = torch.Generator().manual_seed(int(10 * threshold + decay))
+    R, C = 24, 60
+    sizes = torch.randint(0, 50, (R, C), generator=g)
+    sizes[0] = 0  # an empty list
+    sizes[1, 2:] = 0  # a short, exactly computed list
+    n = sizes.sum(-1)
+    L = int(n.max())
+    x = torch.arange(1, L + 1, dtype=torch.float64)
+    # descending-ish curves: steep decay makes b < 0 (the closed form's clipped tail)
+    logits = -decay * torch.log(x)[None, :] + 0.7 * torch.randn(R, L, generator=g, dtype=torch.float64)
+    always = torch.randn(R, 5, generator=g, dtype=torch.float64) + 2.0
+    always[::3, 3:] = float("-inf")
+    cfg = SimpleNamespace(head_fraction=0.02, segment_centers=(0.1, 0.6), segment_fraction=0.01,
+                          min_segment_tokens=16)
+    layout = fit_layout(n, cfg.head_fraction, cfg.segment_centers, cfg.segment_fraction, cfg.min_segment_tokens)
+    head_w, seg_w = read_widths(n.tolist(), cfg)
+    pos = read_positions(layout, n, head_w, seg_w)
+    read = logits.gather(1, pos.clamp(min=0)).masked_fill(pos < 0, float("-inf"))
+    csize = sizes.cumsum(-1)
+    got = keep_clusters(read, pos, always, layout, n, csize, head_w, threshold, min_budget, max_budget)
+
+    p = torch.arange(L)[None, :]
+    in_read = torch.zeros(R, L + 1, dtype=torch.bool).scatter_(1, torch.where(pos >= 0, pos, L), True)[:, :L]
+    sl = logits.masked_fill(~in_read, float("-inf"))
+    shift = torch.maximum(sl.amax(-1, keepdim=True), always.amax(-1, keepdim=True))
+    budget, _ = estimate_budget(torch.exp(sl - shift), n, layout, threshold, torch.exp(always - shift).sum(-1))
+    budget = budget.clamp(min=min_budget)
+    want = torch.where(budget > 0, (csize < budget[:, None]).sum(-1) + 1, 0)
+    if max_budget is not None:
+        want = torch.minimum(want, (csize <= max_budget).sum(-1).clamp(min=1))
+    live = n > 0
+    assert torch.equal(got[live], want[live]) and (got[~live] == 0).all()
+    assert in_read.sum() < 0.5 * n.sum()  # most of the list was never read
+
+
+def test_harmonic_numbers():
+    from kvsieve.ops.threshold import harmonic
+
+    n = torch.tensor([0, 1, 2, 10, 1000, 123457], dtype=torch.float64)
+    want = torch.tensor([sum(1.0 / x for x in range(1, int(m) + 1)) for m in n.tolist()], dtype=torch.float64)
+    assert torch.allclose(harmonic(n), want, rtol=1e-13, atol=1e-14)

@@ -16,6 +16,29 @@ def paged_decode(q, k_pool, v_pool, block_table, counts, indices=None, scale=Non
     return _paged_ref.paged_decode_reference(q, k_pool, v_pool, block_table, counts, indices, scale)
 
 
+def list_logits(q, k_pool, block_table, tokens, scale=None):
+    """See ops.paged.list_logits_reference."""
+    if use_triton(q):
+        from .kernels.logits import list_logits as kernel
+        return kernel(q, k_pool, block_table, tokens, scale)
+    return _paged_ref.list_logits_reference(q, k_pool, block_table, tokens, scale)
+
+
+def ranked_list_logits(q, k_pool, block_table, positions, csize, ranked, order, entry_start, members, scale=None):
+    """See ops.threshold.ranked_list_logits_reference."""
+    if use_triton(q):
+        from .kernels.logits import ranked_list_logits as impl
+    else:
+        from .ops.threshold import ranked_list_logits_reference as impl
+    return impl(q, k_pool, block_table, positions, csize, ranked, order, entry_start, members, scale)
+
+
+def keep_clusters(read, positions, always, layout, n, csize, head_w, threshold, min_budget=0, max_budget=None):
+    """See ops.threshold.keep_clusters."""
+    from .ops.threshold import keep_clusters as impl
+    return impl(read, positions, always, layout, n, csize, head_w, threshold, min_budget, max_budget)
+
+
 def summary_scores(q, lo, hi=None, n_valid=None, group_only=False):
     if use_triton(q):
         from .kernels.select import summary_scores as kernel

@@ -17,9 +17,7 @@ def register(sub) -> None:
     p.add_argument("--contexts", default="8192,32768,131072,262144", help="comma-separated context lengths")
     p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--budgets", default="0.01,0.025,0.05", help="token budgets as fractions of the context")
-    p.add_argument("--thresholds", default="0.9", help="tactic thresholds P (torch reference selection)")
-    p.add_argument("--threshold-max-tokens", type=int, default=262144,
-                   help="run thresholds only where context x batch <= this (the reference reads every key)")
+    p.add_argument("--thresholds", default="0.9", help="tactic thresholds P (fitted budget; '' to skip)")
     p.add_argument("--cluster-context", type=int, default=131072, help="context for clustering vs prefill (0: skip)")
     p.add_argument("--e2e-contexts", default="32768,131072", help="end-to-end contexts ('' to skip)")
     p.add_argument("--e2e-batches", default="1,8")
@@ -83,7 +81,7 @@ def cmd_bench(args) -> int:
               flush=True)
 
     t0 = time.time()
-    result = kernels.run(contexts, batches, budgets, thresholds, args.threshold_max_tokens, log,
+    result = kernels.run(contexts, batches, budgets, thresholds, log,
                          cluster_context=args.cluster_context or None)
     result["e2e"] = e2e.run(e2e_contexts, e2e_batches, log=log) if e2e_contexts else []
     result["prefill"] = prefill.run(prefill_contexts, prefill_e2e, log=log)

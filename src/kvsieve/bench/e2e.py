@@ -122,7 +122,7 @@ def run(contexts, batches, budget_fraction: float = 0.025, log=print) -> List[di
             lserve = {"budget": tok, "streaming_heads": half_streaming(model.cfg.num_layers, model.cfg.num_kv_heads),
                       "reuse_steps": 1}
             for method, opts in (("dense", {}), ("tactic", {"budget": tok}), ("quest", {"budget": tok}),
-                                 ("lserve", lserve)):
+                                 ("lserve", lserve), ("tactic", {"threshold": 0.9})):
                 try:
                     r = decode_tokens_per_s(model, method, S, B, **opts)
                 except torch.cuda.OutOfMemoryError:

@@ -90,8 +90,9 @@ def _split_kernel(Q, K, V, BT, IDX, CNT, OUT, LSE,
 
 
 @triton.jit
-def _merge_kernel(PART, PLSE, OUT, LSE, NS, G: tl.constexpr, D: tl.constexpr):
-    """One program per (sub-request, query head): merge its NS split results."""
+def _merge_kernel(PART, PLSE, CNT, OUT, LSE, NS, SPLIT, G: tl.constexpr, D: tl.constexpr):
+    """One program per (sub-request, query head): merge the split results that hold
+    tokens (a list far shorter than the capacity leaves most splits empty)."""
     pid = tl.program_id(0)
     row = pid // G
     g = pid % G
@@ -99,7 +100,8 @@ def _merge_kernel(PART, PLSE, OUT, LSE, NS, G: tl.constexpr, D: tl.constexpr):
     m = tl.full([1], float("-inf"), tl.float32)
     l = tl.zeros([1], tl.float32)
     acc = tl.zeros([D], tl.float32)
-    for s in range(0, NS):
+    used = tl.minimum(tl.cdiv(tl.load(CNT + row), SPLIT), NS)
+    for s in range(0, used):
         base = (row * NS + s) * G + g
         lse_s = tl.load(PLSE + base + tl.arange(0, 1))
         m_new = tl.maximum(m, lse_s)
@@ -172,5 +174,5 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
-    _merge_kernel[(B * Hq,)](part, plse, out, lse, ns, G=G, D=D, num_warps=1)
+    _merge_kernel[(B * Hq,)](part, plse, counts, out, lse, ns, split, G=G, D=D, num_warps=1)
     return out, lse

@@ -41,7 +41,7 @@ def _nearest_kernel(X, C, CN, OUT, S, NC, sx_r, sx_s, sc_r, sc_c,
     tl.store(OUT + r * S + offs_m, arg, mask=offs_m < S)
 
 
-def nearest_centroid(x: Tensor, centroids: Tensor, cluster_valid: Tensor) -> Tensor:
+def nearest_centroid(x: Tensor, centroids: Tensor, cluster_valid: Tensor, _config=None) -> Tensor:
     """Triton twin of ops.kmeans.nearest_centroid: x [N, S, D], centroids [N, C, D] float32,
     cluster_valid [N, C] -> [N, S] long. Distances use ||c||^2 - 2 x.c accumulated in
     float32: a 16-bit matmul against the rounded centroids for fp16/bf16 keys, tf32
@@ -54,10 +54,10 @@ def nearest_centroid(x: Tensor, centroids: Tensor, cluster_valid: Tensor) -> Ten
     cn = (cf * cf).sum(-1).masked_fill(~cluster_valid, float("inf")).contiguous()
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(R, S, dtype=torch.int32, device=x.device)
-    BM, BC = 64, 64
+    BM, BC, warps, stages = _config or ((64, 64, 4, 3) if interpreting() else (256, 64, 8, 3))  # H200 sweep
     _nearest_kernel[(R, triton.cdiv(S, BM))](
         x, c, cn, out, S, NC, x.stride(0), x.stride(1), c.stride(0), c.stride(1),
-        D=D, BM=BM, BC=BC, UPCAST=interpreting(), num_warps=4)
+        D=D, BM=BM, BC=BC, UPCAST=interpreting(), num_warps=warps, num_stages=stages)
     return out.long()
 
 
@@ -81,10 +81,10 @@ def _segment_mean_kernel(X, ORDER, START, CNT, OLD, OUT, S, NC, sx_r, sx_s,
     tl.store(OUT + pid * D + offs_d, out.to(OUT.dtype.element_ty))
 
 
-def update_centroids(x_valid: Tensor, assign: Tensor, token_valid: Tensor, centroids: Tensor) -> Tensor:
+def update_centroids(x: Tensor, assign: Tensor, token_valid: Tensor, centroids: Tensor) -> Tensor:
     """Triton twin of ops.kmeans.update_centroids: each centroid moves to the mean of its
     members; a cluster with no member keeps its centroid."""
-    R, S, D = x_valid.shape
+    R, S, D = x.shape
     NC = centroids.shape[1]
     a = torch.where(token_valid, assign, torch.full_like(assign, NC)).to(torch.int32)  # padding sorts last
     order = a.argsort(dim=1).to(torch.int32).contiguous()
@@ -92,7 +92,7 @@ def update_centroids(x_valid: Tensor, assign: Tensor, token_valid: Tensor, centr
     cnt.scatter_add_(1, a.long(), torch.ones_like(a))
     cnt = cnt[:, :NC].contiguous()
     start = (cnt.cumsum(1, dtype=torch.int32) - cnt).contiguous()
-    x = x_valid if x_valid.stride(-1) == 1 else x_valid.contiguous()
+    x = x if x.stride(-1) == 1 else x.contiguous()
     old = centroids.contiguous()
     out = torch.empty_like(old)
     _segment_mean_kernel[(R * NC,)](x, order, start, cnt, old, out, S, NC, x.stride(0), x.stride(1),

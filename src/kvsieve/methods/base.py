@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ..config import MethodConfig
 from ..ops.attention import valid_mask
+from ..ops.paged import PagedKeys
 
 
 @dataclass
@@ -92,8 +93,10 @@ class SparseMethod:
         request b from the cache (for occasional index maintenance)."""
         return state
 
-    def plan(self, q: Tensor, state: Any, lengths: Tensor, host_lengths: List[int]) -> TokenPlan:
-        """q [B, Hq, D] -> TokenPlan; device work only, no host synchronisation."""
+    def plan(self, q: Tensor, state: Any, lengths: Tensor, host_lengths: List[int],
+             keys: Optional[PagedKeys] = None) -> TokenPlan:
+        """q [B, Hq, D] -> TokenPlan; device work only, no host synchronisation. keys: the
+        layer's paged keys, for methods that score some tokens exactly while planning."""
         raise NotImplementedError
 
 

@@ -24,6 +24,6 @@ class Dense(SparseMethod):
     def supports_plan(self) -> bool:
         return True
 
-    def plan(self, q, num_kv_heads, lengths, host_lengths):
+    def plan(self, q, num_kv_heads, lengths, host_lengths, keys=None):
         counts = lengths.to(torch.int32)[:, None].expand(q.shape[0], num_kv_heads).contiguous()
         return TokenPlan(None, counts, max(host_lengths))

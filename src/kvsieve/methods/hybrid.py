@@ -142,12 +142,12 @@ class Hybrid(SparseMethod):
         state.dynamic = self.dynamic.append_token(state.dynamic, k_new, lengths, host_lengths, read_keys)
         return state
 
-    def plan(self, q, state: HybridState, lengths, host_lengths):
+    def plan(self, q, state: HybridState, lengths, host_lengths, keys=None):
         """The dynamic method's token lists, with every streaming head's list replaced by its
         Λ window (sink + local tokens: constant cost per step)."""
         from .streaming import sink_local_plan
 
-        dyn = self.dynamic.plan(q, state.dynamic, lengths, host_lengths)
+        dyn = self.dynamic.plan(q, state.dynamic, lengths, host_lengths, keys)
         B, Hkv = dyn.counts.shape
         lam = sink_local_plan(lengths, B, Hkv, self.config.sink, self.config.local)
         cap = max(dyn.cap, lam.cap)

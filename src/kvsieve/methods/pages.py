@@ -121,7 +121,7 @@ class PageSelect(SparseMethod):
         pp = cfg.physical_page_size
         return max(1, cfg.budget // pp) * pp + -(-cfg.sink // pp) * pp + cfg.local + 2 * pp + cfg.reuse_steps
 
-    def plan(self, q, state: PageState, lengths, host_lengths):
+    def plan(self, q, state: PageState, lengths, host_lengths, keys=None):
         cfg = self.config
         pp = cfg.physical_page_size
         cap = self.plan_capacity()

@@ -27,7 +27,7 @@ class Streaming(SparseMethod):
     def supports_plan(self) -> bool:
         return True
 
-    def plan(self, q, num_kv_heads, lengths, host_lengths):
+    def plan(self, q, num_kv_heads, lengths, host_lengths, keys=None):
         return sink_local_plan(lengths, q.shape[0], num_kv_heads, self.config.sink, self.config.local)
 
 

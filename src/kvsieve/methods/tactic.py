@@ -9,7 +9,9 @@ from torch import Tensor
 from .. import dispatch
 from ..config import TacticConfig
 from ..ops.attention import compute_dtype
-from ..ops.fit import estimate_budget, fit_layout
+from ..ops.fit import FitLayout, estimate_budget, fit_layout
+from ..ops.paged import PagedKeys
+from ..ops.threshold import read_positions, read_widths
 from ..ops.kmeans import nearest_centroid
 from ..ops.select import select_by_budget, summary_scores
 from .base import Selection, SparseMethod, TokenPlan
@@ -75,7 +77,7 @@ class Tactic(SparseMethod):
             return ClusterIndex(k.new_zeros(B, Hkv, 1, D, dtype=torch.float32),
                                 torch.zeros(B, Hkv, 1, dtype=torch.long, device=k.device),
                                 torch.full((B, Hkv, S), -1, dtype=torch.long, device=k.device),
-                                lengths.clone(), torch.zeros_like(lengths))
+                                lengths.clone(), torch.zeros_like(lengths), host_indexed=lengths.tolist())
         rows = (indexed_end - sink).repeat_interleave(Hkv)
         res = dispatch.kmeans(k[:, :, sink:].reshape(B * Hkv, S - sink, D), rows, cfg.cluster_size,
                               cfg.max_iters, cfg.seed + 7919 * layer, row_period=Hkv, window=cfg.cluster_window)
@@ -191,7 +193,7 @@ class Tactic(SparseMethod):
 
     # --------------------------------------------------------------- paged fast path
     def supports_plan(self) -> bool:
-        return self.config.budget is not None
+        return True
 
     def append_token(self, state: ClusterIndex, k_new, lengths, host_lengths, read_keys):
         if state.assign.shape[-1] < max(host_lengths):
@@ -204,31 +206,103 @@ class Tactic(SparseMethod):
                            n - self.config.local)
         return state
 
-    def plan_capacity(self, state: ClusterIndex) -> int:
-        """Largest list a step can produce: the budget (or the best cluster alone), the
-        sinks, and the unfolded tail (local window + up to fold_every tokens)."""
+    def plan_capacity(self, state: ClusterIndex, host_lengths: List[int]) -> int:
+        """Largest list a step can produce. Fixed budget: the budget (or the best cluster
+        alone), the sinks, and the unfolded tail (local window + up to fold_every tokens).
+        Threshold: every token (the union of the group's prefixes may cover the list)."""
         cfg = self.config
+        if cfg.budget is None:
+            return max(max(host_lengths), 1)
         return max(cfg.budget, state.max_size) + cfg.sink + cfg.local + cfg.fold_every + 1
 
-    def plan(self, q, state: ClusterIndex, lengths, host_lengths):
-        """Three launches: centroid scores (group max only), budgeted cluster choice, and
-        compaction of the chosen clusters' members plus the always-attended tokens."""
+    def plan(self, q, state: ClusterIndex, lengths, host_lengths, keys: Optional[PagedKeys] = None):
+        """Fixed budget, three launches: centroid scores (group max only), budgeted cluster
+        choice, compaction of the chosen clusters' members plus the always-attended tokens.
+        Threshold: per-head ranking, exact scores where the fit reads (ops.threshold), the
+        group's union of cluster prefixes, then the same compaction; needs `keys`."""
         if state.members is None:
             state.build_csr()
         B, Hkv = state.sizes.shape[:2]
-        _, group_max = dispatch.summary_scores(q, state.centroids, None, state.num_clusters[:, None].expand(B, Hkv),
-                                               group_only=True)
-        key = (B, Hkv, self.config.budget, self.config.sink, q.device)
-        c = state.consts
-        if c is None or c["key"] != key:  # one index may serve methods with other budgets
-            c = state.consts = {
-                "key": key, "budget": torch.full((B, Hkv), self.config.budget, dtype=torch.int32, device=q.device),
-                "sink": torch.full((1, 1), self.config.sink, dtype=torch.int32, device=q.device)}
-        chosen, offsets, total = dispatch.select_by_budget(group_max, state.sizes32, c["budget"])
-        cap = self.plan_capacity(state)
+        n_valid = state.num_clusters[:, None].expand(B, Hkv)
+        c = self._consts(state, q, host_lengths)
+        if self.config.budget is None:
+            if keys is None:
+                raise ValueError("tactic's threshold plan reads keys: pass keys=PagedKeys(pool, block_table)")
+            chosen, offsets, total = self._choose_by_threshold(q, state, lengths, keys, c)
+        else:
+            _, group_max = dispatch.summary_scores(q, state.centroids, None, n_valid, group_only=True)
+            chosen, offsets, total = dispatch.select_by_budget(group_max, state.sizes32, c["budget"])
+        cap = self.plan_capacity(state, host_lengths)
         idx, counts = dispatch.compact_tokens(chosen, offsets, total, state.members, state.entry_start,
                                               state.sizes32, 0, c["sink"], state.num_indexed[:, None], lengths, cap)
         return TokenPlan(idx, counts, cap)
+
+    def _consts(self, state: ClusterIndex, q, host_lengths) -> dict:
+        """Small tensors and host-side widths a plan reuses instead of rebuilding them each step
+        (one index may serve methods with other budgets: keyed by the config)."""
+        cfg = self.config
+        B, Hkv = state.sizes.shape[:2]
+        key = (B, Hkv, cfg, q.device)
+        c = state.consts
+        if c is None or c["key"] != key:
+            c = state.consts = {
+                "key": key,
+                "budget": torch.full((B, Hkv), cfg.budget or 0, dtype=torch.int32, device=q.device),
+                "sink": torch.full((1, 1), cfg.sink, dtype=torch.int32, device=q.device)}
+        if cfg.budget is None:
+            indexed = state.host_indexed or list(host_lengths)
+            wkey = (tuple(indexed), tuple(host_lengths), q.shape[1])
+            if c.get("wkey") != wkey:  # changes only when a fold moves num_indexed
+                c.update(self._threshold_layout(indexed, host_lengths, q.shape[1], q.device), wkey=wkey)
+        return c
+
+    def _threshold_layout(self, indexed: List[int], host_lengths: List[int], Hq: int, device) -> dict:
+        """The fit's geometry from host-known list lengths (every KV head of request b indexes
+        the same num_indexed - sink tokens): FitLayout and read positions [B*Hq, W] per query
+        head, and the always-attended tokens [B, A] (sinks, unindexed tail; -1 past the length)."""
+        cfg = self.config
+        n = torch.tensor([max(i - cfg.sink, 0) for i in indexed], dtype=torch.long)
+        head_w, seg_w = read_widths(n.tolist(), cfg)
+        lay = fit_layout(n, cfg.head_fraction, cfg.segment_centers, cfg.segment_fraction, cfg.min_segment_tokens)
+        pos = read_positions(lay, n, head_w, seg_w)
+        tail = max(max(L - i, 0) for L, i in zip(host_lengths, indexed))
+        j = torch.arange(cfg.sink + tail)[None, :]
+        always = torch.where(j < cfg.sink, j, torch.tensor(indexed)[:, None] + j - cfg.sink)
+        always = torch.where(always < torch.tensor(host_lengths)[:, None], always, -1)
+
+        def rows(t):
+            return t.repeat_interleave(Hq, 0).to(device)
+
+        layout = FitLayout(rows(lay.head_len), rows(lay.seg_len), tuple(rows(s) for s in lay.seg_start), rows(lay.exact))
+        return {"head_w": head_w, "seg_w": seg_w, "layout": layout, "n": rows(n),
+                "positions": rows(pos).to(torch.int32), "always": always.to(torch.int32).to(device)}
+
+    def _choose_by_threshold(self, q, st: ClusterIndex, lengths, keys: PagedKeys, c: dict):
+        """Each query head keeps its smallest cluster prefix reaching the threshold (fitted);
+        a KV head takes the union of its group's prefixes. Returns select_by_budget's outputs."""
+        cfg = self.config
+        B, Hq, D = q.shape
+        Hkv, C = st.sizes.shape[1:]
+        G = Hq // Hkv
+        scores, _ = dispatch.summary_scores(q, st.centroids, None, st.num_clusters[:, None].expand(B, Hkv))
+        sizes = st.sizes32.repeat_interleave(G, 1)  # [B, Hq, C]
+        scores = scores.masked_fill(sizes == 0, float("-inf"))
+        order = scores.sort(dim=-1, descending=True, stable=True)[1]
+        ranked = sizes.gather(-1, order)
+        csize = ranked.cumsum(-1, dtype=torch.int32)  # tokens in the first r+1 ranked clusters
+        W = c["positions"].shape[-1]
+        pos = c["positions"].view(B, Hq, W)
+        read = dispatch.ranked_list_logits(q, keys.pool, keys.block_table, pos, csize, ranked,
+                                           order.to(torch.int32), st.entry_start, st.members)
+        always = dispatch.list_logits(q, keys.pool, keys.block_table, c["always"][:, None, :].expand(B, Hq, -1))
+        keep = dispatch.keep_clusters(read.view(B * Hq, W), c["positions"], always.view(B * Hq, -1), c["layout"],
+                                      c["n"], csize.view(B * Hq, C), c["head_w"], cfg.threshold, cfg.min_budget,
+                                      cfg.max_budget).view(B, Hq)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(C, device=q.device).expand_as(order))
+        chosen = (rank < keep[..., None]).view(B, Hkv, G, C).any(2)
+        chosen_sizes = st.sizes32 * chosen
+        offsets = chosen_sizes.cumsum(-1, dtype=torch.int32) - chosen_sizes
+        return chosen, offsets, chosen_sizes.sum(-1, dtype=torch.int32)
 
     @staticmethod
     def _read_positions(layout, n: Tensor, S: int) -> Tensor:

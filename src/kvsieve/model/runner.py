@@ -19,6 +19,7 @@ from .. import dispatch
 from ..cache import PagedKVCache
 from ..methods import Selection, make_method
 from ..ops.attention import attend
+from ..ops.paged import PagedKeys
 from .llama import LlamaModel
 
 # observe(layer, q [B, Hq, D], k, v [B, Hkv, S, D], selection, lengths [B], out [B, Hq, D])
@@ -84,7 +85,7 @@ class Engine:
     """Runs a LlamaModel with a sparse method on a paged KV cache.
 
     Decode has two paths with the same results: the *paged* path (default on CUDA for
-    methods that plan: dense, streaming, quest/pages, tactic with a fixed budget) asks
+    methods that plan: dense, streaming, quest/pages, tactic, hybrid) asks
     the method for a TokenPlan and runs the paged attention kernel straight on the
     cache pages; the *reference* path gathers a [B, Hkv, S, D] view per layer and uses
     the method's boolean selection. paged=True/False forces one.
@@ -100,8 +101,8 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.progress = progress
         if paged and not self.method.supports_plan():
-            raise ValueError(f"method {method!r} with these options has no paged fast path (tactic needs "
-                             "--budget); drop paged=True to use the reference decode path")
+            raise ValueError(f"method {method!r} with these options has no paged fast path; "
+                             "drop paged=True to use the reference decode path")
         self.paged = self.method.supports_plan() and (model.device.type == "cuda" if paged is None else paged)
         self._block_table: Optional[Tensor] = None  # per generation, see _table
 
@@ -277,7 +278,7 @@ class Engine:
 
             state = method.append_token(cache.index[layer], k, new_len, host_len, read_keys)
             cache.index[layer] = state
-            plan = method.plan(q, state, new_len, host_len)
+            plan = method.plan(q, state, new_len, host_len, PagedKeys(cache.k[layer], table))
             if frac_sum is not None:
                 frac_sum[layer] += _live_mean(plan.read_fraction(new_len), live)
             out, _ = dispatch.paged_decode(q, cache.k[layer], cache.v[layer], table, plan.counts, plan.indices,

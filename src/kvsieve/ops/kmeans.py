@@ -36,14 +36,45 @@ def nearest_centroid(x: Tensor, centroids: Tensor, cluster_valid: Tensor) -> Ten
     return dist.argmin(-1)
 
 
+def _mul32(x, c: int):
+    """(x * c) mod 2^32 for 0 <= x < 2^32, without int64 overflow (exact on every device)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def _mix32(x):
+    """lowbias32 integer hash of 32-bit values (Python ints or int64 tensors)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def initial_draw(lengths: Tensor, S: int, C: int, seed: int, row_period: int = 1) -> Tensor:
+    """[N, C] long: for each row, C distinct positions among its first lengths[r], drawn
+    uniformly at random from a counter-based hash of (seed, r % row_period, position).
+    Integer arithmetic only, computed where `lengths` lives: CPU and CUDA draw the same
+    positions, no host generator, no transfer. Rows shorter than C repeat padding picks,
+    which the cluster_valid mask of kmeans ignores."""
+    N = lengths.shape[0]
+    dev = lengths.device
+    s = seed & 0xFFFFFFFF
+    keys = [_mix32(_mix32(s ^ _mix32(seed >> 32)) ^ _mul32(r % row_period, 0x9E3779B1)) for r in range(N)]
+    key = torch.tensor(keys, dtype=torch.long, device=dev)[:, None]
+    pos = torch.arange(S, device=dev)[None, :]
+    noise = _mix32(_mix32(_mul32(pos, 0x85EBCA77) ^ key) ^ ((key >> 7) | ((key & 0x7F) << 25)))
+    noise = torch.where(pos < lengths[:, None], noise, 1 << 32)  # padding sorts last
+    return noise.argsort(dim=1, stable=True)[:, :C]
+
+
 def kmeans(x: Tensor, lengths: Tensor, cluster_size: int, max_iters: int = 10, seed: int = 0,
            row_period: int = 1, window: int | None = None, nearest=None, update=None) -> KMeansResult:
     """Cluster the first lengths[n] vectors of each row into ceil(lengths[n]/cluster_size) groups.
 
     x: [N, S, D] any float dtype (centroids and sums in float32, float64 kept; fp16/bf16
     keys are not copied to float32); lengths: [N] long, >= 1.
-    Initial centroids are distinct vectors drawn uniformly at random; row r draws from a
-    generator seeded by (seed, r % row_period) and its own length only, so a request's
+    Initial centroids are distinct vectors drawn uniformly at random (initial_draw); row r's
+    draw depends on (seed, r % row_period) and its own length only, so a request's
     clusters do not depend on what else is in the batch (row_period = heads per request);
     CPU and CUDA draw the same initial centroids. Each iteration updates the
     centroids as means of their members (an empty cluster keeps its centroid, so no NaN)
@@ -72,19 +103,13 @@ def kmeans(x: Tensor, lengths: Tensor, cluster_size: int, max_iters: int = 10, s
     C = max(1, -(-S // cluster_size))
     cluster_valid = torch.arange(C, device=device)[None, :] < num_clusters[:, None]
 
-    noise = torch.full((N, S), 2.0)  # padding sorts last: never an initial centroid
-    for r, n in enumerate(lengths.tolist()):
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + (r % row_period))
-        noise[r, :n] = torch.rand(n, generator=gen)
-    noise = noise.to(device)
-    init_idx = noise.argsort(dim=1)[:, :C]
+    init_idx = initial_draw(lengths, S, C, seed, row_period)
     centroids = torch.gather(x, 1, init_idx[:, :, None].expand(N, C, D)).to(ct)
 
-    x_valid = x * token_valid[..., None].to(x.dtype)
     assign = nearest(x, centroids, cluster_valid)
     iters = 0
     for _ in range(max_iters):
-        centroids = update(x_valid, assign, token_valid, centroids)
+        centroids = update(x, assign, token_valid, centroids)
         iters += 1
         new_assign = nearest(x, centroids, cluster_valid)
         changed = bool(((new_assign != assign) & token_valid).any())
@@ -115,11 +140,12 @@ def _windowed(x, lengths, cluster_size, max_iters, seed, row_period, window, nea
     return KMeansResult(res.centroids.view(N, nw * Cw, D), ids, sizes, used, res.iters)
 
 
-def update_centroids(x_valid: Tensor, assign: Tensor, token_valid: Tensor, centroids: Tensor) -> Tensor:
-    """Move each centroid [N, C, D] to the mean of its members (x_valid [N, S, D] zero on
-    padding, assign [N, S], token_valid [N, S]); an empty cluster keeps its centroid."""
+def update_centroids(x: Tensor, assign: Tensor, token_valid: Tensor, centroids: Tensor) -> Tensor:
+    """Move each centroid [N, C, D] to the mean of its members (x [N, S, D], assign [N, S],
+    token_valid [N, S]: padding is ignored whatever it holds); an empty cluster keeps its
+    centroid."""
     N, C, D = centroids.shape
-    x_valid = x_valid.to(centroids.dtype)
+    x_valid = torch.where(token_valid[..., None], x.to(centroids.dtype), 0.0)
     sums = torch.zeros_like(centroids).scatter_add_(1, assign[..., None].expand_as(x_valid), x_valid)
     counts = torch.zeros(N, C, dtype=x_valid.dtype, device=x_valid.device)
     counts.scatter_add_(1, assign, token_valid.to(x_valid.dtype))

@@ -10,12 +10,22 @@ in page `block_table[b, t // page_size]`, slot `t % page_size` of the layer's po
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .attention import compute_dtype
+
+
+@dataclass(frozen=True)
+class PagedKeys:
+    """What a plan may read to score tokens exactly: one layer's key pool
+    [num_pages, Hkv, page_size, D] and the requests' block table [B, max_pages]."""
+
+    pool: Tensor
+    block_table: Tensor
 
 
 def gather_tokens(pool: Tensor, block_table: Tensor, positions: Tensor) -> Tensor:
@@ -63,3 +73,24 @@ def paged_decode_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tabl
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     out = torch.einsum("bhgn,bhnd->bhgd", torch.exp(logits - safe[..., None]), v)
     return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
+
+
+def list_logits_reference(q: Tensor, k_pool: Tensor, block_table: Tensor, tokens: Tensor,
+                          scale: Optional[float] = None) -> Tensor:
+    """Scaled logits of each query head against its own token list.
+
+    q [B, Hq, D]; tokens [B, Hq, W] int logical positions of the head's KV head (negative:
+    no token). Returns [B, Hq, W] float32 (float64 for float64 q), -inf where no token.
+    """
+    B, Hq, D = q.shape
+    Hkv, page_size = k_pool.shape[1], k_pool.shape[2]
+    W = tokens.shape[-1]
+    ct = compute_dtype(q.dtype)
+    scale = D ** -0.5 if scale is None else scale
+    valid = tokens >= 0
+    pos = tokens.long().clamp(min=0)
+    pages = block_table.long().gather(1, (pos // page_size).reshape(B, -1)).view(B, Hq, W)
+    heads = (torch.arange(Hq, device=q.device) // (Hq // Hkv))[None, :, None].expand(B, Hq, W)
+    k = k_pool[pages, heads, pos % page_size].to(ct)
+    logits = torch.einsum("bhd,bhwd->bhw", q.to(ct), k) * scale
+    return logits.masked_fill(~valid, float("-inf"))

@@ -1,0 +1,97 @@
+"""Exact logits of each query head against its own list of cached tokens (paged cache).
+
+Twins of `kvsieve.ops.paged.list_logits_reference` (explicit token ids) and
+`kvsieve.ops.threshold.ranked_list_logits_reference` (positions in a head's ranked list of
+CSR clusters). One program per (query head, block of
+list entries): the entries' page-table lookups and key rows are independent loads, and
+the dot products run in float32 on the CUDA cores (a single query row gives a tensor-core
+dot nothing to share).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from . import next_pow2
+
+
+@triton.jit
+def _list_logits_kernel(Q, K, BT, TOK, OUT, CS, RK, ORD, EST, MEM,
+                        sq_b, sq_h, sk_p, sk_h, sk_s, sbt, st_b, st_h,
+                        Hq, G, W, NC, M, scale, D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+                        RANKED: tl.constexpr, LOG_C: tl.constexpr):
+    row = tl.program_id(0)
+    b = row // Hq
+    h = row % Hq
+    kv = b * (Hq // G) + h // G
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, D)
+    inside = offs < W
+    tok = tl.load(TOK + b * st_b + h * st_h + offs, mask=inside, other=-1)
+    valid = tok >= 0
+    if RANKED:  # tok is a list position: find its cluster by binary search on the running sizes
+        valid = valid & (tok < tl.load(CS + row * NC + NC - 1))  # past the list: no token
+        p = tl.where(valid, tok, 0)
+        r = tl.zeros([BLOCK], tl.int32)
+        for i in tl.static_range(LOG_C):
+            c = r + (1 << (LOG_C - 1 - i))
+            ok = valid & (c <= NC)
+            r = tl.where(ok & (tl.load(CS + row * NC + c - 1, mask=ok, other=0) <= p), c, r)
+        r = tl.minimum(r, NC - 1)
+        cid = tl.load(ORD + row * NC + r, mask=valid, other=0)
+        first = tl.load(EST + kv * NC + cid, mask=valid, other=0)
+        within = p - tl.load(CS + row * NC + r, mask=valid, other=0) + tl.load(RK + row * NC + r, mask=valid, other=0)
+        tok = tl.load(MEM + kv.to(tl.int64) * M + first + within, mask=valid, other=0)
+    tok = tl.where(valid, tok, 0)
+    page = tl.load(BT + b * sbt + tok // PAGE, mask=valid, other=0).to(tl.int64)
+    k = tl.load(K + page[:, None] * sk_p + (h // G) * sk_h + (tok % PAGE)[:, None] * sk_s + offs_d[None, :],
+                mask=valid[:, None], other=0.0).to(tl.float32)
+    q = tl.load(Q + b * sq_b + h * sq_h + offs_d).to(tl.float32)
+    logit = tl.sum(k * q[None, :], 1) * scale
+    tl.store(OUT + row * W + offs, tl.where(valid, logit, float("-inf")), mask=inside)
+
+
+def _launch(q, k_pool, block_table, tokens, scale, ranked=None):
+    B, Hq, D = q.shape
+    Hkv, page = k_pool.shape[1], k_pool.shape[2]
+    W = tokens.shape[-1]
+    if k_pool.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("list_logits needs the head dimension contiguous in q and k_pool")
+    if D != next_pow2(D):
+        raise ValueError(f"list_logits supports power-of-two head_dim, got {D}")
+    if tokens.stride(-1) != 1:
+        tokens = tokens.contiguous()
+    out = torch.empty(B, Hq, W, dtype=torch.float32, device=q.device)
+    if ranked is None:
+        cs = rk = order = est = mem = tokens  # unused pointers
+        NC = M = 1
+    else:
+        cs, rk, order, est, mem = (t.to(torch.int32).contiguous() for t in ranked)
+        NC, M = cs.shape[-1], mem.shape[-1]
+    block = 64 if D <= 64 else 32
+    if W:
+        _list_logits_kernel[(B * Hq, triton.cdiv(W, block))](
+            q, k_pool, block_table, tokens, out, cs, rk, order, est, mem,
+            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
+            k_pool.stride(2), block_table.stride(0), tokens.stride(0), tokens.stride(1),
+            Hq, Hq // Hkv, W, NC, M, D ** -0.5 if scale is None else scale, D=D, PAGE=page, BLOCK=block,
+            RANKED=ranked is not None, LOG_C=max(1, NC.bit_length()), num_warps=4)
+    return out
+
+
+def list_logits(q: Tensor, k_pool: Tensor, block_table: Tensor, tokens: Tensor,
+                scale: Optional[float] = None) -> Tensor:
+    """Triton twin of list_logits_reference (float32 output)."""
+    return _launch(q, k_pool, block_table, tokens, scale)
+
+
+def ranked_list_logits(q: Tensor, k_pool: Tensor, block_table: Tensor, positions: Tensor, csize: Tensor,
+                       ranked: Tensor, order: Tensor, entry_start: Tensor, members: Tensor,
+                       scale: Optional[float] = None) -> Tensor:
+    """Triton twin of ops.threshold.ranked_list_logits_reference: the token at each list
+    position is found in the kernel (binary search on csize, then the CSR members)."""
+    return _launch(q, k_pool, block_table, positions, scale, (csize, ranked, order, entry_start, members))

@@ -1,0 +1,138 @@
+"""Tactic's threshold budget without reading the whole sorted list (the paged fast path).
+
+Same semantics as `Tactic.select` (ops.fit.estimate_budget over the full list), computed
+from exact scores at the positions the fit reads (the head and two segments, or the whole
+list on exact rows): the estimated mass curve is summed only at cluster boundaries, its
+fitted tail in closed form, sum_{x=h+1..m} max(a/x + b, 0) = a (H(m') - H(h)) + b (m' - h)
+with H the harmonic numbers and m' = min(m, a / -b) when b < 0. Work is O(clusters +
+positions read) per query head instead of O(context). Torch, device-agnostic, no host sync.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .fit import FitLayout, fit_inverse, fit_layout
+from .paged import list_logits_reference
+
+EULER_GAMMA = 0.5772156649015329
+
+
+def harmonic(n: Tensor) -> Tensor:
+    """H(n) = sum_{x=1..n} 1/x for float64 n >= 0."""
+    return torch.digamma(n + 1) + EULER_GAMMA
+
+
+def read_widths(n: Sequence[int], cfg) -> Tuple[int, int]:
+    """Host-side widths (head, segment) of the read-position table for list lengths n
+    (TacticConfig fit options): the largest exact prefix (the head, or the whole list on
+    exact rows) and the largest segment of a fitted row."""
+    lay = fit_layout(torch.tensor(list(n), dtype=torch.long), cfg.head_fraction, cfg.segment_centers,
+                     cfg.segment_fraction, cfg.min_segment_tokens)
+    nt = torch.tensor(list(n), dtype=torch.long)
+    head = torch.where(lay.exact, nt, lay.head_len)
+    seg = torch.where(lay.exact, torch.zeros_like(lay.seg_len), lay.seg_len)
+    return int(head.max()) if len(n) else 0, int(seg.max()) if len(n) else 0
+
+
+def exact_prefix(layout: FitLayout, n: Tensor) -> Tensor:
+    """[R] tokens at the head of the list whose scores are exact (all of them on exact rows)."""
+    return torch.where(layout.exact, n, layout.head_len)
+
+
+def read_positions(layout: FitLayout, n: Tensor, head_w: int, seg_w: int) -> Tensor:
+    """[R, head_w + 2 seg_w] long list positions to score: the exact prefix, then each
+    segment (fitted rows only); -1 where nothing is read."""
+    j = torch.arange(head_w, device=n.device)[None, :]
+    cols = [torch.where(j < exact_prefix(layout, n)[:, None], j, -1)]
+    j = torch.arange(seg_w, device=n.device)[None, :]
+    fitted = ~layout.exact[:, None]
+    for s in layout.seg_start:
+        cols.append(torch.where((j < layout.seg_len[:, None]) & fitted, s[:, None] + j, -1))
+    return torch.cat(cols, -1)
+
+
+def ranked_list_tokens(positions: Tensor, csize: Tensor, ranked: Tensor, order: Tensor, entry_start: Tensor,
+                       members: Tensor) -> Tensor:
+    """Token ids at `positions` [B, Hq, W] (-1: none) of each query head's ranked list.
+
+    The list is the head's clusters in rank order, each cluster's members in CSR order:
+    order [B, Hq, C] cluster ids by rank, ranked [B, Hq, C] their sizes, csize their running
+    sum; entry_start [B, Hkv, C] / members [B, Hkv, M] the KV head's CSR index.
+    Returns [B, Hq, W] long, -1 where positions is -1 or past the list."""
+    B, Hq, W = positions.shape
+    Hkv, M = members.shape[1:]
+    G = Hq // Hkv
+    inside = (positions >= 0) & (positions < csize[..., -1:])
+    p = torch.where(inside, positions.long(), 0)
+    r = torch.searchsorted(csize.contiguous(), p, right=True).clamp(max=csize.shape[-1] - 1)
+    cid = order.long().gather(-1, r)
+    first = entry_start.long().repeat_interleave(G, 1).gather(-1, cid)
+    within = p - csize.long().gather(-1, r) + ranked.long().gather(-1, r)
+    row = torch.arange(B * Hkv, device=p.device).view(B, Hkv, 1).repeat_interleave(G, 1)
+    tok = members.reshape(-1)[(row * M + first + within).view(-1)].view(B, Hq, W).long()
+    return torch.where(inside, tok, -1)
+
+
+def ranked_list_logits_reference(q: Tensor, k_pool: Tensor, block_table: Tensor, positions: Tensor,
+                                 csize: Tensor, ranked: Tensor, order: Tensor, entry_start: Tensor,
+                                 members: Tensor, scale: Optional[float] = None) -> Tensor:
+    """Logits of each query head at positions [B, Hq, W] of its ranked cluster list (see
+    ranked_list_tokens), keys read through the page table; [B, Hq, W], -inf where none."""
+    tokens = ranked_list_tokens(positions, csize, ranked, order, entry_start, members)
+    return list_logits_reference(q, k_pool, block_table, tokens, scale)
+
+
+def keep_clusters(read: Tensor, positions: Tensor, always: Tensor, layout: FitLayout, n: Tensor,
+                  csize: Tensor, head_w: int, threshold: float, min_budget: int = 0,
+                  max_budget: Optional[int] = None) -> Tensor:
+    """How many ranked clusters each query head keeps.
+
+    read [R, W]: logits at `positions` (read_positions' table, -inf where none); always
+    [R, A]: logits of the tokens attended regardless (-inf where none; their exact mass
+    counts towards the prefix and the total); n [R] list lengths; csize [R, C] tokens in
+    the first r+1 ranked clusters. Returns keep [R] long: the smallest cluster prefix whose
+    estimated mass reaches threshold x total (as Tactic.select, floor/cap included).
+    """
+    R, W = read.shape
+    f64 = torch.float64
+    csize = csize.long()
+    shift = read.amax(-1) if W else torch.full((R,), float("-inf"), device=read.device)
+    if always.shape[-1]:
+        shift = torch.maximum(shift, always.amax(-1))
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    e = torch.exp(read - shift[:, None]).to(f64)
+    known = torch.exp(always - shift[:, None]).to(f64).sum(-1)
+    hx = exact_prefix(layout, n)
+    ecum = e[:, :head_w].cumsum(-1)
+    seg_w = (W - head_w) // 2
+    stats = []
+    for i in range(2):
+        cols = slice(head_w + i * seg_w, head_w + (i + 1) * seg_w)
+        p = positions[:, cols]
+        cnt = (p >= 0).sum(-1).clamp(min=1).to(f64)
+        stats += [torch.where(p >= 0, 1.0 / (p + 1).to(f64), 0.0).sum(-1) / cnt, e[:, cols].sum(-1) / cnt]
+    a, b = fit_inverse(*stats)
+    h = layout.head_len.to(f64)[:, None]
+    last = torch.where(b < 0, torch.floor(a / -b.clamp(max=-1e-300)), torch.full_like(b, float("inf")))
+
+    def mass(m: Tensor) -> Tensor:  # [R, K] estimated mass of the first m list tokens
+        mh = torch.minimum(m, hx[:, None])
+        exact = ecum.gather(1, (mh - 1).clamp(min=0)) * (mh > 0) if head_w else torch.zeros_like(m, dtype=f64)
+        x = torch.minimum(m.to(f64), last[:, None])
+        tail = a[:, None] * (harmonic(x.clamp(min=0)) - harmonic(h)) + b[:, None] * (x - h)
+        return exact + torch.where((x > h) & ~layout.exact[:, None], tail, 0.0)
+
+    total = mass(n[:, None])[:, 0] + known
+    if threshold >= 1.0:
+        below = csize < n[:, None]
+    else:
+        below = (known[:, None] + mass(csize) < threshold * total[:, None]) | (csize == 0)  # budget >= 1
+    keep = below.sum(-1) + 1
+    if min_budget:
+        keep = torch.maximum(keep, (csize < min_budget).sum(-1) + 1)
+    if max_budget is not None:
+        keep = torch.minimum(keep, (csize <= max_budget).sum(-1).clamp(min=1))
+    return torch.where(n > 0, keep, 0)
