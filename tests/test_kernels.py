@@ -409,3 +409,43 @@ def test_ranked_list_logits_matches_reference(G, D, C):
     none = pos.to(DEV) < 0
     assert torch.equal(torch.isinf(got), none) and torch.equal(torch.isinf(want), none)
     assert (got[~none].double() - exact[~none]).abs().max() <= 1.5 * (want[~none].double() - exact[~none]).abs().max() + 1e-4
+
+
+@pytest.mark.parametrize("threshold,min_budget,max_budget", [(0.9, 0, None), (0.5, 0, None), (1.0, 0, None),
+                                                            (0.3, 300, None), (0.9, 0, 400)])
+@pytest.mark.parametrize("decay", [0.0, 3.0])
+def test_keep_clusters_kernel_matches_twin(threshold, min_budget, max_budget, decay):
+    """The one-launch fit (prefix sums, segment means, closed-form tail with an asymptotic
+    harmonic series) keeps exactly the clusters of the torch twin (digamma)."""
+    from types import SimpleNamespace
+
+    from kvsieve.kernels.fit import keep_clusters as kkeep
+    from kvsieve.ops.fit import fit_layout
+    from kvsieve.ops.threshold import keep_clusters, read_positions, read_widths
+
+    g = torch.Generator().manual_seed(int(10 * threshold + decay) + min_budget)
+    R, C = 30, 300
+    sizes = torch.randint(0, 40, (R, C), generator=g)
+    sizes[0] = 0
+    sizes[1, 2:] = 0
+    sizes[2, 5:] = 0
+    n = sizes.sum(-1)
+    L = int(n.max())
+    x = torch.arange(1, L + 1, dtype=torch.float64)
+    logits = (-decay * torch.log(x)[None, :] + 0.7 * torch.randn(R, L, generator=g, dtype=torch.float64)).float()
+    always = torch.randn(R, 37, generator=g) + 2.0
+    always[::3, 3:] = float("-inf")
+    cfg = SimpleNamespace(head_fraction=0.02, segment_centers=(0.1, 0.6), segment_fraction=0.01,
+                          min_segment_tokens=16)
+    layout = fit_layout(n, cfg.head_fraction, cfg.segment_centers, cfg.segment_fraction, cfg.min_segment_tokens)
+    head_w, seg_w = read_widths(n.tolist(), cfg)
+    pos = read_positions(layout, n, head_w, seg_w)
+    read = logits.gather(1, pos.clamp(min=0)).masked_fill(pos < 0, float("-inf"))
+    csize = sizes.cumsum(-1)
+    want = keep_clusters(read, pos, always, layout, n, csize, head_w, threshold, min_budget, max_budget)
+    lay_dev = type(layout)(*(t.to(DEV) if torch.is_tensor(t) else tuple(u.to(DEV) for u in t)
+                             for t in (layout.head_len, layout.seg_len, layout.seg_start, layout.exact)))
+    got = kkeep(read.to(DEV), pos.to(DEV), always.to(DEV), lay_dev, n.to(DEV), csize.to(DEV), head_w,
+                threshold, min_budget, max_budget).cpu()
+    assert torch.equal(got, want)
+    assert 0 < want.float().mean() < C  # neither nothing nor everything

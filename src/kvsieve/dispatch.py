@@ -35,7 +35,10 @@ def ranked_list_logits(q, k_pool, block_table, positions, csize, ranked, order, 
 
 def keep_clusters(read, positions, always, layout, n, csize, head_w, threshold, min_budget=0, max_budget=None):
     """See ops.threshold.keep_clusters."""
-    from .ops.threshold import keep_clusters as impl
+    if use_triton(read):
+        from .kernels.fit import keep_clusters as impl
+    else:
+        from .ops.threshold import keep_clusters as impl
     return impl(read, positions, always, layout, n, csize, head_w, threshold, min_budget, max_budget)
 
 

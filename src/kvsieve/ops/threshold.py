@@ -103,8 +103,8 @@ def keep_clusters(read: Tensor, positions: Tensor, always: Tensor, layout: FitLa
     if always.shape[-1]:
         shift = torch.maximum(shift, always.amax(-1))
     shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    e = torch.exp(read - shift[:, None]).to(f64)
-    known = torch.exp(always - shift[:, None]).to(f64).sum(-1)
+    e = torch.exp(read.to(f64) - shift[:, None].to(f64))
+    known = torch.exp(always.to(f64) - shift[:, None].to(f64)).sum(-1)
     hx = exact_prefix(layout, n)
     ecum = e[:, :head_w].cumsum(-1)
     seg_w = (W - head_w) // 2
