@@ -72,3 +72,33 @@ def tiny_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
     return load_weights(d)
+
+
+def fit_case(seed, R, C, max_size, decay, always_w, dtype=torch.float64):
+    """Random ranked-cluster lists for the threshold fit: cluster sizes [R, C] (row 0 empty,
+    row 1 short enough to be exact), logits along each list decaying as -decay*log(x) (steep
+    decay drives b < 0), always-attended logits, and the fit's read positions and scores.
+    Returns a dict of everything keep_clusters takes, plus the full `logits` [R, L]."""
+    from types import SimpleNamespace
+
+    from kvsieve.ops.fit import fit_layout
+    from kvsieve.ops.threshold import read_positions, read_widths
+
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(0, max_size, (R, C), generator=g)
+    sizes[0] = 0
+    sizes[1, 2:] = 0
+    n = sizes.sum(-1)
+    L = int(n.max())
+    x = torch.arange(1, L + 1, dtype=torch.float64)
+    logits = (-decay * torch.log(x)[None, :] + 0.7 * torch.randn(R, L, generator=g, dtype=torch.float64)).to(dtype)
+    always = (torch.randn(R, always_w, generator=g, dtype=torch.float64) + 2.0).to(dtype)
+    always[::3, 3:] = float("-inf")
+    cfg = SimpleNamespace(head_fraction=0.02, segment_centers=(0.1, 0.6), segment_fraction=0.01,
+                          min_segment_tokens=16)
+    layout = fit_layout(n, cfg.head_fraction, cfg.segment_centers, cfg.segment_fraction, cfg.min_segment_tokens)
+    head_w, seg_w = read_widths(n.tolist(), cfg)
+    pos = read_positions(layout, n, head_w, seg_w)
+    read = logits.gather(1, pos.clamp(min=0)).masked_fill(pos < 0, float("-inf"))
+    return {"read": read, "positions": pos, "always": always, "layout": layout, "n": n,
+            "csize": sizes.cumsum(-1), "head_w": head_w, "logits": logits}

@@ -18,7 +18,7 @@ from kvsieve.ops import paged as rpaged, select as rselect  # noqa: E402
 
 rkmeans = importlib.import_module("kvsieve.ops.kmeans")  # kvsieve.ops.kmeans is also a function name
 
-from conftest import clustered_qkv  # noqa: E402
+from conftest import clustered_qkv, fit_case  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -417,31 +417,13 @@ def test_ranked_list_logits_matches_reference(G, D, C):
 def test_keep_clusters_kernel_matches_twin(threshold, min_budget, max_budget, decay):
     """The one-launch fit (prefix sums, segment means, closed-form tail with an asymptotic
     harmonic series) keeps exactly the clusters of the torch twin (digamma)."""
-    from types import SimpleNamespace
-
     from kvsieve.kernels.fit import keep_clusters as kkeep
-    from kvsieve.ops.fit import fit_layout
-    from kvsieve.ops.threshold import keep_clusters, read_positions, read_widths
+    from kvsieve.ops.threshold import keep_clusters
 
-    g = torch.Generator().manual_seed(int(10 * threshold + decay) + min_budget)
-    R, C = 30, 300
-    sizes = torch.randint(0, 40, (R, C), generator=g)
-    sizes[0] = 0
-    sizes[1, 2:] = 0
-    sizes[2, 5:] = 0
-    n = sizes.sum(-1)
-    L = int(n.max())
-    x = torch.arange(1, L + 1, dtype=torch.float64)
-    logits = (-decay * torch.log(x)[None, :] + 0.7 * torch.randn(R, L, generator=g, dtype=torch.float64)).float()
-    always = torch.randn(R, 37, generator=g) + 2.0
-    always[::3, 3:] = float("-inf")
-    cfg = SimpleNamespace(head_fraction=0.02, segment_centers=(0.1, 0.6), segment_fraction=0.01,
-                          min_segment_tokens=16)
-    layout = fit_layout(n, cfg.head_fraction, cfg.segment_centers, cfg.segment_fraction, cfg.min_segment_tokens)
-    head_w, seg_w = read_widths(n.tolist(), cfg)
-    pos = read_positions(layout, n, head_w, seg_w)
-    read = logits.gather(1, pos.clamp(min=0)).masked_fill(pos < 0, float("-inf"))
-    csize = sizes.cumsum(-1)
+    C = 300
+    case = fit_case(int(10 * threshold + decay) + min_budget, 30, C, 40, decay, 37, torch.float32)
+    read, pos, always, layout, n, csize, head_w = (case[k] for k in ("read", "positions", "always", "layout", "n",
+                                                                     "csize", "head_w"))
     want = keep_clusters(read, pos, always, layout, n, csize, head_w, threshold, min_budget, max_budget)
     lay_dev = type(layout)(*(t.to(DEV) if torch.is_tensor(t) else tuple(u.to(DEV) for u in t)
                              for t in (layout.head_len, layout.seg_len, layout.seg_start, layout.exact)))

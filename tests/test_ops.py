@@ -7,7 +7,7 @@ from kvsieve.ops import attend, estimate_budget, fit_inverse, kmeans, merge_atte
 from kvsieve.ops.fit import fit_layout
 from kvsieve.ops.kmeans import nearest_centroid
 
-from conftest import TOL, clustered_qkv, oracle, rel_err
+from conftest import TOL, clustered_qkv, fit_case, oracle, rel_err
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -196,32 +196,13 @@ def test_page_summaries_are_channelwise_min_max():
 def test_threshold_keep_from_read_positions_equals_full_list_budget(threshold, min_budget, max_budget, decay):
     """ops.threshold (cluster boundaries, closed-form fitted tail, only the read positions)
     keeps exactly the clusters that estimate_budget over the whole list implies (float64)."""
-    from types import SimpleNamespace
+    from kvsieve.ops.threshold import keep_clusters
 
-    from kvsieve.ops.threshold import keep_clusters, read_positions, read_widths
+    case = fit_case(int(10 * threshold + decay), 24, 60, 50, decay, 5)
+    logits, pos, always, layout, n, csize = (case[k] for k in ("logits", "positions", "always", "layout", "n", "csize"))
+    R, L = logits.shape
+    got = keep_clusters(case["read"], pos, always, layout, n, csize, case["head_w"], threshold, min_budget, max_budget)
 
-    g = torch.Generator().manual_seed(int(10 * threshold + decay))
-    R, C = 24, 60
-    sizes = torch.randint(0, 50, (R, C), generator=g)
-    sizes[0] = 0  # an empty list
-    sizes[1, 2:] = 0  # a short, exactly computed list
-    n = sizes.sum(-1)
-    L = int(n.max())
-    x = torch.arange(1, L + 1, dtype=torch.float64)
-    # descending-ish curves: steep decay makes b < 0 (the closed form's clipped tail)
-    logits = -decay * torch.log(x)[None, :] + 0.7 * torch.randn(R, L, generator=g, dtype=torch.float64)
-    always = torch.randn(R, 5, generator=g, dtype=torch.float64) + 2.0
-    always[::3, 3:] = float("-inf")
-    cfg = SimpleNamespace(head_fraction=0.02, segment_centers=(0.1, 0.6), segment_fraction=0.01,
-                          min_segment_tokens=16)
-    layout = fit_layout(n, cfg.head_fraction, cfg.segment_centers, cfg.segment_fraction, cfg.min_segment_tokens)
-    head_w, seg_w = read_widths(n.tolist(), cfg)
-    pos = read_positions(layout, n, head_w, seg_w)
-    read = logits.gather(1, pos.clamp(min=0)).masked_fill(pos < 0, float("-inf"))
-    csize = sizes.cumsum(-1)
-    got = keep_clusters(read, pos, always, layout, n, csize, head_w, threshold, min_budget, max_budget)
-
-    p = torch.arange(L)[None, :]
     in_read = torch.zeros(R, L + 1, dtype=torch.bool).scatter_(1, torch.where(pos >= 0, pos, L), True)[:, :L]
     sl = logits.masked_fill(~in_read, float("-inf"))
     shift = torch.maximum(sl.amax(-1, keepdim=True), always.amax(-1, keepdim=True))
