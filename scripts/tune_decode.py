@@ -148,15 +148,10 @@ def kmeans_parts(S: int):
     t_near = median_ms(lambda: kkmeans.nearest_centroid(x, cent, valid))
     t_upd = median_ms(lambda: kkmeans.update_centroids(x, a, tv, cent))
     import time
-    t0 = time.perf_counter()
-    for r in range(R):  # the initial-centroid draw of ops.kmeans: one CPU generator per row
-        gen = torch.Generator().manual_seed(r)
-        torch.rand(win, generator=gen)
-    t_noise = (time.perf_counter() - t0) * 1e3
     xb = k[0, :, 4:].reshape(Hkv, S - 4, D)
     a16 = kkmeans.nearest_centroid(x.to(torch.bfloat16), cent, valid)
     t_near16 = median_ms(lambda: kkmeans.nearest_centroid(x.to(torch.bfloat16), cent, valid))
-    log(kind="kmeans_detail", cpu_noise_ms=round(t_noise, 2), nearest_bf16_ms=round(t_near16, 3),
+    log(kind="kmeans_detail", nearest_bf16_ms=round(t_near16, 3),
         agree_bf16=float((a16 == a).float().mean()), x_shape=list(xb.shape))
     xb16 = x.to(torch.bfloat16)
     for cfg in NEAREST_CONFIGS:

@@ -97,7 +97,7 @@ def fit_case(seed, R, C, max_size, decay, always_w, dtype=torch.float64):
     cfg = SimpleNamespace(head_fraction=0.02, segment_centers=(0.1, 0.6), segment_fraction=0.01,
                           min_segment_tokens=16)
     layout = fit_layout(n, cfg.head_fraction, cfg.segment_centers, cfg.segment_fraction, cfg.min_segment_tokens)
-    head_w, seg_w = read_widths(n.tolist(), cfg)
+    head_w, seg_w = read_widths(layout, n)
     pos = read_positions(layout, n, head_w, seg_w)
     read = logits.gather(1, pos.clamp(min=0)).masked_fill(pos < 0, float("-inf"))
     return {"read": read, "positions": pos, "always": always, "layout": layout, "n": n,

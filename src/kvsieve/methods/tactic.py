@@ -262,8 +262,8 @@ class Tactic(SparseMethod):
         head, and the always-attended tokens [B, A] (sinks, unindexed tail; -1 past the length)."""
         cfg = self.config
         n = torch.tensor([max(i - cfg.sink, 0) for i in indexed], dtype=torch.long)
-        head_w, seg_w = read_widths(n.tolist(), cfg)
         lay = fit_layout(n, cfg.head_fraction, cfg.segment_centers, cfg.segment_fraction, cfg.min_segment_tokens)
+        head_w, seg_w = read_widths(lay, n)
         pos = read_positions(lay, n, head_w, seg_w)
         tail = max(max(L - i, 0) for L, i in zip(host_lengths, indexed))
         j = torch.arange(cfg.sink + tail)[None, :]

@@ -9,7 +9,7 @@ positions read) per query head instead of O(context). Torch, device-agnostic, no
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -25,16 +25,14 @@ def harmonic(n: Tensor) -> Tensor:
     return torch.digamma(n + 1) + EULER_GAMMA
 
 
-def read_widths(n: Sequence[int], cfg) -> Tuple[int, int]:
-    """Host-side widths (head, segment) of the read-position table for list lengths n
-    (TacticConfig fit options): the largest exact prefix (the head, or the whole list on
-    exact rows) and the largest segment of a fitted row."""
-    lay = fit_layout(torch.tensor(list(n), dtype=torch.long), cfg.head_fraction, cfg.segment_centers,
-                     cfg.segment_fraction, cfg.min_segment_tokens)
-    nt = torch.tensor(list(n), dtype=torch.long)
-    head = torch.where(lay.exact, nt, lay.head_len)
-    seg = torch.where(lay.exact, torch.zeros_like(lay.seg_len), lay.seg_len)
-    return int(head.max()) if len(n) else 0, int(seg.max()) if len(n) else 0
+def read_widths(layout: FitLayout, n: Tensor) -> Tuple[int, int]:
+    """Host-side widths (head, segment) of the read-position table for lists of lengths
+    n [R] (CPU): the largest exact prefix (the head, or the whole list on exact rows) and
+    the largest segment of a fitted row."""
+    if not len(n):
+        return 0, 0
+    seg = torch.where(layout.exact, torch.zeros_like(layout.seg_len), layout.seg_len)
+    return int(exact_prefix(layout, n).max()), int(seg.max())
 
 
 def exact_prefix(layout: FitLayout, n: Tensor) -> Tensor:
