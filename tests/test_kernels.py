@@ -72,6 +72,11 @@ def test_paged_decode_matches_reference_and_oracle(dtype, shape, sparse):
     oref, _ = rpaged.paged_decode_reference(q, kp, vp, bt, counts, idx)
     assert not torch.isnan(out).any()
     assert rel(out, o64) <= bound(dtype, rel(oref, o64))
+    if sparse:  # the same lists as pool rows (page looked up when the plan is built): same rows read
+        rows = rpaged.to_pool_rows(bt, idx.clamp(max=S - 1), page)
+        out_r, lse_r = kdecode.paged_decode(q, kp, vp, bt, counts, rows, pool_rows=True)
+        oref_r, _ = rpaged.paged_decode_reference(q, kp, vp, bt, counts, rows, pool_rows=True)
+        assert torch.equal(out_r, out) and torch.equal(lse_r, lse) and torch.equal(oref_r, oref)
     empty = torch.isinf(l64)
     assert torch.equal(torch.isinf(lse), empty)
     assert (out[empty] == 0).all()
@@ -122,7 +127,7 @@ def test_list_logits_matches_reference_and_oracle(dtype, G, D, W):
 
 
 @pytest.mark.parametrize("minmax", [False, True])
-@pytest.mark.parametrize("G,D,N", [(1, 64, 54), (3, 64, 97), (4, 128, 1), (8, 64, 33)])
+@pytest.mark.parametrize("G,D,N", [(1, 64, 54), (3, 64, 97), (4, 128, 1), (8, 64, 33), (4, 64, 700)])
 def test_summary_scores(minmax, G, D, N):
     g = torch.Generator().manual_seed(N + G)
     B, Hkv = 2, 2
@@ -152,6 +157,11 @@ def test_summary_scores_group_only_low_precision_summaries(dtype):
     assert a is None and torch.equal(torch.isinf(b), torch.isinf(b64))
     fin = torch.isfinite(b64)
     assert (b[fin].double() - b64[fin]).abs().max().item() < 1e-4 * D
+    # small tiles: several tiles per program and several programs per row, a partial last tile
+    a2, b2 = kselect.summary_scores(q, lo, None, nv, _config=(16, 3, 4, 2))
+    assert torch.equal(b2, b) if DEV == "cpu" else (b2[fin].double() - b64[fin]).abs().max().item() < 1e-4 * D
+    fin2 = torch.isfinite(a2.double())
+    assert torch.equal(a2.view(B, Hkv, G, N).amax(2)[fin], b2[fin]) and fin2.sum() == G * fin.sum()
 
 
 @pytest.mark.parametrize("N", [1, 54, 97, 300, 5000, 9000])
@@ -236,6 +246,14 @@ def test_compact_tokens(S, cap):
         assert torch.equal(want_c, got_c.cpu())
         live = torch.arange(cap)[None, None, :] < want_c[..., None]
         assert torch.equal(want_i[live], got_i.cpu()[live])
+        # pool rows: page-table lookup at compaction (pages of 4 tokens, shuffled)
+        table = torch.randperm(2 * B * (S // 4 + 1), generator=g)[:B * (S // 4 + 1)].view(B, -1).int()
+        rows_i, rows_c = rselect.compact_tokens(chosen, off, tot, *args, a_end, a_start, lengths, cap, table, 4)
+        got_r, _ = kselect.compact_tokens(chosen.to(DEV), off.to(DEV), tot.to(DEV), *dev, args[3], a_end[:1, :1].to(DEV),
+                                          a_start[:, :1].to(DEV), lengths.to(DEV), cap, table.to(DEV), 4)
+        want_r = table.long().gather(1, (want_i.long() // 4).view(B, -1)).view_as(want_i) * 4 + want_i % 4
+        assert torch.equal(rows_c, want_c) and torch.equal(rows_i[live], want_r[live].int())
+        assert torch.equal(got_r.cpu()[live], want_r[live].int())
         for b in range(B):  # no token twice, all within the request
             for h in range(Hkv):
                 lst = want_i[b, h, : want_c[b, h]]
@@ -327,12 +345,19 @@ def test_plan_selects_exactly_the_reference_mask(name, opts, monkeypatch):
     m = make_method(name, **opts)
     st = m.prepare(k, lengths)
     sel = m.select(q, k, lengths, st)
-    plan = m.plan(q.to(DEV), _to(st, DEV), lengths.to(DEV), lengths.tolist(), paged_keys(k.to(DEV)))
+    keys = paged_keys(k.to(DEV))
+    plan = m.plan(q.to(DEV), _to(st, DEV), lengths.to(DEV), lengths.tolist(), keys)
     pos, valid = rpaged.plan_positions(None if plan.indices is None else plan.indices.cpu(), plan.counts.cpu(),
                                        plan.cap)
     hits = torch.zeros(3, 2, 398, dtype=torch.long).scatter_add_(-1, torch.where(valid, pos, 397), valid.long())
     assert hits[..., :397].max() <= 1  # no token twice
     assert torch.equal(hits[..., :397].bool(), sel.mask)
+    # as the engine plans: the same lists as pool rows
+    rows = m.plan(q.to(DEV), st, lengths.to(DEV), lengths.tolist(), rpaged.PagedKeys(keys.pool, keys.block_table, True))
+    assert rows.pool_rows == (plan.indices is not None) and torch.equal(rows.counts, plan.counts)
+    if plan.indices is not None:
+        want = rpaged.to_pool_rows(keys.block_table.cpu(), pos, 16)
+        assert torch.equal(rows.indices.cpu()[valid], want[valid])
 
 
 def _to(state, dev):

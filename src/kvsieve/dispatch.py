@@ -8,12 +8,12 @@ from .ops import select as _select_ref
 from .ops.kmeans import kmeans as _kmeans_reference
 
 
-def paged_decode(q, k_pool, v_pool, block_table, counts, indices=None, scale=None, cap=None):
+def paged_decode(q, k_pool, v_pool, block_table, counts, indices=None, scale=None, cap=None, pool_rows=False):
     """See ops.paged.paged_decode_reference; `cap` bounds dense lists (kernel grid size)."""
     if use_triton(q):
         from .kernels.decode import paged_decode as kernel
-        return kernel(q, k_pool, v_pool, block_table, counts, indices, scale, cap)
-    return _paged_ref.paged_decode_reference(q, k_pool, v_pool, block_table, counts, indices, scale)
+        return kernel(q, k_pool, v_pool, block_table, counts, indices, scale, cap, pool_rows)
+    return _paged_ref.paged_decode_reference(q, k_pool, v_pool, block_table, counts, indices, scale, pool_rows)
 
 
 def list_logits(q, k_pool, block_table, tokens, scale=None):
@@ -57,12 +57,12 @@ def select_by_budget(scores, sizes, budget):
 
 
 def compact_tokens(chosen, offsets, total, members, entry_start, sizes, width,
-                   always_end, always_start, lengths, cap):
+                   always_end, always_start, lengths, cap, block_table=None, page_size=0):
     impl = _select_ref.compact_tokens
     if use_triton(offsets):
         from .kernels.select import compact_tokens as impl
     return impl(chosen, offsets, total, members, entry_start, sizes, width,
-                always_end, always_start, lengths, cap)
+                always_end, always_start, lengths, cap, block_table, page_size)
 
 
 def kmeans(x, lengths, cluster_size, max_iters=10, seed=0, row_period=1, window=None):

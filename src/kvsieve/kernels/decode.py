@@ -27,7 +27,8 @@ def _split_kernel(Q, K, V, BT, IDX, CNT, OUT, LSE,
                   Hkv, NS, scale,
                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                   SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, DENSE: tl.constexpr,
-                  UPCAST: tl.constexpr, IEEE: tl.constexpr, LOWP_PV: tl.constexpr):
+                  UPCAST: tl.constexpr, IEEE: tl.constexpr, LOWP_PV: tl.constexpr,
+                  POOL_ROWS: tl.constexpr):
     row = tl.program_id(0)
     s = tl.program_id(1)
     b = row // Hkv
@@ -51,7 +52,10 @@ def _split_kernel(Q, K, V, BT, IDX, CNT, OUT, LSE,
             tok = offs_n
         else:
             tok = tl.load(IDX + b * si_b + h * si_h + offs_n, mask=valid, other=0)
-        page = tl.load(BT + b * sbt + tok // PAGE, mask=valid, other=0).to(tl.int64)
+        if POOL_ROWS:  # the list holds pool rows (page * PAGE + slot): no page-table load
+            page = (tok // PAGE).to(tl.int64)
+        else:
+            page = tl.load(BT + b * sbt + tok // PAGE, mask=valid, other=0).to(tl.int64)
         slot = tok % PAGE
         k = tl.load(K + page[:, None] * sk_p + h * sk_h + slot[:, None] * sk_s + offs_d[None, :],
                     mask=valid[:, None], other=0.0)
@@ -126,9 +130,11 @@ def choose_split(cap: int, rows: int, block_n: int, target: int = TARGET_PROGRAM
 
 def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, counts: Tensor,
                  indices: Optional[Tensor] = None, scale: Optional[float] = None,
-                 cap: Optional[int] = None, _config: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
+                 cap: Optional[int] = None, pool_rows: bool = False,
+                 _config: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """Triton twin of paged_decode_reference. `cap` bounds the list lengths for the dense
     case (default: the block table's capacity); with indices it is indices.shape[-1].
+    pool_rows: the indices are pool rows (page * page_size + slot), not logical positions.
     `_config` overrides the launch parameters (block_n, num_warps, num_stages, target
     programs, lowp_pv) for tuning sweeps."""
     B, Hq, D = q.shape
@@ -153,9 +159,9 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
         cfg = {"block_n": 32, "num_warps": 4, "num_stages": 1, "target": TARGET_PROGRAMS, "lowp_pv": False}
     elif q.dtype == torch.float32 or dense:  # dense lists: contiguous pages favour deeper pipelining
         cfg = {"block_n": 64, "num_warps": 4, "num_stages": 3, "target": TARGET_PROGRAMS, "lowp_pv": False}
-    else:  # H200 sweep at 128K x batch 8/32 (docs/benchmarks.md): 128-token blocks, 2 warps,
+    else:  # H200 sweep at 128K x batch 8/32 (docs/benchmarks.md): 128-token blocks, 4 warps,
         # p rounded to the values' dtype for P.V (error within 1.3x of the bf16 reference's)
-        cfg = {"block_n": 128, "num_warps": 2, "num_stages": 2, "target": 512, "lowp_pv": True}
+        cfg = {"block_n": 128, "num_warps": 4, "num_stages": 2, "target": 512, "lowp_pv": True}
     cfg.update(_config or {})
     block_n = cfg["block_n"]
     split = choose_split(max(cap, 1), B * Hkv, block_n, cfg["target"])
@@ -171,7 +177,7 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
         Hkv, ns, scale,
         G=G, GP=max(16, next_pow2(G)), D=D, PAGE=page, SPLIT=split, BLOCK_N=block_n, DENSE=dense,
         UPCAST=upcast, IEEE=ieee and not interpreting(), LOWP_PV=cfg["lowp_pv"] and not upcast,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        POOL_ROWS=pool_rows and not dense, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
     _merge_kernel[(B * Hq,)](part, plse, counts, out, lse, ns, split, G=G, D=D, num_warps=1)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import next_pow2
+from . import interpreting, next_pow2
 
 
 @triton.jit
@@ -45,11 +45,49 @@ def _scores_kernel(Q, LO, HI, NV, OUT, GMAX, Hkv, N, sq_b, sq_h, sl_b, sl_h, sl_
     tl.store(GMAX + row * N + offs, gmax, mask=offs < N)
 
 
+@triton.jit
+def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Hkv, N, sq_b, sq_h, sc_b, sc_h, sc_n, snv_b, snv_h,
+                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                       PER_PROGRAM: tl.constexpr, PER_HEAD: tl.constexpr, UPCAST: tl.constexpr,
+                       IEEE: tl.constexpr, STAGES: tl.constexpr):
+    """Centroid scores as a [GP, D] x [D, BLOCK] tensor-core product per tile, PER_PROGRAM
+    tiles per program so their loads pipeline (bf16/fp16 products are exact in fp32)."""
+    row = tl.program_id(0)
+    b = row // Hkv
+    h = row % Hkv
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    nv = tl.load(NV + b * snv_b + h * snv_h)
+    q = tl.load(Q + b * sq_b + (h * G + offs_g)[:, None] * sq_h + offs_d[None, :], mask=offs_g[:, None] < G,
+                other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    first = tl.program_id(1) * PER_PROGRAM * BLOCK
+    for i in tl.range(0, PER_PROGRAM, num_stages=STAGES):
+        offs = first + i * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < nv
+        c = tl.load(C + b * sc_b + h * sc_h + offs[:, None] * sc_n + offs_d[None, :], mask=valid[:, None],
+                    other=0.0)
+        if UPCAST:
+            c = c.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, tl.trans(c), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(c))
+        s = tl.where(valid[None, :], s, float("-inf"))
+        if PER_HEAD:
+            tl.store(OUT + ((b * Hkv + h) * G + offs_g)[:, None] * N + offs[None, :], s,
+                     mask=(offs_g[:, None] < G) & (offs[None, :] < N))
+        gmax = tl.max(tl.where(offs_g[:, None] < G, s, float("-inf")), 0)
+        tl.store(GMAX + row * N + offs, gmax, mask=offs < N)
+
+
 def summary_scores(q: Tensor, lo: Tensor, hi: Optional[Tensor] = None,
                    n_valid: Optional[Tensor] = None, group_only: bool = False,
                    _config: Optional[Tuple[int, int]] = None) -> Tuple[Optional[Tensor], Tensor]:
-    """Triton twin of ops.select.summary_scores. `_config` = (entries per program,
-    warps) overrides the launch for tuning sweeps."""
+    """Triton twin of ops.select.summary_scores. `_config` overrides the launch for tuning
+    sweeps: (tile, tiles per program, warps, stages) for centroids (hi None), (entries
+    per program, warps) for min/max summaries."""
     B, Hq, D = q.shape
     Hkv, N = lo.shape[1], lo.shape[2]
     G = Hq // Hkv
@@ -62,6 +100,16 @@ def summary_scores(q: Tensor, lo: Tensor, hi: Optional[Tensor] = None,
     snv = (0, 0) if n_valid is None else (nv.stride(0), nv.stride(1))
     out = None if group_only else torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
     gmax = torch.empty(B, Hkv, N, dtype=torch.float32, device=q.device)
+    if hi is None and D >= 16 and (_config is None or len(_config) == 4):
+        # centroids: tensor-core tiles, several per program (H200 sweep, docs/benchmarks.md)
+        block, per_program, warps, stages = _config or (64, 4, 4, 3)
+        upcast = interpreting() or lo.dtype == torch.float32 or q.dtype != lo.dtype
+        _dot_scores_kernel[(B * Hkv, triton.cdiv(N, block * per_program))](
+            q, lo, nv, gmax if out is None else out, gmax, Hkv, N, q.stride(0), q.stride(1), lo.stride(0),
+            lo.stride(1), lo.stride(2), *snv, G=G, GP=max(16, next_pow2(G)), D=D, BLOCK=block,
+            PER_PROGRAM=per_program, PER_HEAD=out is not None, UPCAST=upcast,
+            IEEE=upcast and not interpreting(), STAGES=stages, num_warps=warps)
+        return out, gmax
     block, warps = _config or (128, 8 if D >= 128 else 4)  # H200 sweep: 128 x 8 best at D = 128
     _scores_kernel[(B * Hkv, triton.cdiv(N, block))](
         q, lo, lo if hi is None else hi, nv, gmax if out is None else out, gmax, Hkv, N, q.stride(0),
@@ -99,10 +147,12 @@ def _budget_kernel(S, Z, BUD, CHOSEN, OFF, TOT, N, sz_r, sb_r, BLOCK: tl.constex
     bottom = tl.min(tl.where(cand, key, 2147483647), 0)
     # The smallest threshold t with sum(z[key >= t]) <= budget lies in (lo, hi]. Each round
     # tests K thresholds in (lo, hi] at once (one reduction) and keeps one gap: lo + 1 (if
-    # it fits it is the answer: no key lies inside the bracket) and K - 1 points spread
-    # evenly over the bracket's score values for two rounds (scores cluster in a narrow
-    # part of the key space), then over its keys. Any points in (lo, hi] keep the
-    # result exact; the spacing only sets the round count (typically 3-5).
+    # it fits it is the answer: no key lies inside the bracket), K - 2 points spread evenly
+    # over the bracket's score values for two rounds (scores cluster in a narrow part of
+    # the key space), then over its keys, and the largest key below hi: if that one does
+    # not fit, no key lies between it and hi, so hi is the answer. Without that point the
+    # search must land on the boundary key itself (~15 rounds at 4,096 entries, 8 with it).
+    # Any points in (lo, hi] keep the result exact; the spacing only sets the round count.
     lo = tl.minimum(bottom, top).to(tl.int64) - 1  # a threshold <= the lowest key takes all
     hi = top.to(tl.int64) + 1
     j = tl.arange(0, K).to(tl.int64)
@@ -114,12 +164,16 @@ def _budget_kernel(S, Z, BUD, CHOSEN, OFF, TOT, N, sz_r, sb_r, BLOCK: tl.constex
         v_lo = _key_value((lo + 1).to(tl.int32))
         v_hi = _key_value((hi - 1).to(tl.int32))
         by_value = _order_key(v_lo + (v_hi - v_lo) * frac + 0.0).to(tl.int64)
+        below = tl.max(tl.where(cand & (key < hi), key, -2147483648), 0).to(tl.int64)
+        snap = tl.maximum(below, lo + 1)
         mid = tl.where(rnd < 2, by_value, by_key)
         mid = tl.where(j == 0, lo + 1, tl.minimum(tl.maximum(mid, lo + 1), hi))
+        mid = tl.where(j == K - 1, snap, mid)
         taken = tl.sum(tl.where(key[None, :] >= mid.to(tl.int32)[:, None], zc[None, :], 0), 1)
         fits = taken <= budget
         hi = tl.min(tl.where(fits, mid, hi), 0)
         lo = tl.max(tl.where(fits, lo, mid), 0)
+        hi = tl.where(lo == snap, lo + 1, hi)
         rnd += 1
     thr = tl.minimum(hi, top.to(tl.int64)).to(tl.int32)  # nothing fits: the best group alone
     chosen = cand & (key >= thr)
@@ -156,9 +210,10 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor,
 
 
 @triton.jit
-def _compact_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, IDX, CNT,
-                    Hkv, N, M, CAP, WIDTH, sae_b, sae_h, sas_b, sas_h,
-                    CSR: tl.constexpr, LOG_N: tl.constexpr, BLOCK: tl.constexpr):
+def _compact_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT,
+                    Hkv, N, M, CAP, WIDTH, sae_b, sae_h, sas_b, sas_h, sbt,
+                    CSR: tl.constexpr, LOG_N: tl.constexpr, BLOCK: tl.constexpr,
+                    POOL_ROWS: tl.constexpr, PAGE: tl.constexpr):
     """Output-major: each list position finds its chosen entry by binary search on the
     entry offsets (the largest e with offsets[e] <= position is the chosen entry holding
     it: unchosen entries own no position), so only chosen entries' tokens are read and
@@ -188,6 +243,9 @@ def _compact_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, IDX, CNT,
         tok = e * WIDTH + rel
     j = dst - sel
     tok = tl.where(in_sel, tok, tl.where(j < a_end, j, a_start + j - a_end))
+    if POOL_ROWS:
+        page = tl.load(BT + b * sbt + tok // PAGE, mask=dst < count, other=0)
+        tok = page * PAGE + tok % PAGE
     tl.store(IDX + row * CAP + dst, tok, mask=dst < count)
     if tl.program_id(1) == 0:
         tl.store(CNT + row, count)
@@ -195,8 +253,8 @@ def _compact_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, IDX, CNT,
 
 def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Optional[Tensor],
                    entry_start: Optional[Tensor], sizes: Optional[Tensor], width: int,
-                   always_end: Tensor, always_start: Tensor, lengths: Tensor, cap: int
-                   ) -> Tuple[Tensor, Tensor]:
+                   always_end: Tensor, always_start: Tensor, lengths: Tensor, cap: int,
+                   block_table: Optional[Tensor] = None, page_size: int = 0) -> Tuple[Tensor, Tensor]:
     """Triton twin of ops.select.compact_tokens. Entries past `counts` are left unwritten.
     `chosen` and `sizes` are implied by `offsets` here (only chosen entries own positions;
     a page crossing always_start must have been offered with its clipped size)."""
@@ -214,7 +272,9 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
     ae, ast = always_end.expand(B, Hkv), always_start.expand(B, Hkv)
     block = 256
     _compact_kernel[(B * Hkv, triton.cdiv(max(cap, 1), block))](
-        i32(offsets), i32(total), mem, est, ae, ast, lengths, idx, cnt,
+        i32(offsets), i32(total), mem, est, ae, ast, lengths, cnt if block_table is None else block_table, idx, cnt,
         Hkv, N, M, cap, width, ae.stride(0), ae.stride(1), ast.stride(0), ast.stride(1),
-        CSR=csr, LOG_N=max(1, (N - 1).bit_length()), BLOCK=block, num_warps=4)
+        0 if block_table is None else block_table.stride(0),
+        CSR=csr, LOG_N=max(1, (N - 1).bit_length()), BLOCK=block, POOL_ROWS=block_table is not None,
+        PAGE=max(page_size, 1), num_warps=4)
     return idx, cnt

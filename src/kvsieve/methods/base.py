@@ -33,14 +33,17 @@ class Selection:
 class TokenPlan:
     """What one decode step attends, read by the paged attention op without a host sync.
 
-    indices [B, Hkv, cap] int32 logical positions (None: the dense prefix [0, counts));
-    counts [B, Hkv] int32 valid entries per (request, KV head); cap: list capacity, fixed
-    by the method's config and the host-known lengths (so the plan can be graph-captured).
+    indices [B, Hkv, cap] int32 logical positions, or pool rows (page * page_size + slot)
+    when pool_rows (a plan built with PagedKeys(pool_rows=True)); None: the dense prefix
+    [0, counts). counts [B, Hkv] int32 valid entries per (request, KV head); cap: list
+    capacity, fixed by the method's config and the host-known lengths (so the plan can
+    be graph-captured).
     """
 
     indices: Optional[Tensor]
     counts: Tensor
     cap: int
+    pool_rows: bool = False
 
     def read_fraction(self, lengths: Tensor) -> Tensor:
         return self.counts.double() / lengths[:, None].double()

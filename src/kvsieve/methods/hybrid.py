@@ -149,11 +149,11 @@ class Hybrid(SparseMethod):
 
         dyn = self.dynamic.plan(q, state.dynamic, lengths, host_lengths, keys)
         B, Hkv = dyn.counts.shape
-        lam = sink_local_plan(lengths, B, Hkv, self.config.sink, self.config.local)
+        lam = sink_local_plan(lengths, B, Hkv, self.config.sink, self.config.local, keys if dyn.pool_rows else None)
         cap = max(dyn.cap, lam.cap)
         dyn_idx = dyn.indices
         if dyn_idx is None:  # a dense prefix
             dyn_idx = torch.arange(dyn.cap, dtype=torch.int32, device=q.device).expand(B, Hkv, dyn.cap)
         flags = state.flags[None, :]
         idx = torch.where(flags[..., None], F.pad(lam.indices, (0, cap - lam.cap)), F.pad(dyn_idx, (0, cap - dyn.cap)))
-        return TokenPlan(idx, torch.where(flags, lam.counts, dyn.counts), cap)
+        return TokenPlan(idx, torch.where(flags, lam.counts, dyn.counts), cap, dyn.pool_rows)

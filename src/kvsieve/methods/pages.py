@@ -130,9 +130,10 @@ class PageSelect(SparseMethod):
         if not reuse:
             state.last_plan = self._choose(q, state, lengths)
         chosen, offsets, total, always_end, always_start = state.last_plan
+        table, page = keys.row_table() if keys is not None else (None, 0)
         idx, counts = dispatch.compact_tokens(chosen, offsets, total, None, None, None, pp,
-                                              always_end, always_start, lengths, cap)
-        return TokenPlan(idx, counts, cap)
+                                              always_end, always_start, lengths, cap, table, page)
+        return TokenPlan(idx, counts, cap, table is not None)
 
     def _choose(self, q, state: PageState, lengths):
         """Top physical pages between the sink pages and the local pages (the same pages as

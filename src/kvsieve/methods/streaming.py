@@ -28,16 +28,18 @@ class Streaming(SparseMethod):
         return True
 
     def plan(self, q, num_kv_heads, lengths, host_lengths, keys=None):
-        return sink_local_plan(lengths, q.shape[0], num_kv_heads, self.config.sink, self.config.local)
+        return sink_local_plan(lengths, q.shape[0], num_kv_heads, self.config.sink, self.config.local, keys)
 
 
-def sink_local_plan(lengths, B: int, Hkv: int, sink: int, local: int) -> TokenPlan:
-    """Token lists [0, sink) + [length - local, length) (no overlap) for every KV head."""
+def sink_local_plan(lengths, B: int, Hkv: int, sink: int, local: int, keys=None) -> TokenPlan:
+    """Token lists [0, sink) + [length - local, length) (no overlap) for every KV head
+    (pool rows if keys ask for them)."""
     L = lengths[:, None].expand(B, Hkv)
     a_end = L.clamp(max=sink)
     a_start = torch.maximum(L - local, a_end)
     none = torch.zeros(B, Hkv, 0, dtype=torch.int32, device=lengths.device)
     total = torch.zeros(B, Hkv, dtype=torch.int32, device=lengths.device)
+    table, page = keys.row_table() if keys is not None else (None, 0)
     idx, counts = dispatch.compact_tokens(none.bool(), none, total, None, None, None, 1, a_end, a_start,
-                                          lengths, sink + local)
-    return TokenPlan(idx, counts, sink + local)
+                                          lengths, sink + local, table, page)
+    return TokenPlan(idx, counts, sink + local, table is not None)

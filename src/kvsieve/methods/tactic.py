@@ -233,9 +233,11 @@ class Tactic(SparseMethod):
             _, group_max = dispatch.summary_scores(q, state.centroids, None, n_valid, group_only=True)
             chosen, offsets, total = dispatch.select_by_budget(group_max, state.sizes32, c["budget"])
         cap = self.plan_capacity(state, host_lengths)
+        table, page = keys.row_table() if keys is not None else (None, 0)
         idx, counts = dispatch.compact_tokens(chosen, offsets, total, state.members, state.entry_start,
-                                              state.sizes32, 0, c["sink"], state.num_indexed[:, None], lengths, cap)
-        return TokenPlan(idx, counts, cap)
+                                              state.sizes32, 0, c["sink"], state.num_indexed[:, None], lengths, cap,
+                                              table, page)
+        return TokenPlan(idx, counts, cap, table is not None)
 
     def _consts(self, state: ClusterIndex, q, host_lengths) -> dict:
         """Small tensors and host-side widths a plan reuses instead of rebuilding them each step

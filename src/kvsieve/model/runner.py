@@ -278,11 +278,11 @@ class Engine:
 
             state = method.append_token(cache.index[layer], k, new_len, host_len, read_keys)
             cache.index[layer] = state
-            plan = method.plan(q, state, new_len, host_len, PagedKeys(cache.k[layer], table))
+            plan = method.plan(q, state, new_len, host_len, PagedKeys(cache.k[layer], table, pool_rows=True))
             if frac_sum is not None:
                 frac_sum[layer] += _live_mean(plan.read_fraction(new_len), live)
             out, _ = dispatch.paged_decode(q, cache.k[layer], cache.v[layer], table, plan.counts, plan.indices,
-                                           cap=plan.cap)
+                                           cap=plan.cap, pool_rows=plan.pool_rows)
             return out
 
         def attend_reference(layer, q, k, v):

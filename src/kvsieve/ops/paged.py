@@ -6,7 +6,9 @@ A *token plan* says, per (request, KV head), which cached tokens to attend:
 `counts [B, Hkv]` int32; `indices=None` means the dense prefix [0, counts). The KV head
 attends the union of its query group once (GQA). Logical position t of request b lives
 in page `block_table[b, t // page_size]`, slot `t % page_size` of the layer's pools
-`k_pool, v_pool [num_pages, Hkv, page_size, D]`.
+`k_pool, v_pool [num_pages, Hkv, page_size, D]`. A plan may instead list *pool rows*
+`page * page_size + slot` (pool_rows=True): the page-table lookup then happens once,
+when the plan is built, not in the attention kernel's chain of dependent loads.
 """
 from __future__ import annotations
 
@@ -22,19 +24,36 @@ from .attention import compute_dtype
 @dataclass(frozen=True)
 class PagedKeys:
     """What a plan may read to score tokens exactly: one layer's key pool
-    [num_pages, Hkv, page_size, D] and the requests' block table [B, max_pages]."""
+    [num_pages, Hkv, page_size, D] and the requests' block table [B, max_pages].
+    pool_rows=True asks for plans listing pool rows instead of logical positions."""
 
     pool: Tensor
     block_table: Tensor
+    pool_rows: bool = False
+
+    def row_table(self) -> Tuple[Optional[Tensor], int]:
+        """(block_table, page_size) for compact_tokens when plans list pool rows, else (None, 0)."""
+        return (self.block_table, self.pool.shape[2]) if self.pool_rows else (None, 0)
 
 
-def gather_tokens(pool: Tensor, block_table: Tensor, positions: Tensor) -> Tensor:
-    """pool [P, Hkv, page, D], block_table [B, max_pages], positions [B, Hkv, N] (valid
-    logical positions) -> [B, Hkv, N, D]."""
-    page_size = pool.shape[2]
+def to_pool_rows(block_table: Tensor, positions: Tensor, page_size: int) -> Tensor:
+    """Logical positions [B, Hkv, N] (valid ones) -> int32 pool rows page * page_size + slot."""
     B, Hkv, N = positions.shape
     pos = positions.long()
     pages = block_table.long().gather(1, (pos // page_size).reshape(B, -1)).view(B, Hkv, N)
+    return (pages * page_size + pos % page_size).to(torch.int32)
+
+
+def gather_tokens(pool: Tensor, block_table: Tensor, positions: Tensor, rows: bool = False) -> Tensor:
+    """pool [P, Hkv, page, D], block_table [B, max_pages], positions [B, Hkv, N] (valid
+    logical positions, or pool rows with rows=True) -> [B, Hkv, N, D]."""
+    page_size = pool.shape[2]
+    B, Hkv, N = positions.shape
+    pos = positions.long()
+    if rows:
+        pages = pos // page_size
+    else:
+        pages = block_table.long().gather(1, (pos // page_size).reshape(B, -1)).view(B, Hkv, N)
     heads = torch.arange(Hkv, device=pool.device)[None, :, None].expand(B, Hkv, N)
     return pool[pages, heads, pos % page_size]
 
@@ -52,8 +71,9 @@ def plan_positions(indices: Optional[Tensor], counts: Tensor, cap: int) -> Tuple
 
 def paged_decode_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
                            counts: Tensor, indices: Optional[Tensor] = None,
-                           scale: Optional[float] = None) -> Tuple[Tensor, Tensor]:
-    """Exact softmax attention of q [B, Hq, D] over each KV head's token list.
+                           scale: Optional[float] = None, pool_rows: bool = False) -> Tuple[Tensor, Tensor]:
+    """Exact softmax attention of q [B, Hq, D] over each KV head's token list (indices:
+    logical positions, or pool rows with pool_rows=True).
 
     Returns out [B, Hq, D] in q's dtype and lse [B, Hq] (float32, float64 for float64
     input; -inf and out = 0 where a list is empty).
@@ -65,8 +85,9 @@ def paged_decode_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tabl
     scale = D ** -0.5 if scale is None else scale
     cap = indices.shape[-1] if indices is not None else max(int(counts.max()), 1)
     pos, valid = plan_positions(indices, counts, cap)
-    k = gather_tokens(k_pool, block_table, pos).to(ct)
-    v = gather_tokens(v_pool, block_table, pos).to(ct)
+    rows = pool_rows and indices is not None
+    k = gather_tokens(k_pool, block_table, pos, rows).to(ct)
+    v = gather_tokens(v_pool, block_table, pos, rows).to(ct)
     logits = torch.einsum("bhgd,bhnd->bhgn", q.to(ct).view(B, Hkv, G, D), k) * scale
     logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
     lse = torch.logsumexp(logits, -1)

@@ -13,6 +13,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .paged import to_pool_rows
+
 
 def summary_scores(q: Tensor, lo: Tensor, hi: Optional[Tensor] = None,
                    n_valid: Optional[Tensor] = None, group_only: bool = False
@@ -73,8 +75,8 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor) -> Tuple[Ten
 
 def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Optional[Tensor],
                    entry_start: Optional[Tensor], sizes: Optional[Tensor], width: int,
-                   always_end: Tensor, always_start: Tensor, lengths: Tensor, cap: int
-                   ) -> Tuple[Tensor, Tensor]:
+                   always_end: Tensor, always_start: Tensor, lengths: Tensor, cap: int,
+                   block_table: Optional[Tensor] = None, page_size: int = 0) -> Tuple[Tensor, Tensor]:
     """Write each row's token list: the chosen entries' tokens, then the tokens attended
     regardless ([0, min(always_end, length)) and [always_start, length)).
 
@@ -84,7 +86,8 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
     of `width` tokens: entry e owns tokens [e*width, (e+1)*width) that are < always_start.
     chosen/offsets/total: select_by_budget's outputs [B, Hkv, N]/[B, Hkv]; always_end,
     always_start: int tensors broadcastable to [B, Hkv]; lengths [B] long. Chosen entry
-    e's j-th token goes to position offsets[e] + j. Lists are cut at `cap`.
+    e's j-th token goes to position offsets[e] + j. Lists are cut at `cap`. With
+    block_table [B, max_pages] the lists hold pool rows (see ops.paged.to_pool_rows).
     Returns indices [B, Hkv, cap] int32 and counts [B, Hkv] int32.
     """
     B, Hkv, N = chosen.shape
@@ -120,4 +123,7 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
     out = torch.where(first, (j - sel).int(), out)
     out = torch.where(second, (always_start[..., None] + j - sel - head).int(), out)
     counts = (sel + head + tail_n).clamp(max=cap)[..., 0].to(torch.int32)
+    if block_table is not None:
+        valid = j[None, None, :] < counts[..., None]
+        out = torch.where(valid, to_pool_rows(block_table, out, page_size), out)
     return out, counts
