@@ -18,13 +18,11 @@ from kvsieve.kernels import decode as kdecode, kmeans as kkmeans, select as ksel
 from kvsieve.methods import make_method
 from kvsieve.ops.paged import paged_decode_reference
 
-CONFIGS = [  # block_n, num_warps, num_stages, target programs, lowp_pv
-    (64, 4, 3, 1024, False), (128, 4, 2, 1024, True), (128, 4, 2, 512, True), (128, 4, 2, 256, True),
-    (128, 2, 2, 512, True), (64, 2, 2, 1024, True), (64, 2, 2, 512, True), (256, 4, 2, 512, True),
-    (128, 8, 2, 512, True), (64, 2, 3, 1024, True),
-]
-SCORE_CONFIGS = [(128, 8), (256, 8)]
-BUDGET_CONFIGS = [(8, 8), (8, 4), (4, 4), (16, 4), (8, 2), (4, 2)]
+BASE = dict(block_n=128, num_warps=4, num_stages=2, target=512, lowp_pv=True)
+CONFIGS = [dict(BASE, pool_rows=False), dict(BASE, pool_rows=True), dict(BASE, pool_rows=True, num_warps=2),
+           dict(BASE, pool_rows=True, block_n=64, num_warps=2)]
+SCORE_CONFIGS = [(64, 4, 4, 3), (64, 8, 4, 3), (64, 2, 4, 2), (64, 2, 4, 1), (128, 1, 8, 1), (64, 1, 4, 1)]
+BUDGET_CONFIGS = [(4, 4)]
 NEAREST_CONFIGS = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3),
                    (256, 64, 8, 3), (128, 32, 4, 4), (128, 64, 8, 4), (256, 128, 8, 3)]
 
@@ -66,7 +64,7 @@ def decode_cell(S: int, B: int, frac: float, copy_gbs: float):
         clusters=st.centroids.shape[2], **{k_: round(v_, 4) for k_, v_ in parts.items()})
     for cfg in SCORE_CONFIGS:
         ms = median_ms(capture(lambda: kselect.summary_scores(q, st.centroids, None, n_valid, True, cfg)))
-        log(kind="scores", S=S, B=B, block=cfg[0], warps=cfg[1], ms=round(ms, 4))
+        log(kind="scores", S=S, B=B, config=cfg, ms=round(ms, 4))
     for cfg in BUDGET_CONFIGS:
         ms = median_ms(capture(lambda: kselect.select_by_budget(gmax, st.sizes32, bud, cfg)))
         log(kind="budget", S=S, B=B, thresholds=cfg[0], warps=cfg[1], ms=round(ms, 4))
@@ -78,18 +76,25 @@ def decode_cell(S: int, B: int, frac: float, copy_gbs: float):
         ref = paged_decode_reference(q.double(), pk, pv, bt, p.counts, p.indices)[0]
         lowp = paged_decode_reference(q, pk, pv, bt, p.counts, p.indices)[0]
         log(kind="reference_error", S=S, B=B, rel_err_bf16_reference=rel(lowp, ref))
-    for bn, w, stg, tgt, lp in CONFIGS:
-        cfg = dict(block_n=bn, num_warps=w, num_stages=stg, target=tgt, lowp_pv=lp)
+    b_idx = torch.arange(B, device="cuda")[:, None, None]
+    tok = p.indices.long().clamp(min=0)
+    phys = (bt.long()[b_idx, (tok // 16).clamp(max=bt.shape[1] - 1)] * 16 + tok % 16).int()
+    for cfg in CONFIGS:
+        rows = cfg.get("pool_rows", False)
+        idx = phys if rows else p.indices
+        cfg = {k_: v_ for k_, v_ in cfg.items() if k_ != "pool_rows"}
         try:
-            fn = lambda: kdecode.paged_decode(q, pk, pv, bt, p.counts, p.indices, cap=p.cap, _config=cfg)  # noqa: E731
+            fn = lambda: kdecode.paged_decode(q, pk, pv, bt, p.counts, idx, cap=p.cap, pool_rows=rows,  # noqa: E731
+                                              _config=cfg)
             out = fn()[0]
             ms = median_ms(capture(fn))
-            step = median_ms(capture(lambda: (m.plan(q, st, lengths, host),
-                                              kdecode.paged_decode(q, pk, pv, bt, p.counts, p.indices, cap=p.cap,
-                                                                   _config=cfg))))
-            log(kind="attention", S=S, B=B, frac=frac, **cfg, attn_ms=round(ms, 4),
+            g_step = capture(lambda: (m.plan(q, st, lengths, host),
+                                      kdecode.paged_decode(q, pk, pv, bt, p.counts, idx, cap=p.cap,
+                                                           pool_rows=rows, _config=cfg)))
+            step, step_clean = median_ms(g_step), median_ms(g_step, l2="clean")
+            log(kind="attention", S=S, B=B, frac=frac, pool_rows=rows, **cfg, attn_ms=round(ms, 4),
                 gbs=round(nbytes / ms / 1e6), pct_copy=round(nbytes / ms / 1e6 / copy_gbs, 3),
-                step_ms=round(step, 4), rel_err=None if ref is None else rel(out, ref))
+                step_ms=round(step, 4), step_clean_ms=round(step_clean, 4), rel_err=None if ref is None else rel(out, ref))
         except Exception as e:  # a configuration may not compile (shared memory)
             log(kind="attention", **cfg, error=f"{type(e).__name__}: {e}"[:200])
     del pk, pv, st
@@ -127,6 +132,68 @@ def threshold_cell(S: int, B: int, P: float):
         log(kind="threshold", S=S, B=B, P=P, read_fraction=round(frac, 4), plan_ms=round(t_plan, 4),
             target=tgt, attn_ms=round(median_ms(capture(fn)), 4))
     del pk, pv, st
+    torch.cuda.empty_cache()
+
+
+def l2_cell(S: int, B: int, frac: float, copy_gbs: float):
+    """The same cells timed with the L2 emptied by writes (do_bench) and by reads, next to
+    a one-launch graph (the timing floor), cuDNN dense, and a gather of the selected rows."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    Hq, Hkv, D = 32, 8, 128
+    k, v = synthetic_kv(B, Hkv, S, D, torch.bfloat16, seed=S + B)
+    q = (torch.randn(B, Hq, D, device="cuda") * 1.5).to(torch.bfloat16)
+    lengths = torch.full((B,), S, device="cuda", dtype=torch.long)
+    host = [S] * B
+    pk, pv, bt = to_paged(k, v, 16)
+    m = make_method("tactic", budget=int(round(frac * S)))
+    st = prepare_per_request(m, k, lengths)
+    p = m.plan(q, st, lengths, host)
+    b_idx = torch.arange(B, device="cuda")[:, None, None]
+    tok = p.indices.long().clamp(min=0)
+    phys = (bt.long()[b_idx, (tok // 16).clamp(max=bt.shape[1] - 1)] * 16 + tok % 16).int()
+    valid = torch.arange(p.cap, device="cuda")[None, None, :] < p.counts[..., None]
+    h_idx = torch.arange(Hkv, device="cuda")[None, :, None]
+    rows = ((phys.long() // 16) * Hkv * 16 + h_idx * 16 + phys.long() % 16)[valid]
+    flat_k, flat_v = pk.view(-1, D), pv.view(-1, D)
+    nbytes = float(p.counts.double().sum()) * 2 * D * 2
+    q4 = q[:, :, None, :]
+    dense = lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)  # noqa: E731
+    tiny = torch.zeros(1, device="cuda")
+    fns = {
+        "floor_one_launch": lambda: tiny.add_(1),
+        "gather_rows_kv": lambda: (flat_k.index_select(0, rows), flat_v.index_select(0, rows)),
+        "plan": lambda: m.plan(q, st, lengths, host),
+        "attention": lambda: kdecode.paged_decode(q, pk, pv, bt, p.counts, p.indices, cap=p.cap),
+        "attention_pool_rows": lambda: kdecode.paged_decode(q, pk, pv, bt, p.counts, phys, cap=p.cap,
+                                                            pool_rows=True),
+        "step": lambda: (m.plan(q, st, lengths, host),
+                         kdecode.paged_decode(q, pk, pv, bt, p.counts, p.indices, cap=p.cap)),
+    }
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        dense()
+        g_dense = capture(dense)
+    res = {}
+    for name, fn in list(fns.items()) + [("dense_cudnn", None)]:
+        g = g_dense if fn is None else capture(fn)
+        for l2 in ("dirty", "clean"):
+            res[(name, l2)] = median_ms(g, l2=l2)
+    for (name, l2), ms in res.items():
+        extra = {}
+        if name.startswith("attention") or name == "gather_rows_kv":
+            extra = dict(gbs=round(nbytes * (2 if name == "gather_rows_kv" else 1) / ms / 1e6),
+                         pct_copy=round(nbytes * (2 if name == "gather_rows_kv" else 1) / ms / 1e6 / copy_gbs, 3))
+        log(kind="l2", S=S, B=B, name=name, l2=l2, ms=round(ms, 4), **extra)
+    for l2 in ("dirty", "clean"):
+        log(kind="l2_speedup", S=S, B=B, l2=l2, speedup=round(res[("dense_cudnn", l2)] / res[("step", l2)], 3))
+    try:
+        for cache in kdecode._split_kernel.device_caches.values():
+            for ck in cache[0].values():
+                log(kind="split_kernel_build", n_regs=ck.n_regs, n_spills=ck.n_spills, shared=ck.metadata.shared,
+                    num_warps=ck.metadata.num_warps, num_stages=ck.metadata.num_stages)
+    except Exception as e:  # triton internals differ between versions
+        log(kind="split_kernel_build", error=repr(e)[:200])
+    del k, v, pk, pv, st
     torch.cuda.empty_cache()
 
 
@@ -191,6 +258,7 @@ def main():
     ap.add_argument("--no-attention-sweep", action="store_true")
     ap.add_argument("--thresholds", default="", help="tactic thresholds to profile (fitted-budget plan)")
     ap.add_argument("--no-budget-cells", action="store_true")
+    ap.add_argument("--l2", action="store_true", help="only the L2-state comparison cells")
     args = ap.parse_args()
     global CONFIGS_ONLY_DEFAULT
     CONFIGS_ONLY_DEFAULT = args.no_attention_sweep
@@ -198,6 +266,11 @@ def main():
 
     copy = copy_bandwidth_gbs()
     log(kind="device", name=torch.cuda.get_device_name(), copy_gbs=round(copy))
+    if args.l2:
+        for S in map(int, args.contexts.split(",")):
+            for B in map(int, args.batches.split(",")):
+                l2_cell(S, B, args.budget, copy)
+        return
     for P in (float(x) for x in args.thresholds.split(",") if x):
         for S in map(int, args.contexts.split(",")):
             for B in map(int, args.batches.split(",")):
