@@ -16,7 +16,7 @@ from kvsieve.bench.kernels import aimed_queries, prepare_per_request, synthetic_
 from kvsieve.bench.timing import capture, median_ms
 from kvsieve.kernels import decode as kdecode, kmeans as kkmeans, select as kselect
 from kvsieve.methods import make_method
-from kvsieve.ops.paged import paged_decode_reference
+from kvsieve.ops.paged import paged_decode_reference, to_pool_rows
 
 BASE = dict(block_n=128, num_warps=4, num_stages=2, target=512, lowp_pv=True)
 CONFIGS = [dict(BASE, pool_rows=False), dict(BASE, pool_rows=True), dict(BASE, pool_rows=True, num_warps=2),
@@ -34,19 +34,27 @@ def log(**kw):
     print(json.dumps(kw), flush=True)
 
 
-def decode_cell(S: int, B: int, frac: float, copy_gbs: float):
+def budget_case(S: int, B: int, frac: float):
+    """Llama-3.1-8B shapes at a fixed tactic budget: keys k, v [B, 8, S, 128], q, the paged
+    pools, the method, its index, a logical plan and the same lists as pool rows."""
     Hq, Hkv, D = 32, 8, 128
     k, v = synthetic_kv(B, Hkv, S, D, torch.bfloat16, seed=S + B)
     q = (torch.randn(B, Hq, D, device="cuda") * 1.5).to(torch.bfloat16)
     lengths = torch.full((B,), S, device="cuda", dtype=torch.long)
-    host = [S] * B
     pk, pv, bt = to_paged(k, v, 16)
-    del v
     m = make_method("tactic", budget=int(round(frac * S)))
     st = prepare_per_request(m, k, lengths)
-    del k
-    p = m.plan(q, st, lengths, host)
+    p = m.plan(q, st, lengths, [S] * B)
+    phys = to_pool_rows(bt, p.indices.long().clamp(0, S - 1), 16)
     torch.cuda.synchronize()
+    return k, v, q, lengths, [S] * B, pk, pv, bt, m, st, p, phys
+
+
+def decode_cell(S: int, B: int, frac: float, copy_gbs: float):
+    D = 128
+    k, v, q, lengths, host, pk, pv, bt, m, st, p, phys = budget_case(S, B, frac)
+    Hkv = k.shape[1]
+    del k, v
     nbytes = float(p.counts.double().sum()) * 2 * D * 2 + 4 * float(p.counts.sum())
     # selection, kernel by kernel
     n_valid = st.num_clusters[:, None].expand(B, Hkv)
@@ -76,9 +84,6 @@ def decode_cell(S: int, B: int, frac: float, copy_gbs: float):
         ref = paged_decode_reference(q.double(), pk, pv, bt, p.counts, p.indices)[0]
         lowp = paged_decode_reference(q, pk, pv, bt, p.counts, p.indices)[0]
         log(kind="reference_error", S=S, B=B, rel_err_bf16_reference=rel(lowp, ref))
-    b_idx = torch.arange(B, device="cuda")[:, None, None]
-    tok = p.indices.long().clamp(min=0)
-    phys = (bt.long()[b_idx, (tok // 16).clamp(max=bt.shape[1] - 1)] * 16 + tok % 16).int()
     for cfg in CONFIGS:
         rows = cfg.get("pool_rows", False)
         idx = phys if rows else p.indices
@@ -140,18 +145,8 @@ def l2_cell(S: int, B: int, frac: float, copy_gbs: float):
     a one-launch graph (the timing floor), cuDNN dense, and a gather of the selected rows."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    Hq, Hkv, D = 32, 8, 128
-    k, v = synthetic_kv(B, Hkv, S, D, torch.bfloat16, seed=S + B)
-    q = (torch.randn(B, Hq, D, device="cuda") * 1.5).to(torch.bfloat16)
-    lengths = torch.full((B,), S, device="cuda", dtype=torch.long)
-    host = [S] * B
-    pk, pv, bt = to_paged(k, v, 16)
-    m = make_method("tactic", budget=int(round(frac * S)))
-    st = prepare_per_request(m, k, lengths)
-    p = m.plan(q, st, lengths, host)
-    b_idx = torch.arange(B, device="cuda")[:, None, None]
-    tok = p.indices.long().clamp(min=0)
-    phys = (bt.long()[b_idx, (tok // 16).clamp(max=bt.shape[1] - 1)] * 16 + tok % 16).int()
+    k, v, q, lengths, host, pk, pv, bt, m, st, p, phys = budget_case(S, B, frac)
+    Hkv, D = k.shape[1], k.shape[3]
     valid = torch.arange(p.cap, device="cuda")[None, None, :] < p.counts[..., None]
     h_idx = torch.arange(Hkv, device="cuda")[None, :, None]
     rows = ((phys.long() // 16) * Hkv * 16 + h_idx * 16 + phys.long() % 16)[valid]

@@ -7,7 +7,7 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..config import MethodConfig, StreamingConfig, _non_negative_int
+from ..config import MethodConfig, _non_negative_int
 from .base import PrefillWindow, Selection, SparseMethod, TokenPlan, recent_and_sink
 
 Pattern = Optional[Tuple[Tuple[bool, ...], ...]]
