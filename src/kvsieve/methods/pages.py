@@ -8,6 +8,7 @@ from torch import Tensor
 
 from .. import dispatch
 from ..config import PageSelectConfig
+from ..ops.paged import row_table
 from ..ops.pages import page_scores, page_summaries
 from .base import Selection, SparseMethod, TokenPlan, all_valid
 
@@ -130,7 +131,7 @@ class PageSelect(SparseMethod):
         if not reuse:
             state.last_plan = self._choose(q, state, lengths)
         chosen, offsets, total, always_end, always_start = state.last_plan
-        table, page = keys.row_table() if keys is not None else (None, 0)
+        table, page = row_table(keys)
         idx, counts = dispatch.compact_tokens(chosen, offsets, total, None, None, None, pp,
                                               always_end, always_start, lengths, cap, table, page)
         return TokenPlan(idx, counts, cap, table is not None)

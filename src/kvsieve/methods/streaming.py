@@ -6,6 +6,7 @@ from ..config import StreamingConfig
 import torch
 
 from .. import dispatch
+from ..ops.paged import row_table
 from .base import Selection, SparseMethod, TokenPlan, recent_and_sink
 
 
@@ -39,7 +40,7 @@ def sink_local_plan(lengths, B: int, Hkv: int, sink: int, local: int, keys=None)
     a_start = torch.maximum(L - local, a_end)
     none = torch.zeros(B, Hkv, 0, dtype=torch.int32, device=lengths.device)
     total = torch.zeros(B, Hkv, dtype=torch.int32, device=lengths.device)
-    table, page = keys.row_table() if keys is not None else (None, 0)
+    table, page = row_table(keys)
     idx, counts = dispatch.compact_tokens(none.bool(), none, total, None, None, None, 1, a_end, a_start,
                                           lengths, sink + local, table, page)
     return TokenPlan(idx, counts, sink + local, table is not None)

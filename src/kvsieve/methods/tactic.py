@@ -10,7 +10,7 @@ from .. import dispatch
 from ..config import TacticConfig
 from ..ops.attention import compute_dtype
 from ..ops.fit import FitLayout, estimate_budget, fit_layout
-from ..ops.paged import PagedKeys
+from ..ops.paged import PagedKeys, row_table
 from ..ops.threshold import read_positions, read_widths
 from ..ops.kmeans import nearest_centroid
 from ..ops.select import select_by_budget, summary_scores
@@ -233,7 +233,7 @@ class Tactic(SparseMethod):
             _, group_max = dispatch.summary_scores(q, state.centroids, None, n_valid, group_only=True)
             chosen, offsets, total = dispatch.select_by_budget(group_max, state.sizes32, c["budget"])
         cap = self.plan_capacity(state, host_lengths)
-        table, page = keys.row_table() if keys is not None else (None, 0)
+        table, page = row_table(keys)
         idx, counts = dispatch.compact_tokens(chosen, offsets, total, state.members, state.entry_start,
                                               state.sizes32, 0, c["sink"], state.num_indexed[:, None], lengths, cap,
                                               table, page)

@@ -31,9 +31,10 @@ class PagedKeys:
     block_table: Tensor
     pool_rows: bool = False
 
-    def row_table(self) -> Tuple[Optional[Tensor], int]:
-        """(block_table, page_size) for compact_tokens when plans list pool rows, else (None, 0)."""
-        return (self.block_table, self.pool.shape[2]) if self.pool_rows else (None, 0)
+
+def row_table(keys: Optional[PagedKeys]) -> Tuple[Optional[Tensor], int]:
+    """(block_table, page_size) for compact_tokens when keys ask for pool rows, else (None, 0)."""
+    return (keys.block_table, keys.pool.shape[2]) if keys is not None and keys.pool_rows else (None, 0)
 
 
 def to_pool_rows(block_table: Tensor, positions: Tensor, page_size: int) -> Tensor:
@@ -49,13 +50,9 @@ def gather_tokens(pool: Tensor, block_table: Tensor, positions: Tensor, rows: bo
     logical positions, or pool rows with rows=True) -> [B, Hkv, N, D]."""
     page_size = pool.shape[2]
     B, Hkv, N = positions.shape
-    pos = positions.long()
-    if rows:
-        pages = pos // page_size
-    else:
-        pages = block_table.long().gather(1, (pos // page_size).reshape(B, -1)).view(B, Hkv, N)
+    pos = (positions if rows else to_pool_rows(block_table, positions, page_size)).long()
     heads = torch.arange(Hkv, device=pool.device)[None, :, None].expand(B, Hkv, N)
-    return pool[pages, heads, pos % page_size]
+    return pool[pos // page_size, heads, pos % page_size]
 
 
 def plan_positions(indices: Optional[Tensor], counts: Tensor, cap: int) -> Tuple[Tensor, Tensor]:
