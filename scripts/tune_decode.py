@@ -155,8 +155,16 @@ def l2_cell(S: int, B: int, frac: float, copy_gbs: float):
     q4 = q[:, :, None, :]
     dense = lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)  # noqa: E731
     tiny = torch.zeros(1, device="cuda")
+    # the same number of bytes read by the best dense kernels: the floor at this size
+    s_eq = int(round(float(p.counts.double().mean())))
+    k_eq, v_eq = k[:, :, :s_eq].contiguous(), v[:, :, :s_eq].contiguous()
+    dense_eq = lambda: torch.nn.functional.scaled_dot_product_attention(q4, k_eq, v_eq, enable_gqa=True)  # noqa: E731
+    flat_eq = torch.cat([k_eq.flatten(), v_eq.flatten()])
+    half_a, half_b = flat_eq[: flat_eq.numel() // 2], torch.empty_like(flat_eq[: flat_eq.numel() // 2])
     fns = {
         "floor_one_launch": lambda: tiny.add_(1),
+        "amax_same_bytes": lambda: torch.amax(flat_eq),
+        "copy_same_bytes": lambda: half_b.copy_(half_a),
         "gather_rows_kv": lambda: (flat_k.index_select(0, rows), flat_v.index_select(0, rows)),
         "plan": lambda: m.plan(q, st, lengths, host),
         "attention": lambda: kdecode.paged_decode(q, pk, pv, bt, p.counts, p.indices, cap=p.cap),
@@ -167,17 +175,27 @@ def l2_cell(S: int, B: int, frac: float, copy_gbs: float):
     }
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         dense()
-        g_dense = capture(dense)
+        dense_eq()
+        g_dense, g_dense_eq = capture(dense), capture(dense_eq)
+    fns.update(dense_cudnn=g_dense, dense_cudnn_same_bytes=g_dense_eq)
     res = {}
-    for name, fn in list(fns.items()) + [("dense_cudnn", None)]:
-        g = g_dense if fn is None else capture(fn)
+    for name, fn in fns.items():
+        g = fn if name.startswith("dense_cudnn") else capture(fn)
         for l2 in ("dirty", "clean"):
             res[(name, l2)] = median_ms(g, l2=l2)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                g()
+            torch.cuda.synchronize()
+        log(kind="l2_kernels_us", S=S, B=B, name=name, **{e.key[:48]: round(e.device_time_total / 10, 2)
+                                                         for e in prof.key_averages() if e.device_time_total > 0})
+    eq_bytes = float(flat_eq.numel() * flat_eq.element_size())
     for (name, l2), ms in res.items():
         extra = {}
-        if name.startswith("attention") or name == "gather_rows_kv":
-            extra = dict(gbs=round(nbytes * (2 if name == "gather_rows_kv" else 1) / ms / 1e6),
-                         pct_copy=round(nbytes * (2 if name == "gather_rows_kv" else 1) / ms / 1e6 / copy_gbs, 3))
+        moved = {"gather_rows_kv": 2 * nbytes, "attention": nbytes, "attention_pool_rows": nbytes,
+                 "amax_same_bytes": eq_bytes, "copy_same_bytes": eq_bytes, "dense_cudnn_same_bytes": eq_bytes}.get(name)
+        if moved:
+            extra = dict(gbs=round(moved / ms / 1e6), pct_copy=round(moved / ms / 1e6 / copy_gbs, 3))
         log(kind="l2", S=S, B=B, name=name, l2=l2, ms=round(ms, 4), **extra)
     for l2 in ("dirty", "clean"):
         log(kind="l2_speedup", S=S, B=B, l2=l2, speedup=round(res[("dense_cudnn", l2)] / res[("step", l2)], 3))

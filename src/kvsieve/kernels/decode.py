@@ -94,27 +94,30 @@ def _split_kernel(Q, K, V, BT, IDX, CNT, OUT, LSE,
 
 
 @triton.jit
-def _merge_kernel(PART, PLSE, CNT, OUT, LSE, NS, SPLIT, G: tl.constexpr, D: tl.constexpr):
+def _merge_kernel(PART, PLSE, CNT, OUT, LSE, NS, SPLIT, G: tl.constexpr, D: tl.constexpr,
+                  CHUNK: tl.constexpr):
     """One program per (sub-request, query head): merge the split results that hold
-    tokens (a list far shorter than the capacity leaves most splits empty)."""
+    tokens (a list far shorter than the capacity leaves most splits empty), CHUNK splits
+    per load so a row's partials arrive in one round trip."""
     pid = tl.program_id(0)
     row = pid // G
     g = pid % G
     offs_d = tl.arange(0, D)
+    offs_s = tl.arange(0, CHUNK)
     m = tl.full([1], float("-inf"), tl.float32)
     l = tl.zeros([1], tl.float32)
     acc = tl.zeros([D], tl.float32)
     used = tl.minimum(tl.cdiv(tl.load(CNT + row), SPLIT), NS)
-    for s in range(0, used):
+    for s0 in range(0, used, CHUNK):
+        s = s0 + offs_s
         base = (row * NS + s) * G + g
-        lse_s = tl.load(PLSE + base + tl.arange(0, 1))
-        m_new = tl.maximum(m, lse_s)
-        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w_old = tl.exp(m - safe)
-        w_s = tl.exp(lse_s - safe)
-        o_s = tl.load(PART + base * D + offs_d)
-        acc = acc * w_old + o_s * w_s
-        l = l * w_old + w_s
+        lse_s = tl.load(PLSE + base, mask=s < used, other=float("-inf"))
+        o_s = tl.load(PART + base[:, None] * D + offs_d[None, :], mask=(s < used)[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse_s, 0))  # finite: split s0 holds tokens
+        w_s = tl.exp(lse_s - m_new)
+        w_old = tl.exp(m - m_new)
+        acc = acc * w_old + tl.sum(o_s * w_s[:, None], 0)
+        l = l * w_old + tl.sum(w_s, 0)
         m = m_new
     has = l > 0
     out = acc / tl.where(has, l, 1.0)
@@ -180,5 +183,6 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
         POOL_ROWS=pool_rows and not dense, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
-    _merge_kernel[(B * Hq,)](part, plse, counts, out, lse, ns, split, G=G, D=D, num_warps=1)
+    _merge_kernel[(B * Hq,)](part, plse, counts, out, lse, ns, split, G=G, D=D, CHUNK=min(16, next_pow2(ns)),
+                             num_warps=1)
     return out, lse
