@@ -17,6 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import interpreting, next_pow2
+from .pdl import enabled as pdl_enabled, launch_options, start_after_producer
 
 TARGET_PROGRAMS = 1024  # enough (sub-request, split) programs to fill ~132 SMs several times
 
@@ -28,7 +29,8 @@ def _split_kernel(Q, K, V, BT, IDX, CNT, OUT, LSE,
                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                   SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, DENSE: tl.constexpr,
                   UPCAST: tl.constexpr, IEEE: tl.constexpr, LOWP_PV: tl.constexpr,
-                  POOL_ROWS: tl.constexpr):
+                  POOL_ROWS: tl.constexpr, PDL: tl.constexpr):
+    start_after_producer(PDL)
     row = tl.program_id(0)
     s = tl.program_id(1)
     b = row // Hkv
@@ -95,10 +97,11 @@ def _split_kernel(Q, K, V, BT, IDX, CNT, OUT, LSE,
 
 @triton.jit
 def _merge_kernel(PART, PLSE, CNT, OUT, LSE, NS, SPLIT, G: tl.constexpr, D: tl.constexpr,
-                  CHUNK: tl.constexpr):
+                  CHUNK: tl.constexpr, PDL: tl.constexpr):
     """One program per (sub-request, query head): merge the split results that hold
     tokens (a list far shorter than the capacity leaves most splits empty), CHUNK splits
     per load so a row's partials arrive in one round trip."""
+    start_after_producer(PDL)
     pid = tl.program_id(0)
     row = pid // G
     g = pid % G
@@ -173,6 +176,7 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
     plse = torch.empty(B * Hkv * ns * G, dtype=torch.float32, device=q.device)
     ieee = q.dtype == torch.float32
     upcast = interpreting() or ieee
+    pdl = pdl_enabled(q)
     _split_kernel[(B * Hkv, ns)](
         q, k_pool, v_pool, block_table, idx, counts, part, plse,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
@@ -180,9 +184,10 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
         Hkv, ns, scale,
         G=G, GP=max(16, next_pow2(G)), D=D, PAGE=page, SPLIT=split, BLOCK_N=block_n, DENSE=dense,
         UPCAST=upcast, IEEE=ieee and not interpreting(), LOWP_PV=cfg["lowp_pv"] and not upcast,
-        POOL_ROWS=pool_rows and not dense, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        POOL_ROWS=pool_rows and not dense, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **launch_options(pdl))
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
     _merge_kernel[(B * Hq,)](part, plse, counts, out, lse, ns, split, G=G, D=D, CHUNK=min(16, next_pow2(ns)),
-                             num_warps=1)
+                             PDL=pdl, num_warps=1, **launch_options(pdl))
     return out, lse

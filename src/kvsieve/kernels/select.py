@@ -14,6 +14,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import interpreting, next_pow2
+from .pdl import enabled as pdl_enabled, launch_options, start_after_producer
 
 
 @triton.jit
@@ -49,9 +50,10 @@ def _scores_kernel(Q, LO, HI, NV, OUT, GMAX, Hkv, N, sq_b, sq_h, sl_b, sl_h, sl_
 def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Hkv, N, sq_b, sq_h, sc_b, sc_h, sc_n, snv_b, snv_h,
                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                        PER_PROGRAM: tl.constexpr, PER_HEAD: tl.constexpr, UPCAST: tl.constexpr,
-                       IEEE: tl.constexpr, STAGES: tl.constexpr):
+                       IEEE: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """Centroid scores as a [GP, D] x [D, BLOCK] tensor-core product per tile, PER_PROGRAM
     tiles per program so their loads pipeline (bf16/fp16 products are exact in fp32)."""
+    start_after_producer(PDL)
     row = tl.program_id(0)
     b = row // Hkv
     h = row % Hkv
@@ -108,7 +110,8 @@ def summary_scores(q: Tensor, lo: Tensor, hi: Optional[Tensor] = None,
             q, lo, nv, gmax if out is None else out, gmax, Hkv, N, q.stride(0), q.stride(1), lo.stride(0),
             lo.stride(1), lo.stride(2), *snv, G=G, GP=max(16, next_pow2(G)), D=D, BLOCK=block,
             PER_PROGRAM=per_program, PER_HEAD=out is not None, UPCAST=upcast,
-            IEEE=upcast and not interpreting(), STAGES=stages, num_warps=warps)
+            IEEE=upcast and not interpreting(), STAGES=stages, PDL=pdl_enabled(q), num_warps=warps,
+            **launch_options(pdl_enabled(q)))
         return out, gmax
     block, warps = _config or (128, 8 if D >= 128 else 4)  # H200 sweep: 128 x 8 best at D = 128
     _scores_kernel[(B * Hkv, triton.cdiv(N, block))](
@@ -132,7 +135,9 @@ def _key_value(k):
 
 
 @triton.jit
-def _budget_kernel(S, Z, BUD, CHOSEN, OFF, TOT, N, sz_r, sb_r, BLOCK: tl.constexpr, K: tl.constexpr):
+def _budget_kernel(S, Z, BUD, CHOSEN, OFF, TOT, N, sz_r, sb_r, BLOCK: tl.constexpr, K: tl.constexpr,
+                   PDL: tl.constexpr):
+    start_after_producer(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     inb = offs < N
@@ -204,8 +209,9 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor,
     tot = torch.empty(R, dtype=torch.int32, device=s.device)
     block = max(16, next_pow2(N))
     k, warps = _config or (THRESHOLDS_PER_ROUND, min(16, max(4, block // 1024)))  # H200 sweep
+    pdl = pdl_enabled(s)
     _budget_kernel[(R,)](s, z, bud, chosen, off, tot, N, z.stride(0), bud.stride(0), BLOCK=block, K=k,
-                         num_warps=warps)
+                         PDL=pdl, num_warps=warps, **launch_options(pdl))
     return chosen.view(torch.bool).view(*lead, N), off.view(*lead, N), tot.view(lead)
 
 
@@ -213,11 +219,12 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor,
 def _compact_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT,
                     Hkv, N, M, CAP, WIDTH, sae_b, sae_h, sas_b, sas_h, sbt,
                     CSR: tl.constexpr, LOG_N: tl.constexpr, BLOCK: tl.constexpr,
-                    POOL_ROWS: tl.constexpr, PAGE: tl.constexpr):
+                    POOL_ROWS: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
     """Output-major: each list position finds its chosen entry by binary search on the
     entry offsets (the largest e with offsets[e] <= position is the chosen entry holding
     it: unchosen entries own no position), so only chosen entries' tokens are read and
     no program's work depends on a cluster's size."""
+    start_after_producer(PDL)
     row = tl.program_id(0)
     b = row // Hkv
     h = row % Hkv
@@ -276,5 +283,5 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
         Hkv, N, M, cap, width, ae.stride(0), ae.stride(1), ast.stride(0), ast.stride(1),
         0 if block_table is None else block_table.stride(0),
         CSR=csr, LOG_N=max(1, (N - 1).bit_length()), BLOCK=block, POOL_ROWS=block_table is not None,
-        PAGE=max(page_size, 1), num_warps=4)
+        PAGE=max(page_size, 1), PDL=pdl_enabled(idx), num_warps=4, **launch_options(pdl_enabled(idx)))
     return idx, cnt
