@@ -57,3 +57,42 @@ def test_engine_on_cuda_matches_cpu(tmp_path):
         r = Engine(gpu_model, method, progress=False, budget=256).generate(prompts, 8)
         # mean of the 1500-token request (~0.3 read) and the 97-token one (fits the budget: 1.0)
         assert all(len(t) == 8 for t in r.tokens) and r.kv_fraction < 0.7, (method, r.kv_fraction)
+
+
+def test_programmatic_dependent_launch_changes_no_result(monkeypatch):
+    """The tactic plan and attention launched with PDL (Hopper+) give bit-identical lists
+    and outputs to ordinary stream order, captured in a CUDA graph as the engine runs them."""
+    from kvsieve import dispatch
+    from kvsieve.kernels import pdl
+    from kvsieve.methods import make_method
+    from kvsieve.bench.kernels import to_paged
+    from kvsieve.ops.paged import PagedKeys
+
+    if not pdl._capable(torch.cuda.current_device()):
+        pytest.skip("PDL needs compute capability 9.0")
+    q, k, v = clustered_qkv(3, 32, 4, 4992, 128, sharpness=6.0, seed=4, dtype=torch.bfloat16)
+    q, k, v = q.cuda(), k.cuda(), v.cuda()
+    host = [4992, 4321, 97]
+    lengths = torch.tensor(host, device="cuda")
+    pk, pv, bt = to_paged(k, v, 16)
+    m = make_method("tactic", budget=300)
+    st = m.prepare(k, lengths)
+
+    def step():
+        p = m.plan(q, st, lengths, host, PagedKeys(pk, bt, pool_rows=True))
+        return (p.indices, p.counts) + dispatch.paged_decode(q, pk, pv, bt, p.counts, p.indices, cap=p.cap,
+                                                             pool_rows=p.pool_rows)
+
+    results = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("KVSIEVE_PDL", flag)
+        assert pdl.enabled(q) == (flag == "1")
+        step()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = step()
+        g.replay()
+        torch.cuda.synchronize()
+        results[flag] = [t.clone() for t in outs]
+    for a, b in zip(results["0"], results["1"]):
+        assert torch.equal(a, b)
