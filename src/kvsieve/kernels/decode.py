@@ -116,9 +116,10 @@ def _merge_kernel(PART, PLSE, CNT, OUT, LSE, NS, SPLIT, G: tl.constexpr, D: tl.c
         base = (row * NS + s) * G + g
         lse_s = tl.load(PLSE + base, mask=s < used, other=float("-inf"))
         o_s = tl.load(PART + base[:, None] * D + offs_d[None, :], mask=(s < used)[:, None], other=0.0)
-        m_new = tl.maximum(m, tl.max(lse_s, 0))  # finite: split s0 holds tokens
-        w_s = tl.exp(lse_s - m_new)
-        w_old = tl.exp(m - m_new)
+        m_new = tl.maximum(m, tl.max(lse_s, 0))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN if every split is -inf
+        w_s = tl.exp(lse_s - safe)
+        w_old = tl.exp(m - safe)
         acc = acc * w_old + tl.sum(o_s * w_s[:, None], 0)
         l = l * w_old + tl.sum(w_s, 0)
         m = m_new
