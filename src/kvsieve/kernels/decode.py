@@ -17,7 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import interpreting, next_pow2
-from .pdl import enabled as pdl_enabled, launch_options, start_after_producer
+from .pdl import launch_args, start_after_producer
 
 TARGET_PROGRAMS = 1024  # enough (sub-request, split) programs to fill ~132 SMs several times
 
@@ -177,7 +177,7 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
     plse = torch.empty(B * Hkv * ns * G, dtype=torch.float32, device=q.device)
     ieee = q.dtype == torch.float32
     upcast = interpreting() or ieee
-    pdl = pdl_enabled(q)
+    pdl = launch_args(q)
     _split_kernel[(B * Hkv, ns)](
         q, k_pool, v_pool, block_table, idx, counts, part, plse,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
@@ -185,10 +185,9 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
         Hkv, ns, scale,
         G=G, GP=max(16, next_pow2(G)), D=D, PAGE=page, SPLIT=split, BLOCK_N=block_n, DENSE=dense,
         UPCAST=upcast, IEEE=ieee and not interpreting(), LOWP_PV=cfg["lowp_pv"] and not upcast,
-        POOL_ROWS=pool_rows and not dense, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **launch_options(pdl))
+        POOL_ROWS=pool_rows and not dense, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
     _merge_kernel[(B * Hq,)](part, plse, counts, out, lse, ns, split, G=G, D=D, CHUNK=min(16, next_pow2(ns)),
-                             PDL=pdl, num_warps=1, **launch_options(pdl))
+                             num_warps=1, **pdl)
     return out, lse

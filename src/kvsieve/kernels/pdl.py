@@ -52,5 +52,7 @@ def enabled(t: torch.Tensor) -> bool:
             and _capable(t.device.index if t.device.index is not None else torch.cuda.current_device()))
 
 
-def launch_options(on: bool) -> dict:
-    return {"launch_pdl": True} if on else {}
+def launch_args(t: torch.Tensor) -> dict:
+    """Keyword arguments for launching a kernel that starts with start_after_producer(PDL)
+    on t's device: the PDL constexpr, plus Triton's launch_pdl option when enabled."""
+    return {"PDL": True, "launch_pdl": True} if enabled(t) else {"PDL": False}

@@ -14,7 +14,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import interpreting, next_pow2
-from .pdl import enabled as pdl_enabled, launch_options, start_after_producer
+from .pdl import launch_args, start_after_producer
 
 
 @triton.jit
@@ -110,8 +110,7 @@ def summary_scores(q: Tensor, lo: Tensor, hi: Optional[Tensor] = None,
             q, lo, nv, gmax if out is None else out, gmax, Hkv, N, q.stride(0), q.stride(1), lo.stride(0),
             lo.stride(1), lo.stride(2), *snv, G=G, GP=max(16, next_pow2(G)), D=D, BLOCK=block,
             PER_PROGRAM=per_program, PER_HEAD=out is not None, UPCAST=upcast,
-            IEEE=upcast and not interpreting(), STAGES=stages, PDL=pdl_enabled(q), num_warps=warps,
-            **launch_options(pdl_enabled(q)))
+            IEEE=upcast and not interpreting(), STAGES=stages, num_warps=warps, **launch_args(q))
         return out, gmax
     block, warps = _config or (128, 8 if D >= 128 else 4)  # H200 sweep: 128 x 8 best at D = 128
     _scores_kernel[(B * Hkv, triton.cdiv(N, block))](
@@ -209,9 +208,8 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor,
     tot = torch.empty(R, dtype=torch.int32, device=s.device)
     block = max(16, next_pow2(N))
     k, warps = _config or (THRESHOLDS_PER_ROUND, min(16, max(4, block // 1024)))  # H200 sweep
-    pdl = pdl_enabled(s)
     _budget_kernel[(R,)](s, z, bud, chosen, off, tot, N, z.stride(0), bud.stride(0), BLOCK=block, K=k,
-                         PDL=pdl, num_warps=warps, **launch_options(pdl))
+                         num_warps=warps, **launch_args(s))
     return chosen.view(torch.bool).view(*lead, N), off.view(*lead, N), tot.view(lead)
 
 
@@ -283,5 +281,5 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
         Hkv, N, M, cap, width, ae.stride(0), ae.stride(1), ast.stride(0), ast.stride(1),
         0 if block_table is None else block_table.stride(0),
         CSR=csr, LOG_N=max(1, (N - 1).bit_length()), BLOCK=block, POOL_ROWS=block_table is not None,
-        PAGE=max(page_size, 1), PDL=pdl_enabled(idx), num_warps=4, **launch_options(pdl_enabled(idx)))
+        PAGE=max(page_size, 1), num_warps=4, **launch_args(idx))
     return idx, cnt
