@@ -177,7 +177,16 @@ def l2_cell(S: int, B: int, frac: float, copy_gbs: float):
         dense()
         dense_eq()
         g_dense, g_dense_eq = capture(dense), capture(dense_eq)
-    fns.update(dense_cudnn=g_dense, dense_cudnn_same_bytes=g_dense_eq)
+        # eight layers' worth, each its own copy of the bytes, in one graph (bench: stacked_attention_ms)
+        eqs = [(k_eq.clone(), v_eq.clone()) for _ in range(8)]
+        stack_eq = lambda: [torch.nn.functional.scaled_dot_product_attention(q4, a, b, enable_gqa=True)  # noqa: E731
+                            for a, b in eqs]
+        stack_eq()
+        g_stack_eq = capture(stack_eq)
+    fns.update(dense_cudnn=g_dense, dense_cudnn_same_bytes=g_dense_eq, dense_cudnn_same_bytes_stack8=g_stack_eq)
+    from kvsieve.bench.kernels import stacked_attention_ms
+    log(kind="l2", S=S, B=B, name="attention_pool_rows_stack8_per_layer", l2="dirty",
+        ms=round(stacked_attention_ms(q, pk, pv, bt, type(p)(phys, p.counts, p.cap, True)), 4))
     res = {}
     for name, fn in fns.items():
         g = fn if name.startswith("dense_cudnn") else capture(fn)
@@ -193,7 +202,8 @@ def l2_cell(S: int, B: int, frac: float, copy_gbs: float):
     for (name, l2), ms in res.items():
         extra = {}
         moved = {"gather_rows_kv": 2 * nbytes, "attention": nbytes, "attention_pool_rows": nbytes,
-                 "amax_same_bytes": eq_bytes, "copy_same_bytes": eq_bytes, "dense_cudnn_same_bytes": eq_bytes}.get(name)
+                 "amax_same_bytes": eq_bytes, "copy_same_bytes": eq_bytes, "dense_cudnn_same_bytes": eq_bytes,
+                 "dense_cudnn_same_bytes_stack8": 8 * eq_bytes}.get(name)
         if moved:
             extra = dict(gbs=round(moved / ms / 1e6), pct_copy=round(moved / ms / 1e6 / copy_gbs, 3))
         log(kind="l2", S=S, B=B, name=name, l2=l2, ms=round(ms, 4), **extra)

@@ -105,12 +105,13 @@ def _f(x, fmt):
 def format_table(result) -> str:
     lines = [f"device: {result['device']}   copy bandwidth: {result['copy_bandwidth_gbs']:.0f} GB/s",
              f"{'ctx':>7} {'B':>3} {'method':<13} {'setting':<36} {'step ms':>8} {'sel ms':>7} {'attn ms':>8} "
-             f"{'KV read':>8} {'attn GB/s':>9} {'%copy':>6} {'speedup':>8} {'clean L2':>8} {'err':>8}"]
+             f"{'KV read':>8} {'attn GB/s':>9} {'%copy':>6} {'%c stk':>6} {'speedup':>8} {'clean L2':>8} {'err':>8}"]
     for r in result["rows"]:
         lines.append(f"{r['context']:>7} {r['batch']:>3} {r['method']:<13} {r['setting'][:36]:<36} "
                      f"{_f(r['step_ms'], '.4f'):>8} {_f(r['select_ms'], '.4f'):>7} {_f(r['attn_ms'], '.4f'):>8} "
                      f"{_f(r['kv_fraction'], '.2%'):>8} {_f(r['attn_gbs'], '.0f'):>9} "
-                     f"{_f(r['attn_bw_fraction'], '.0%'):>6} {_f(r['speedup'], '.2f'):>8} "
+                     f"{_f(r['attn_bw_fraction'], '.0%'):>6} {_f(r.get('attn_stack_bw_fraction'), '.0%'):>6} "
+                     f"{_f(r['speedup'], '.2f'):>8} "
                      f"{_f(r.get('speedup_clean'), '.2f'):>8} "
                      f"{_f(r['rel_err_vs_dense'], '.1e'):>8} {r['note'][:40]}")
     c = result.get("clustering")

@@ -44,6 +44,8 @@ class Row:
     note: str = ""
     step_clean_ms: Optional[float] = None  # the L2 emptied by reads (clean lines), see timing.median_ms
     speedup_clean: Optional[float] = None
+    attn_stack_ms: Optional[float] = None  # per layer, STACK_LAYERS launches in one graph (stacked_attention_ms)
+    attn_stack_bw_fraction: Optional[float] = None
 
 
 @dataclass
@@ -195,9 +197,11 @@ def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: fl
                                                                 pool_rows=p0.pool_rows)))
         nbytes = read * dense_bytes + (0 if p0.indices is None else 4 * float(p0.counts.sum()))
         gbs = nbytes / t_attn / 1e6
+        t_stack = None if p0.indices is None else stacked_attention_ms(q, pk, pv, bt, p0)
         rows.append(Row(S, B, label, setting, t_step, t_sel, t_attn, read, gbs, gbs / copy_gbs,
                         rel_err_vs_dense=rel_err(out, ref_out) if ref_out is not None else None,
-                        step_clean_ms=t_clean))
+                        step_clean_ms=t_clean, attn_stack_ms=t_stack,
+                        attn_stack_bw_fraction=None if t_stack is None else nbytes / t_stack / 1e6 / copy_gbs))
         log(rows[-1])
         if label == "lserve":  # LServe reuses a page selection for 4 steps: amortized step
             t_reuse = _reused_step_ms(opts, st, q, lengths, host, pk, pv, bt, keys)
@@ -217,6 +221,42 @@ def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: fl
     del k, pk, pv, keys
     torch.cuda.empty_cache()
     return rows
+
+
+STACK_LAYERS = 8
+
+
+def relocated_plans(bt, plan, n_pages: int, page: int, layers: int, seed: int = 0):
+    """`layers` copies of a plan that read other pages: for a random permutation `perm` of
+    the pool's pages, block table perm[bt] and pool rows moved the same way. A copy reads
+    from a pool whose page p was moved to perm[p] exactly what the plan reads from the
+    original (same counts, same access pattern, other addresses). Returns [(perm, bt, indices)]."""
+    g = torch.Generator().manual_seed(seed)
+    valid = torch.arange(plan.cap, device=bt.device)[None, None, :] < plan.counts[..., None]
+    out = []
+    for _ in range(layers):
+        perm = torch.randperm(n_pages, generator=g).to(bt.device)
+        idx = plan.indices
+        if plan.pool_rows:
+            r = torch.where(valid, idx, 0).long()
+            idx = torch.where(valid, (perm[r // page] * page + r % page).to(idx.dtype), idx)
+        out.append((perm, perm[bt.long()].to(bt.dtype), idx))
+    return out
+
+
+def stacked_attention_ms(q, pk, pv, bt, plan, layers: int = STACK_LAYERS) -> float:
+    """Per-layer attention time (ms) with `layers` launches back to back in one CUDA graph,
+    as a model's decode step runs them (one graph launch per step, not per layer; the
+    one-launch timing pays the graph-launch latency and the flush's dirty L2 every call).
+    Each layer reads its own bytes (relocated_plans), so none is served from what the
+    layer before left in L2."""
+    calls = relocated_plans(bt, plan, pk.shape[0], pk.shape[2], layers)
+
+    def run():
+        for _, bt_l, idx in calls:
+            dispatch.paged_decode(q, pk, pv, bt_l, plan.counts, idx, cap=plan.cap, pool_rows=plan.pool_rows)
+
+    return median_ms(capture(run)) / layers
 
 
 def _reused_step_ms(opts, st, q, lengths, host, pk, pv, bt, keys) -> float:
