@@ -131,6 +131,20 @@ def threshold_cell(S: int, B: int, P: float):
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14), flush=True)
     t_plan = median_ms(capture(plan))
+    from kvsieve.kernels.logits import ranked_list_logits
+    from kvsieve.ops.threshold import rank_clusters
+
+    scores = dispatch.summary_scores(q, st.centroids, None, st.num_clusters[:, None].expand(B, Hkv))[0]
+    order, ranked, csize, _ = rank_clusters(scores, st.sizes32)
+    pos = st.consts["positions"].view(B, Hq, -1)
+    want = None
+    for cfg in ((32, 4, 4), (32, 4, 1), (64, 4, 4), (64, 8, 4), (128, 8, 4), (64, 4, 2), (16, 4, 4), (16, 2, 4)):
+        fn = lambda: ranked_list_logits(q, pk, bt, pos, csize, ranked, order, st.entry_start, st.members,  # noqa: E731
+                                        _config=cfg)
+        got = fn()
+        want = got if want is None else want
+        log(kind="ranked_logits", S=S, B=B, config=cfg, ms=round(median_ms(capture(fn)), 4),
+            same=bool(torch.equal(got, want)), positions=pos.shape[-1])
     for tgt in (512, 2048, 8192, 32768):
         cfg = {"target": tgt}
         fn = lambda: kdecode.paged_decode(q, pk, pv, bt, p.counts, p.indices, cap=p.cap, _config=cfg)  # noqa: E731

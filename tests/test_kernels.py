@@ -15,6 +15,9 @@ from kvsieve.methods import make_method  # noqa: E402
 import importlib  # noqa: E402
 
 from kvsieve.ops import paged as rpaged, select as rselect  # noqa: E402
+from kvsieve.kernels.search import FAN_BITS, count_at_most, search_rounds  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 rkmeans = importlib.import_module("kvsieve.ops.kmeans")  # kvsieve.ops.kmeans is also a function name
 
@@ -456,3 +459,73 @@ def test_keep_clusters_kernel_matches_twin(threshold, min_budget, max_budget, de
                 threshold, min_budget, max_budget).cpu()
     assert torch.equal(got, want)
     assert 0 < want.float().mean() < C  # neither nothing nor everything
+
+
+@triton.jit
+def _count_probe(BASE, P, OUT, n, ROUNDS: tl.constexpr, FAN_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    p = tl.load(P + offs)
+    tl.store(OUT + offs, count_at_most(BASE, n, p, p >= 0, ROUNDS, FAN_BITS))
+
+
+@pytest.mark.parametrize("n", [1, 16, 17, 97, 256, 257, 4097])
+def test_count_at_most_matches_searchsorted(n):
+    """The k-ary search (several rounds past 4, 16 and 256 entries) counts the entries <= p
+    of a non-decreasing row with repeats, as torch.searchsorted(right=True) does."""
+    g = torch.Generator().manual_seed(n)
+    base = torch.randint(0, 3, (n,), generator=g).cumsum(0).int()  # steps of 0: repeated values
+    top = int(base[-1])
+    edges = torch.cat([base[:32], base[-32:]]).long()  # exact hits at both ends
+    p = torch.cat([torch.randint(-1, top + 2, (256 - len(edges),), generator=g), edges]).int()
+    want = torch.searchsorted(base, p, right=True).int()
+    want = torch.where(p >= 0, want, 0).clamp(max=n - 1)  # the contract: counts below n (search_rounds(n))
+    ok = (p >= 0) & (torch.searchsorted(base, p, right=True) < n)
+    full = torch.where(p >= 0, torch.searchsorted(base, p, right=True).int(), 0)
+    b, pd, od = base.to(DEV), p.to(DEV), torch.empty(256, dtype=torch.int32, device=DEV)
+    for fan_bits in (1, FAN_BITS, 4):
+        _count_probe[(2,)](b, pd, od, n, ROUNDS=search_rounds(n, fan_bits), FAN_BITS=fan_bits, BLOCK=128)
+        assert torch.equal(od.cpu()[ok], want[ok]) and (od.cpu()[p < 0] == 0).all()
+        _count_probe[(2,)](b, pd, od, n, ROUNDS=search_rounds(n + 1, fan_bits), FAN_BITS=fan_bits, BLOCK=128)
+        assert torch.equal(od.cpu(), full)  # counts up to n
+
+
+@pytest.mark.parametrize("G,C", [(1, 1), (3, 7), (4, 54), (8, 97), (4, 300)])
+def test_rank_clusters_matches_stable_sort(G, C):
+    """The ranking (torch's sort, then one launch) = the torch twin's stable descending
+    sort, with tied scores, -0.0 against +0.0, NaN and empty clusters (last, in order)."""
+    from kvsieve.kernels.rank import rank_clusters
+    from kvsieve.ops.threshold import rank_clusters as reference
+
+    g = torch.Generator().manual_seed(G * 1000 + C)
+    B, Hkv = 2, 2
+    scores = torch.randn(B, Hkv * G, C, generator=g).round(decimals=1)  # many exact ties
+    scores[0, 0, : C // 2] = 0.0
+    scores[0, 0, C // 2:] = -0.0
+    scores[1, -1, ::5] = float("nan")
+    sizes = torch.randint(0, 4, (B, Hkv, C), generator=g).int()  # a quarter empty
+    want = reference(scores, sizes)
+    got = rank_clusters(scores.to(DEV), sizes.to(DEV))
+    for name, w, o in zip(("order", "ranked", "csize", "rank"), want, got):
+        assert o.dtype == torch.int32 and torch.equal(o.cpu(), w), name
+    order, _, csize, rank = want
+    assert torch.equal(order.long().gather(-1, rank.long()), torch.arange(C).expand_as(order))
+    assert torch.equal(csize[..., -1], sizes.sum(-1).repeat_interleave(G, 1).int())
+
+
+@pytest.mark.parametrize("G,C", [(1, 1), (3, 54), (4, 97), (8, 2500)])
+def test_union_prefixes_matches_reference(G, C):
+    from kvsieve.kernels.rank import union_prefixes
+    from kvsieve.ops.threshold import rank_clusters, union_prefixes as reference
+
+    g = torch.Generator().manual_seed(G + C)
+    B, Hkv = 2, 3
+    sizes = torch.randint(0, 40, (B, Hkv, C), generator=g).int()
+    rank = rank_clusters(torch.randn(B, Hkv * G, C, generator=g), sizes)[3]
+    keep = torch.randint(0, C + 1, (B, Hkv * G), generator=g)
+    keep[0, 0] = 0  # keeps nothing
+    want = reference(rank, keep, sizes)
+    got = union_prefixes(rank.to(DEV), keep.to(DEV), sizes.to(DEV))
+    for w, o in zip(want, got):
+        assert o.dtype == w.dtype and torch.equal(o.cpu(), w)
+    chosen = want[0]
+    assert torch.equal(want[2], (sizes * chosen).sum(-1).int())  # the union's size, from the mask

@@ -33,6 +33,24 @@ def ranked_list_logits(q, k_pool, block_table, positions, csize, ranked, order, 
     return impl(q, k_pool, block_table, positions, csize, ranked, order, entry_start, members, scale)
 
 
+def rank_clusters(scores, sizes):
+    """See ops.threshold.rank_clusters."""
+    if use_triton(scores):
+        from .kernels.rank import rank_clusters as impl
+    else:
+        from .ops.threshold import rank_clusters as impl
+    return impl(scores, sizes)
+
+
+def union_prefixes(rank, keep, sizes):
+    """See ops.threshold.union_prefixes."""
+    if use_triton(rank):
+        from .kernels.rank import union_prefixes as impl
+    else:
+        from .ops.threshold import union_prefixes as impl
+    return impl(rank, keep, sizes)
+
+
 def keep_clusters(read, positions, always, layout, n, csize, head_w, threshold, min_budget=0, max_budget=None):
     """See ops.threshold.keep_clusters."""
     if use_triton(read):

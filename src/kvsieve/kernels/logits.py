@@ -17,13 +17,14 @@ import triton.language as tl
 from torch import Tensor
 
 from . import next_pow2
+from .search import count_at_most, search_rounds
 
 
 @triton.jit
 def _list_logits_kernel(Q, K, BT, TOK, OUT, CS, RK, ORD, EST, MEM,
                         sq_b, sq_h, sk_p, sk_h, sk_s, sbt, st_b, st_h,
                         Hq, G, W, NC, M, scale, D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
-                        RANKED: tl.constexpr, LOG_C: tl.constexpr):
+                        RANKED: tl.constexpr, ROUNDS: tl.constexpr, FAN_BITS: tl.constexpr):
     row = tl.program_id(0)
     b = row // Hq
     h = row % Hq
@@ -33,15 +34,10 @@ def _list_logits_kernel(Q, K, BT, TOK, OUT, CS, RK, ORD, EST, MEM,
     inside = offs < W
     tok = tl.load(TOK + b * st_b + h * st_h + offs, mask=inside, other=-1)
     valid = tok >= 0
-    if RANKED:  # tok is a list position: find its cluster by binary search on the running sizes
+    if RANKED:  # tok is a list position: its rank is the number of running sizes <= it
         valid = valid & (tok < tl.load(CS + row * NC + NC - 1))  # past the list: no token
         p = tl.where(valid, tok, 0)
-        r = tl.zeros([BLOCK], tl.int32)
-        for i in tl.static_range(LOG_C):
-            c = r + (1 << (LOG_C - 1 - i))
-            ok = valid & (c <= NC)
-            r = tl.where(ok & (tl.load(CS + row * NC + c - 1, mask=ok, other=0) <= p), c, r)
-        r = tl.minimum(r, NC - 1)
+        r = count_at_most(CS + row * NC, NC, p, valid, ROUNDS, FAN_BITS)
         cid = tl.load(ORD + row * NC + r, mask=valid, other=0)
         first = tl.load(EST + kv * NC + cid, mask=valid, other=0)
         within = p - tl.load(CS + row * NC + r, mask=valid, other=0) + tl.load(RK + row * NC + r, mask=valid, other=0)
@@ -55,7 +51,7 @@ def _list_logits_kernel(Q, K, BT, TOK, OUT, CS, RK, ORD, EST, MEM,
     tl.store(OUT + row * W + offs, tl.where(valid, logit, float("-inf")), mask=inside)
 
 
-def _launch(q, k_pool, block_table, tokens, scale, ranked=None):
+def _launch(q, k_pool, block_table, tokens, scale, ranked=None, _config=None):
     B, Hq, D = q.shape
     Hkv, page = k_pool.shape[1], k_pool.shape[2]
     W = tokens.shape[-1]
@@ -72,14 +68,14 @@ def _launch(q, k_pool, block_table, tokens, scale, ranked=None):
     else:
         cs, rk, order, est, mem = (t.to(torch.int32).contiguous() for t in ranked)
         NC, M = cs.shape[-1], mem.shape[-1]
-    block = 64 if D <= 64 else 32
+    block, warps, fan_bits = _config or (64, 4, 2)  # H200 sweep at 128K x 8/32, docs/benchmarks.md
     if W:
         _list_logits_kernel[(B * Hq, triton.cdiv(W, block))](
             q, k_pool, block_table, tokens, out, cs, rk, order, est, mem,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
             k_pool.stride(2), block_table.stride(0), tokens.stride(0), tokens.stride(1),
             Hq, Hq // Hkv, W, NC, M, D ** -0.5 if scale is None else scale, D=D, PAGE=page, BLOCK=block,
-            RANKED=ranked is not None, LOG_C=max(1, NC.bit_length()), num_warps=4)
+            RANKED=ranked is not None, ROUNDS=search_rounds(NC, fan_bits), FAN_BITS=fan_bits, num_warps=warps)
     return out
 
 
@@ -91,7 +87,8 @@ def list_logits(q: Tensor, k_pool: Tensor, block_table: Tensor, tokens: Tensor,
 
 def ranked_list_logits(q: Tensor, k_pool: Tensor, block_table: Tensor, positions: Tensor, csize: Tensor,
                        ranked: Tensor, order: Tensor, entry_start: Tensor, members: Tensor,
-                       scale: Optional[float] = None) -> Tensor:
+                       scale: Optional[float] = None, _config=None) -> Tensor:
     """Triton twin of ops.threshold.ranked_list_logits_reference: the token at each list
-    position is found in the kernel (binary search on csize, then the CSR members)."""
-    return _launch(q, k_pool, block_table, positions, scale, (csize, ranked, order, entry_start, members))
+    position is found in the kernel (a 4-ary search on csize, then the CSR members).
+    `_config` = (positions per program, warps, search fan bits) overrides the launch."""
+    return _launch(q, k_pool, block_table, positions, scale, (csize, ranked, order, entry_start, members), _config)

@@ -221,7 +221,8 @@ def _compact_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT,
     """Output-major: each list position finds its chosen entry by binary search on the
     entry offsets (the largest e with offsets[e] <= position is the chosen entry holding
     it: unchosen entries own no position), so only chosen entries' tokens are read and
-    no program's work depends on a cluster's size."""
+    no program's work depends on a cluster's size. (A 16-ary search was slower here: a
+    block's positions share most of their binary-search loads.)"""
     start_after_producer(PDL)
     row = tl.program_id(0)
     b = row // Hkv
@@ -233,6 +234,10 @@ def _compact_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT,
     a_end = tl.minimum(tl.load(AEND + b * sae_b + h * sae_h).to(tl.int32), length)
     tail = tl.maximum(length - a_start, 0)
     count = tl.minimum(sel + a_end + tail, CAP)
+    if tl.program_id(1) == 0:
+        tl.store(CNT + row, count)
+    if tl.program_id(1) * BLOCK >= count:  # a threshold plan's capacity is the context
+        return
     in_sel = dst < sel
     e = tl.zeros([BLOCK], tl.int32)
     for i in tl.static_range(LOG_N):
@@ -252,8 +257,6 @@ def _compact_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT,
         page = tl.load(BT + b * sbt + tok // PAGE, mask=dst < count, other=0)
         tok = page * PAGE + tok % PAGE
     tl.store(IDX + row * CAP + dst, tok, mask=dst < count)
-    if tl.program_id(1) == 0:
-        tl.store(CNT + row, count)
 
 
 def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Optional[Tensor],

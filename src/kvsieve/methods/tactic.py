@@ -285,26 +285,17 @@ class Tactic(SparseMethod):
         cfg = self.config
         B, Hq, D = q.shape
         Hkv, C = st.sizes.shape[1:]
-        G = Hq // Hkv
         scores, _ = dispatch.summary_scores(q, st.centroids, None, st.num_clusters[:, None].expand(B, Hkv))
-        sizes = st.sizes32.repeat_interleave(G, 1)  # [B, Hq, C]
-        scores = scores.masked_fill(sizes == 0, float("-inf"))
-        order = scores.sort(dim=-1, descending=True, stable=True)[1]
-        ranked = sizes.gather(-1, order)
-        csize = ranked.cumsum(-1, dtype=torch.int32)  # tokens in the first r+1 ranked clusters
+        order, ranked, csize, rank = dispatch.rank_clusters(scores, st.sizes32)
         W = c["positions"].shape[-1]
         pos = c["positions"].view(B, Hq, W)
-        read = dispatch.ranked_list_logits(q, keys.pool, keys.block_table, pos, csize, ranked,
-                                           order.to(torch.int32), st.entry_start, st.members)
+        read = dispatch.ranked_list_logits(q, keys.pool, keys.block_table, pos, csize, ranked, order,
+                                           st.entry_start, st.members)
         always = dispatch.list_logits(q, keys.pool, keys.block_table, c["always"][:, None, :].expand(B, Hq, -1))
         keep = dispatch.keep_clusters(read.view(B * Hq, W), c["positions"], always.view(B * Hq, -1), c["layout"],
                                       c["n"], csize.view(B * Hq, C), c["head_w"], cfg.threshold, cfg.min_budget,
                                       cfg.max_budget).view(B, Hq)
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(C, device=q.device).expand_as(order))
-        chosen = (rank < keep[..., None]).view(B, Hkv, G, C).any(2)
-        chosen_sizes = st.sizes32 * chosen
-        offsets = chosen_sizes.cumsum(-1, dtype=torch.int32) - chosen_sizes
-        return chosen, offsets, chosen_sizes.sum(-1, dtype=torch.int32)
+        return dispatch.union_prefixes(rank, keep, st.sizes32)
 
     @staticmethod
     def _read_positions(layout, n: Tensor, S: int) -> Tensor:

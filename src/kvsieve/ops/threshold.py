@@ -83,6 +83,45 @@ def ranked_list_logits_reference(q: Tensor, k_pool: Tensor, block_table: Tensor,
     return list_logits_reference(q, k_pool, block_table, tokens, scale)
 
 
+def ranking_order(scores: Tensor, sizes: Tensor) -> Tensor:
+    """[B, Hq, C] int64 cluster ids by descending score, stable (ties keep cluster order,
+    -0.0 ties +0.0); empty clusters (sizes [B, Hkv, C] == 0) and NaN scores last."""
+    B, Hq, C = scores.shape
+    Hkv = sizes.shape[1]
+    s = scores.float().view(B, Hkv, Hq // Hkv, C) + 0.0  # -0.0 + 0.0 = +0.0 (radix sorts tell them apart)
+    s = s.masked_fill((sizes == 0)[:, :, None, :] | s.isnan(), float("-inf")).view(B, Hq, C)
+    return s.sort(dim=-1, descending=True, stable=True)[1]
+
+
+def rank_clusters(scores: Tensor, sizes: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Each query head's clusters by descending score: its ranked list's geometry.
+
+    scores [B, Hq, C] float (q . centroid); sizes [B, Hkv, C] int cluster sizes of the KV
+    heads (Hq = G x Hkv; 0: empty). Order as ranking_order. Returns int32 [B, Hq, C] each:
+    order (cluster ids by rank), ranked (their sizes), csize (tokens in the first r + 1
+    ranked clusters) and rank (each cluster's rank: the inverse of order)."""
+    B, Hq, C = scores.shape
+    order = ranking_order(scores, sizes)
+    ranked = sizes.repeat_interleave(Hq // sizes.shape[1], 1).gather(-1, order).int()
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(C, device=order.device).expand_as(order))
+    return order.int(), ranked, ranked.cumsum(-1, dtype=torch.int32), rank.int()
+
+
+def union_prefixes(rank: Tensor, keep: Tensor, sizes: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """GQA union of the query heads' cluster prefixes, in select_by_budget's output form.
+
+    rank [B, Hq, C] each cluster's rank per query head; keep [B, Hq] clusters each query
+    head keeps (its first keep ranks); sizes [B, Hkv, C]. Returns chosen [B, Hkv, C] bool
+    (kept by any head of the group), offsets [B, Hkv, C] int32 (exclusive running sum of
+    chosen sizes) and total [B, Hkv] int32."""
+    B, Hq, C = rank.shape
+    Hkv = sizes.shape[1]
+    chosen = (rank < keep[..., None]).view(B, Hkv, Hq // Hkv, C).any(2)
+    chosen_sizes = sizes.int() * chosen
+    offsets = chosen_sizes.cumsum(-1, dtype=torch.int32) - chosen_sizes
+    return chosen, offsets, chosen_sizes.sum(-1, dtype=torch.int32)
+
+
 def keep_clusters(read: Tensor, positions: Tensor, always: Tensor, layout: FitLayout, n: Tensor,
                   csize: Tensor, head_w: int, threshold: float, min_budget: int = 0,
                   max_budget: Optional[int] = None) -> Tensor:
