@@ -222,10 +222,15 @@ def _csr(assign, N):
     return mem.int(), (sizes.cumsum(-1) - sizes).int(), sizes
 
 
-@pytest.mark.parametrize("S,cap", [(97, 300), (97, 20), (1, 8), (200, 64)])
-def test_compact_tokens(S, cap):
+@pytest.mark.parametrize("S,cap,N", [(97, 300, 13), (97, 20, 13), (1, 8, 13), (200, 64, 13),
+                                     (2000, 1500, 13), (700, 800, 70)])
+@pytest.mark.parametrize("by_entry", [False, True])
+def test_compact_tokens(S, cap, N, by_entry):
+    """Clusters larger than a kernel tile's columns (S = 2000: ~150 members each) and more
+    entries than one program's (N = 70), lists cut at `cap`, pages and pool rows; both
+    kernels (by list position, by entry)."""
     g = torch.Generator().manual_seed(S + cap)
-    B, Hkv, N = 2, 3, 13
+    B, Hkv = 2, 3
     lengths = torch.tensor([S, max(1, S - 5)])
     a_end = torch.full((B, Hkv), min(2, S))
     a_start = torch.minimum(torch.full((B, Hkv), max(S - 9, 2)), lengths[:, None]).clamp(min=a_end)
@@ -245,7 +250,8 @@ def test_compact_tokens(S, cap):
         dev = [None if t is None else t.to(DEV) for t in args[:3]]
         # the always ranges as broadcast views (one value, one per request): read in place
         got_i, got_c = kselect.compact_tokens(chosen.to(DEV), off.to(DEV), tot.to(DEV), *dev, args[3],
-                                              a_end[:1, :1].to(DEV), a_start[:, :1].to(DEV), lengths.to(DEV), cap)
+                                              a_end[:1, :1].to(DEV), a_start[:, :1].to(DEV), lengths.to(DEV), cap,
+                                              _by_entry=by_entry)
         assert torch.equal(want_c, got_c.cpu())
         live = torch.arange(cap)[None, None, :] < want_c[..., None]
         assert torch.equal(want_i[live], got_i.cpu()[live])
@@ -253,7 +259,8 @@ def test_compact_tokens(S, cap):
         table = torch.randperm(2 * B * (S // 4 + 1), generator=g)[:B * (S // 4 + 1)].view(B, -1).int()
         rows_i, rows_c = rselect.compact_tokens(chosen, off, tot, *args, a_end, a_start, lengths, cap, table, 4)
         got_r, _ = kselect.compact_tokens(chosen.to(DEV), off.to(DEV), tot.to(DEV), *dev, args[3], a_end[:1, :1].to(DEV),
-                                          a_start[:, :1].to(DEV), lengths.to(DEV), cap, table.to(DEV), 4)
+                                          a_start[:, :1].to(DEV), lengths.to(DEV), cap, table.to(DEV), 4,
+                                          _by_entry=by_entry)
         want_r = table.long().gather(1, (want_i.long() // 4).view(B, -1)).view_as(want_i) * 4 + want_i % 4
         assert torch.equal(rows_c, want_c) and torch.equal(rows_i[live], want_r[live].int())
         assert torch.equal(got_r.cpu()[live], want_r[live].int())

@@ -214,11 +214,11 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor,
 
 
 @triton.jit
-def _compact_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT,
+def _compact_positions_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT,
                     Hkv, N, M, CAP, WIDTH, sae_b, sae_h, sas_b, sas_h, sbt,
                     CSR: tl.constexpr, LOG_N: tl.constexpr, BLOCK: tl.constexpr,
                     POOL_ROWS: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
-    """Output-major: each list position finds its chosen entry by binary search on the
+    """Output-major (lists short next to the entry count: fixed budgets): each list position finds its chosen entry by binary search on the
     entry offsets (the largest e with offsets[e] <= position is the chosen entry holding
     it: unchosen entries own no position), so only chosen entries' tokens are read and
     no program's work depends on a cluster's size. (A 16-ary search was slower here: a
@@ -259,11 +259,66 @@ def _compact_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT,
     tl.store(IDX + row * CAP + dst, tok, mask=dst < count)
 
 
+@triton.jit
+def _compact_entries_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT,
+                    Hkv, N, M, CAP, WIDTH, sae_b, sae_h, sas_b, sas_h, sbt,
+                    CSR: tl.constexpr, EB: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr,
+                    POOL_ROWS: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
+    """Entry-major (lists long next to the entry count: thresholds): program (row, i) copies the tokens of entries [i EB, (i + 1) EB) as an
+    [EB, COLS] tile per step, entry e's j-th token to position offsets[e] + j (its chosen
+    size is offsets[e + 1] - offsets[e]: unchosen entries own no positions), so every load
+    is one round trip (no search) and a program of unchosen entries does nothing. The
+    last program of the row writes the always-attended tokens after the selection."""
+    start_after_producer(PDL)
+    row = tl.program_id(0)
+    b = row // Hkv
+    h = row % Hkv
+    sel = tl.load(TOT + row)
+    length = tl.load(LEN + b).to(tl.int32)
+    a_start = tl.load(ASTART + b * sas_b + h * sas_h).to(tl.int32)
+    a_end = tl.minimum(tl.load(AEND + b * sae_b + h * sae_h).to(tl.int32), length)
+    tail = tl.maximum(length - a_start, 0)
+    count = tl.minimum(sel + a_end + tail, CAP)
+    out = IDX + row.to(tl.int64) * CAP
+    if tl.program_id(1) * EB >= N:  # the always-attended tokens: [0, a_end), then [a_start, length)
+        tl.store(CNT + row, count)
+        for d0 in range(sel, count, BLOCK):
+            dst = d0 + tl.arange(0, BLOCK)
+            j = dst - sel
+            tok = tl.where(j < a_end, j, a_start + j - a_end)
+            if POOL_ROWS:
+                page = tl.load(BT + b * sbt + tok // PAGE, mask=dst < count, other=0)
+                tok = page * PAGE + tok % PAGE
+            tl.store(out + dst, tok, mask=dst < count)
+    else:
+        e = tl.program_id(1) * EB + tl.arange(0, EB)
+        inb = e < N
+        off = tl.load(OFF + row * N + e, mask=inb, other=0)
+        nxt = tl.load(OFF + row * N + e + 1, mask=e + 1 < N, other=0)
+        size = tl.where(inb, tl.where(e + 1 < N, nxt, sel) - off, 0)
+        size = tl.minimum(size, tl.maximum(count - off, 0))  # lists are cut at the capacity
+        if CSR:
+            first = tl.load(ESTART + row * N + e, mask=size > 0, other=0)
+        for j0 in range(0, tl.max(size, 0), COLS):
+            j = j0 + tl.arange(0, COLS)
+            take = j[None, :] < size[:, None]
+            if CSR:
+                tok = tl.load(MEM + row.to(tl.int64) * M + first[:, None] + j[None, :], mask=take, other=0)
+            else:
+                tok = e[:, None] * WIDTH + j[None, :]
+            if POOL_ROWS:
+                page = tl.load(BT + b * sbt + tok // PAGE, mask=take, other=0)
+                tok = page * PAGE + tok % PAGE
+            tl.store(out + off[:, None] + j[None, :], tok, mask=take)
+
+
 def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Optional[Tensor],
                    entry_start: Optional[Tensor], sizes: Optional[Tensor], width: int,
                    always_end: Tensor, always_start: Tensor, lengths: Tensor, cap: int,
-                   block_table: Optional[Tensor] = None, page_size: int = 0) -> Tuple[Tensor, Tensor]:
+                   block_table: Optional[Tensor] = None, page_size: int = 0,
+                   _by_entry: Optional[bool] = None) -> Tuple[Tensor, Tensor]:
     """Triton twin of ops.select.compact_tokens. Entries past `counts` are left unwritten.
+    Launches whichever kernel needs fewer programs (`_by_entry` forces one, for tests).
     `chosen` and `sizes` are implied by `offsets` here (only chosen entries own positions;
     a page crossing always_start must have been offered with its clipped size)."""
     B, Hkv, N = chosen.shape
@@ -278,11 +333,18 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
 
     mem, est = (i32(members), i32(entry_start)) if csr else (cnt, cnt)  # unused pointers for pages
     ae, ast = always_end.expand(B, Hkv), always_start.expand(B, Hkv)
-    block = 256
-    _compact_kernel[(B * Hkv, triton.cdiv(max(cap, 1), block))](
-        i32(offsets), i32(total), mem, est, ae, ast, lengths, cnt if block_table is None else block_table, idx, cnt,
-        Hkv, N, M, cap, width, ae.stride(0), ae.stride(1), ast.stride(0), ast.stride(1),
-        0 if block_table is None else block_table.stride(0),
-        CSR=csr, LOG_N=max(1, (N - 1).bit_length()), BLOCK=block, POOL_ROWS=block_table is not None,
-        PAGE=max(page_size, 1), num_warps=4, **launch_args(idx))
+    block, eb = 256, 32
+    args = (i32(offsets), i32(total), mem, est, ae, ast, lengths, cnt if block_table is None else block_table, idx,
+            cnt, Hkv, N, M, cap, width, ae.stride(0), ae.stride(1), ast.stride(0), ast.stride(1),
+            0 if block_table is None else block_table.stride(0))
+    flags = dict(CSR=csr, BLOCK=block, POOL_ROWS=block_table is not None, PAGE=max(page_size, 1), num_warps=4,
+                 **launch_args(idx))
+    by_position, by_entry = triton.cdiv(max(cap, 1), block), triton.cdiv(N, eb) + 1
+    # H200, 128K x 8: a 2.5% budget (15 vs 129 programs per row) compacts faster by
+    # position, a threshold plan (512 vs 129) ~4x faster by entry
+    if by_position > 2 * by_entry if _by_entry is None else _by_entry:
+        _compact_entries_kernel[(B * Hkv, by_entry)](*args, EB=eb, COLS=32 if csr else max(16, next_pow2(width)),
+                                                     **flags)
+    else:
+        _compact_positions_kernel[(B * Hkv, by_position)](*args, LOG_N=max(1, (N - 1).bit_length()), **flags)
     return idx, cnt
