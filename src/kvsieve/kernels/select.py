@@ -215,14 +215,15 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor,
 
 @triton.jit
 def _compact_positions_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT,
-                    Hkv, N, M, CAP, WIDTH, sae_b, sae_h, sas_b, sas_h, sbt,
-                    CSR: tl.constexpr, LOG_N: tl.constexpr, BLOCK: tl.constexpr,
-                    POOL_ROWS: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
-    """Output-major (lists short next to the entry count: fixed budgets): each list position finds its chosen entry by binary search on the
-    entry offsets (the largest e with offsets[e] <= position is the chosen entry holding
-    it: unchosen entries own no position), so only chosen entries' tokens are read and
-    no program's work depends on a cluster's size. (A 16-ary search was slower here: a
-    block's positions share most of their binary-search loads.)"""
+                              Hkv, N, M, CAP, WIDTH, sae_b, sae_h, sas_b, sas_h, sbt,
+                              CSR: tl.constexpr, LOG_N: tl.constexpr, BLOCK: tl.constexpr,
+                              POOL_ROWS: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
+    """Output-major (lists short next to the entry count: fixed budgets). Each list
+    position finds its chosen entry by binary search on the entry offsets (the largest e
+    with offsets[e] <= position is the chosen entry holding it: unchosen entries own no
+    position), so only chosen entries' tokens are read and no program's work depends on
+    a cluster's size. (A 16-ary search was slower here: a block's positions share most of
+    their binary-search loads.)"""
     start_after_producer(PDL)
     row = tl.program_id(0)
     b = row // Hkv
@@ -261,14 +262,15 @@ def _compact_positions_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX,
 
 @triton.jit
 def _compact_entries_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT,
-                    Hkv, N, M, CAP, WIDTH, sae_b, sae_h, sas_b, sas_h, sbt,
-                    CSR: tl.constexpr, EB: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr,
-                    POOL_ROWS: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
-    """Entry-major (lists long next to the entry count: thresholds): program (row, i) copies the tokens of entries [i EB, (i + 1) EB) as an
-    [EB, COLS] tile per step, entry e's j-th token to position offsets[e] + j (its chosen
-    size is offsets[e + 1] - offsets[e]: unchosen entries own no positions), so every load
-    is one round trip (no search) and a program of unchosen entries does nothing. The
-    last program of the row writes the always-attended tokens after the selection."""
+                            Hkv, N, M, CAP, WIDTH, sae_b, sae_h, sas_b, sas_h, sbt,
+                            CSR: tl.constexpr, EB: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr,
+                            POOL_ROWS: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
+    """Entry-major (lists long next to the entry count: thresholds). Program (row, i)
+    copies the tokens of entries [i EB, (i + 1) EB) as [EB, COLS] tiles, entry e's j-th
+    token to position offsets[e] + j (its chosen size is offsets[e + 1] - offsets[e]:
+    unchosen entries own no positions), so every load is one round trip (no search) and
+    a program of unchosen entries does nothing. The row's last program writes the
+    always-attended tokens after the selection."""
     start_after_producer(PDL)
     row = tl.program_id(0)
     b = row // Hkv
