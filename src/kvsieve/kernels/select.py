@@ -214,6 +214,30 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor,
 
 
 @triton.jit
+def _list_geometry(TOT, LEN, AEND, ASTART, row, b, h, CAP, sae_b, sae_h, sas_b, sas_h):
+    """One row's (selected tokens, always_start, always_end clipped to the length, list
+    count cut at CAP): the list is the selection, then [0, always_end), then
+    [always_start, length)."""
+    sel = tl.load(TOT + row)
+    length = tl.load(LEN + b).to(tl.int32)
+    a_start = tl.load(ASTART + b * sas_b + h * sas_h).to(tl.int32)
+    a_end = tl.minimum(tl.load(AEND + b * sae_b + h * sae_h).to(tl.int32), length)
+    return sel, a_start, a_end, tl.minimum(sel + a_end + tl.maximum(length - a_start, 0), CAP)
+
+
+@triton.jit
+def _always_token(j, a_start, a_end):
+    """The j-th always-attended token (j counted from the end of the selection)."""
+    return tl.where(j < a_end, j, a_start + j - a_end)
+
+
+@triton.jit
+def _pool_row(BT_ROW, tok, mask, PAGE: tl.constexpr):
+    """Logical token -> pool row page * PAGE + slot through the request's page table."""
+    return tl.load(BT_ROW + tok // PAGE, mask=mask, other=0) * PAGE + tok % PAGE
+
+
+@triton.jit
 def _compact_positions_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT,
                               Hkv, N, M, CAP, WIDTH, sae_b, sae_h, sas_b, sas_h, sbt,
                               CSR: tl.constexpr, LOG_N: tl.constexpr, BLOCK: tl.constexpr,
@@ -227,14 +251,9 @@ def _compact_positions_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX,
     start_after_producer(PDL)
     row = tl.program_id(0)
     b = row // Hkv
-    h = row % Hkv
     dst = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    sel = tl.load(TOT + row)
-    length = tl.load(LEN + b).to(tl.int32)
-    a_start = tl.load(ASTART + b * sas_b + h * sas_h).to(tl.int32)
-    a_end = tl.minimum(tl.load(AEND + b * sae_b + h * sae_h).to(tl.int32), length)
-    tail = tl.maximum(length - a_start, 0)
-    count = tl.minimum(sel + a_end + tail, CAP)
+    sel, a_start, a_end, count = _list_geometry(TOT, LEN, AEND, ASTART, row, b, row % Hkv, CAP,
+                                                sae_b, sae_h, sas_b, sas_h)
     if tl.program_id(1) == 0:
         tl.store(CNT + row, count)
     if tl.program_id(1) * BLOCK >= count:  # a threshold plan's capacity is the context
@@ -252,11 +271,9 @@ def _compact_positions_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX,
         tok = tl.load(MEM + row * M + first + rel, mask=in_sel, other=0)
     else:
         tok = e * WIDTH + rel
-    j = dst - sel
-    tok = tl.where(in_sel, tok, tl.where(j < a_end, j, a_start + j - a_end))
+    tok = tl.where(in_sel, tok, _always_token(dst - sel, a_start, a_end))
     if POOL_ROWS:
-        page = tl.load(BT + b * sbt + tok // PAGE, mask=dst < count, other=0)
-        tok = page * PAGE + tok % PAGE
+        tok = _pool_row(BT + b * sbt, tok, dst < count, PAGE)
     tl.store(IDX + row * CAP + dst, tok, mask=dst < count)
 
 
@@ -274,23 +291,16 @@ def _compact_entries_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, C
     start_after_producer(PDL)
     row = tl.program_id(0)
     b = row // Hkv
-    h = row % Hkv
-    sel = tl.load(TOT + row)
-    length = tl.load(LEN + b).to(tl.int32)
-    a_start = tl.load(ASTART + b * sas_b + h * sas_h).to(tl.int32)
-    a_end = tl.minimum(tl.load(AEND + b * sae_b + h * sae_h).to(tl.int32), length)
-    tail = tl.maximum(length - a_start, 0)
-    count = tl.minimum(sel + a_end + tail, CAP)
+    sel, a_start, a_end, count = _list_geometry(TOT, LEN, AEND, ASTART, row, b, row % Hkv, CAP,
+                                                sae_b, sae_h, sas_b, sas_h)
     out = IDX + row.to(tl.int64) * CAP
     if tl.program_id(1) * EB >= N:  # the always-attended tokens: [0, a_end), then [a_start, length)
         tl.store(CNT + row, count)
         for d0 in range(sel, count, BLOCK):
             dst = d0 + tl.arange(0, BLOCK)
-            j = dst - sel
-            tok = tl.where(j < a_end, j, a_start + j - a_end)
+            tok = _always_token(dst - sel, a_start, a_end)
             if POOL_ROWS:
-                page = tl.load(BT + b * sbt + tok // PAGE, mask=dst < count, other=0)
-                tok = page * PAGE + tok % PAGE
+                tok = _pool_row(BT + b * sbt, tok, dst < count, PAGE)
             tl.store(out + dst, tok, mask=dst < count)
     else:
         e = tl.program_id(1) * EB + tl.arange(0, EB)
@@ -309,8 +319,7 @@ def _compact_entries_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, C
             else:
                 tok = e[:, None] * WIDTH + j[None, :]
             if POOL_ROWS:
-                page = tl.load(BT + b * sbt + tok // PAGE, mask=take, other=0)
-                tok = page * PAGE + tok % PAGE
+                tok = _pool_row(BT + b * sbt, tok, take, PAGE)
             tl.store(out + off[:, None] + j[None, :], tok, mask=take)
 
 
