@@ -37,5 +37,10 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreting()
 
 
+def int32_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t itself when already int32 and contiguous (no copy on the hot path), else a copy."""
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()

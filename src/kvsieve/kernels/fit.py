@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import int32_contiguous
 from ..ops.fit import FitLayout
 from ..ops.threshold import EULER_GAMMA
 
@@ -137,17 +138,15 @@ def keep_clusters(read: Tensor, positions: Tensor, always: Tensor, layout: FitLa
     A = always.shape[-1]
     seg_w = (W - head_w) // 2
 
-    def c32(t):
-        return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
-
     scratch = torch.empty(R, max(head_w, 1), dtype=torch.float64, device=read.device)
     out = torch.empty(R, dtype=torch.long, device=read.device)
     key = (read.device, float(threshold))
     if key not in _PARAMS:  # made once, outside any CUDA-graph capture (capture warms up first)
         _PARAMS[key] = torch.tensor([float(threshold), EULER_GAMMA], dtype=torch.float64, device=read.device)
     params = _PARAMS[key]
-    _keep_kernel[(R,)](read.contiguous(), c32(positions), always.contiguous(), c32(layout.head_len),
-                       c32(layout.exact), c32(n), c32(csize), scratch, params, out, W, A, C, head_w, seg_w,
+    i32 = int32_contiguous
+    _keep_kernel[(R,)](read.contiguous(), i32(positions), always.contiguous(), i32(layout.head_len),
+                       i32(layout.exact), i32(n), i32(csize), scratch, params, out, W, A, C, head_w, seg_w,
                        int(min_budget), -1 if max_budget is None else int(max_budget),
                        ALL=threshold >= 1.0, HAS_MAX=max_budget is not None, BLOCK=256,
                        SMALL=HARMONIC_SERIES_FROM, num_warps=4)

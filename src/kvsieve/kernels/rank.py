@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import next_pow2
+from . import int32_contiguous, next_pow2
 from .pdl import launch_args, start_after_producer
 from ..ops.threshold import ranking_order
 
@@ -43,7 +43,7 @@ def rank_clusters(scores: Tensor, sizes: Tensor) -> Tuple[Tensor, Tensor, Tensor
     B, Hq, C = scores.shape
     Hkv = sizes.shape[1]
     order64 = ranking_order(scores, sizes)
-    z = sizes if sizes.dtype == torch.int32 and sizes.is_contiguous() else sizes.to(torch.int32).contiguous()
+    z = int32_contiguous(sizes)
     order, ranked, csize, rank = (torch.empty(B, Hq, C, dtype=torch.int32, device=z.device) for _ in range(4))
     if B * Hq and C:
         _ranked_kernel[(B * Hq,)](order64, z, order, ranked, csize, rank, C, Hq // Hkv, C,
@@ -77,8 +77,8 @@ def union_prefixes(rank: Tensor, keep: Tensor, sizes: Tensor) -> Tuple[Tensor, T
     """Triton twin of ops.threshold.union_prefixes."""
     B, Hq, C = rank.shape
     Hkv = sizes.shape[1]
-    r = rank if rank.dtype == torch.int32 and rank.is_contiguous() else rank.to(torch.int32).contiguous()
-    z = sizes if sizes.dtype == torch.int32 and sizes.is_contiguous() else sizes.to(torch.int32).contiguous()
+    r = int32_contiguous(rank)
+    z = int32_contiguous(sizes)
     k = keep.contiguous()
     chosen = torch.empty(B, Hkv, C, dtype=torch.int8, device=r.device)
     off = torch.empty(B, Hkv, C, dtype=torch.int32, device=r.device)

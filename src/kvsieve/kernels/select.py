@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import interpreting, next_pow2
+from . import int32_contiguous, interpreting, next_pow2
 from .pdl import launch_args, start_after_producer
 
 
@@ -339,9 +339,7 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
     idx = torch.empty(B, Hkv, cap, dtype=torch.int32, device=dev)
     cnt = torch.empty(B, Hkv, dtype=torch.int32, device=dev)
 
-    def i32(t):
-        return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
-
+    i32 = int32_contiguous
     mem, est = (i32(members), i32(entry_start)) if csr else (cnt, cnt)  # unused pointers for pages
     ae, ast = always_end.expand(B, Hkv), always_start.expand(B, Hkv)
     block, eb = 256, 32
