@@ -102,6 +102,44 @@ class SparseMethod:
         layer's paged keys, for methods that score some tokens exactly while planning."""
         raise NotImplementedError
 
+    # --------------------------------------------------------------- continuous batching
+    # The engine keeps one index per request (prepared with B = 1) until the request joins
+    # the decode batch, then one batched index per layer; these rebuild it when requests
+    # join or leave. A decode step may be a CUDA-graph replay, which runs no host code:
+    # host-side index work (folding, growing buffers, reuse counters) goes in maintain(),
+    # which the engine calls before every step, outside any graph.
+    def merge_states(self, states: List[Any]) -> Any:
+        """Batched index of the requests in `states` (each a state of B_i requests), in order."""
+        return states[0]
+
+    def take_states(self, state: Any, rows: List[int]) -> Any:
+        """The index restricted to batch rows `rows` (in that order)."""
+        return state
+
+    def maintain(self, state: Any, lengths: Tensor, host_lengths: List[int],
+                 read_keys: Callable[[int, int, int], Tensor]) -> bool:
+        """Host-side upkeep before a decode step whose new lengths are host_lengths
+        (lengths: the same on the device). Returns True when it replaced any tensor of the
+        state (a captured step graph would read stale memory and must be re-captured)."""
+        return False
+
+    def graph_key(self, state: Any, host_lengths: List[int]) -> Any:
+        """Every host-side value the next plan() bakes into a captured step (list
+        capacities, tensor widths). When it changes the engine drops its step graphs and
+        runs the step eagerly, so caches the plan rebuilds are never made inside a capture."""
+        return None
+
+    def step_variant(self, state: Any) -> Any:
+        """A label of which code path the next plan() takes among paths that alternate
+        (fresh selection vs reuse); the engine keeps one step graph per label."""
+        return None
+
+
+def capacity_bucket(n: int, least: int = 64) -> int:
+    """The power of two >= max(n, least): list capacities that change rarely as a context
+    grows, so a captured decode step stays valid for many steps."""
+    return 1 << (max(int(n), least) - 1).bit_length()
+
 
 def all_valid(k: Tensor, lengths: Tensor) -> Tensor:
     B, H, S, _ = k.shape

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from ..config import DenseConfig
 import torch
 
-from .base import Selection, SparseMethod, TokenPlan, all_valid
+from .base import Selection, SparseMethod, TokenPlan, all_valid, capacity_bucket
 
 
 @dataclass
@@ -24,6 +24,9 @@ class Dense(SparseMethod):
     def supports_plan(self) -> bool:
         return True
 
+    def graph_key(self, state, host_lengths):
+        return capacity_bucket(max(host_lengths))
+
     def plan(self, q, num_kv_heads, lengths, host_lengths, keys=None):
         counts = lengths.to(torch.int32)[:, None].expand(q.shape[0], num_kv_heads).contiguous()
-        return TokenPlan(None, counts, max(host_lengths))
+        return TokenPlan(None, counts, capacity_bucket(max(host_lengths)))

@@ -142,6 +142,21 @@ class Hybrid(SparseMethod):
         state.dynamic = self.dynamic.append_token(state.dynamic, k_new, lengths, host_lengths, read_keys)
         return state
 
+    def maintain(self, state: HybridState, lengths, host_lengths, read_keys) -> bool:
+        return self.dynamic.maintain(state.dynamic, lengths, host_lengths, read_keys)
+
+    def graph_key(self, state: HybridState, host_lengths):
+        return self.dynamic.graph_key(state.dynamic, host_lengths)
+
+    def step_variant(self, state: HybridState):
+        return self.dynamic.step_variant(state.dynamic)
+
+    def merge_states(self, states):
+        return HybridState(states[0].flags, self.dynamic.merge_states([s.dynamic for s in states]))
+
+    def take_states(self, state: HybridState, rows):
+        return HybridState(state.flags, self.dynamic.take_states(state.dynamic, rows))
+
     def plan(self, q, state: HybridState, lengths, host_lengths, keys=None):
         """The dynamic method's token lists, with every streaming head's list replaced by its
         Λ window (sink + local tokens: constant cost per step)."""

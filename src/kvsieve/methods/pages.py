@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import Tensor
@@ -25,6 +25,7 @@ class PageState:
     last_mask: Optional[Tensor] = None
     last_len: Optional[Tensor] = None
     last_plan: Optional[tuple] = None  # (chosen, offsets, total, always_end, always_start), fast path
+    fresh: Optional[bool] = None  # set by maintain(): the next plan selects anew (else reuses last_plan)
 
 
 @dataclass
@@ -100,15 +101,43 @@ class PageSelect(SparseMethod):
     def supports_plan(self) -> bool:
         return True
 
-    def append_token(self, state: PageState, k_new, lengths, host_lengths, read_keys):
-        """Fold the new key into its page's min/max in place (capacity grows by doubling)."""
+    def maintain(self, state: PageState, lengths, host_lengths, read_keys) -> bool:
+        """Grow the summaries (doubling) and decide whether the next plan selects anew."""
         ps = self.config.page_size
         need = -(-max(host_lengths) // ps)
         have = state.kmin.shape[2]
-        if need > have:
+        changed = need > have
+        if changed:
             grow = max(need, 2 * have) - have
             state.kmin = torch.nn.functional.pad(state.kmin, (0, 0, 0, grow), value=float("inf"))
             state.kmax = torch.nn.functional.pad(state.kmax, (0, 0, 0, grow), value=float("-inf"))
+            state.last_plan = None  # its page count no longer matches
+        state.fresh = state.last_plan is None or state.step % self.config.reuse_steps == 0
+        state.step += 1
+        return changed
+
+    def step_variant(self, state: PageState):
+        return "fresh" if state.fresh else "reuse"
+
+    def merge_states(self, states: List[PageState]) -> PageState:
+        P = max(s.kmin.shape[2] for s in states)
+        pad = lambda t, v: torch.nn.functional.pad(t, (0, 0, 0, P - t.shape[2]), value=v)  # noqa: E731
+        return PageState(torch.cat([pad(s.kmin, float("inf")) for s in states]),
+                         torch.cat([pad(s.kmax, float("-inf")) for s in states]),
+                         torch.cat([s.lengths for s in states]))
+
+    def take_states(self, state: PageState, rows: List[int]) -> PageState:
+        r = torch.tensor(rows, device=state.kmin.device)
+        return PageState(state.kmin.index_select(0, r), state.kmax.index_select(0, r), state.lengths.index_select(0, r))
+
+    def append_token(self, state: PageState, k_new, lengths, host_lengths, read_keys):
+        """Fold the new key into its page's min/max in place (maintain() grew the capacity;
+        without an engine driving maintain(), grow here)."""
+        if state.fresh is None:
+            self.maintain(state, lengths, host_lengths, read_keys)
+            state.fresh = None
+            state.step -= 1
+        ps = self.config.page_size
         b = torch.arange(k_new.shape[0], device=k_new.device)
         page = (lengths - 1) // ps
         kn = k_new.to(state.kmin.dtype)
@@ -126,10 +155,18 @@ class PageSelect(SparseMethod):
         cfg = self.config
         pp = cfg.physical_page_size
         cap = self.plan_capacity()
-        reuse = state.last_plan is not None and state.step % cfg.reuse_steps != 0
-        state.step += 1
-        if not reuse:
-            state.last_plan = self._choose(q, state, lengths)
+        if state.fresh is None:  # not driven by maintain(): count steps here
+            fresh = state.last_plan is None or state.step % cfg.reuse_steps == 0
+            state.step += 1
+        else:
+            fresh = state.fresh or state.last_plan is None
+        if fresh:
+            new = self._choose(q, state, lengths)
+            if state.last_plan is None or any(a.shape != b.shape for a, b in zip(state.last_plan, new)):
+                state.last_plan = new
+            else:  # in place: a captured reuse step reads these buffers
+                for dst, src in zip(state.last_plan, new):
+                    dst.copy_(src)
         chosen, offsets, total, always_end, always_start = state.last_plan
         table, page = row_table(keys)
         idx, counts = dispatch.compact_tokens(chosen, offsets, total, None, None, None, pp,
@@ -160,4 +197,4 @@ class PageSelect(SparseMethod):
         kpages = min(max(1, cfg.budget // pp), Pp)
         budget = torch.full((B, Hkv), kpages * pp, dtype=torch.int32, device=q.device)
         chosen, offsets, total = dispatch.select_by_budget(s, sizes, budget)
-        return chosen, offsets, total, always_end.expand(B, Hkv), always_start.expand(B, Hkv)
+        return chosen, offsets, total, always_end.expand(B, Hkv).contiguous(), always_start.expand(B, Hkv).contiguous()

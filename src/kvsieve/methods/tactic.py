@@ -14,7 +14,7 @@ from ..ops.paged import PagedKeys, row_table
 from ..ops.threshold import read_positions, read_widths
 from ..ops.kmeans import nearest_centroid
 from ..ops.select import select_by_budget, summary_scores
-from .base import Selection, SparseMethod, TokenPlan
+from .base import Selection, SparseMethod, TokenPlan, capacity_bucket
 
 
 @dataclass
@@ -196,15 +196,53 @@ class Tactic(SparseMethod):
         return True
 
     def append_token(self, state: ClusterIndex, k_new, lengths, host_lengths, read_keys):
+        """New tokens need no device work: they are attended until a fold (maintain)."""
+        return state
+
+    def maintain(self, state: ClusterIndex, lengths, host_lengths, read_keys) -> bool:
+        """Grow the assignment buffer (doubling), fold tokens into the index every
+        `fold_every` tokens, and rebuild the CSR view the plan reads."""
+        changed = False
         if state.assign.shape[-1] < max(host_lengths):
             grow = max(max(host_lengths), 2 * state.assign.shape[-1]) - state.assign.shape[-1]
             state.assign = torch.nn.functional.pad(state.assign, (0, grow), value=-1)
-            state.members = None
+            state.members, changed = None, True
         for b, n in enumerate(host_lengths):
             if self._fold_due(state, b, n):
                 self._fold(state, read_keys(b, 0, n - self.config.local), b, int(state.num_indexed[b]),
                            n - self.config.local)
-        return state
+                changed = True
+        if state.members is None:
+            state.build_csr()
+            changed = True
+        return changed
+
+    def graph_key(self, state: ClusterIndex, host_lengths):
+        tail = None
+        if self.config.budget is None:
+            indexed = state.host_indexed or list(host_lengths)
+            tail = capacity_bucket(max(max(L - i, 0) for L, i in zip(host_lengths, indexed)))
+        return self.plan_capacity(state, host_lengths), tail
+
+    def merge_states(self, states: List[ClusterIndex]) -> ClusterIndex:
+        F = torch.nn.functional
+        C = max(s.centroids.shape[2] for s in states)
+        S = max(s.assign.shape[-1] for s in states)
+        return ClusterIndex(
+            torch.cat([F.pad(s.centroids, (0, 0, 0, C - s.centroids.shape[2])) for s in states]),
+            torch.cat([F.pad(s.sizes, (0, C - s.sizes.shape[2])) for s in states]),
+            torch.cat([F.pad(s.assign, (0, S - s.assign.shape[-1]), value=-1) for s in states]),
+            torch.cat([s.num_indexed for s in states]), torch.cat([s.num_clusters for s in states]),
+            max(s.iters for s in states),
+            host_indexed=[i for s in states for i in (s.host_indexed or s.num_indexed.tolist())])
+
+    def take_states(self, state: ClusterIndex, rows: List[int]) -> ClusterIndex:
+        r = torch.tensor(rows, device=state.sizes.device)
+        pick = (lambda t: None if t is None else t.index_select(0, r))  # noqa: E731
+        host = state.host_indexed or state.num_indexed.tolist()
+        return ClusterIndex(pick(state.centroids), pick(state.sizes), pick(state.assign), pick(state.num_indexed),
+                            pick(state.num_clusters), state.iters, pick(state.members), pick(state.entry_start),
+                            pick(state.sizes32), state.max_size, [host[i] for i in rows])
 
     def plan_capacity(self, state: ClusterIndex, host_lengths: List[int]) -> int:
         """Largest list a step can produce. Fixed budget: the budget (or the best cluster
@@ -212,7 +250,7 @@ class Tactic(SparseMethod):
         Threshold: every token (the union of the group's prefixes may cover the list)."""
         cfg = self.config
         if cfg.budget is None:
-            return max(max(host_lengths), 1)
+            return capacity_bucket(max(host_lengths))
         return max(cfg.budget, state.max_size) + cfg.sink + cfg.local + cfg.fold_every + 1
 
     def plan(self, q, state: ClusterIndex, lengths, host_lengths, keys: Optional[PagedKeys] = None):
@@ -253,31 +291,35 @@ class Tactic(SparseMethod):
                 "sink": torch.full((1, 1), cfg.sink, dtype=torch.int32, device=q.device)}
         if cfg.budget is None:
             indexed = state.host_indexed or list(host_lengths)
-            wkey = (tuple(indexed), tuple(host_lengths), q.shape[1])
-            if c.get("wkey") != wkey:  # changes only when a fold moves num_indexed
-                c.update(self._threshold_layout(indexed, host_lengths, q.shape[1], q.device), wkey=wkey)
+            tail = capacity_bucket(max(max(L - i, 0) for L, i in zip(host_lengths, indexed)))
+            wkey = (tuple(indexed), q.shape[1], tail)
+            if c.get("wkey") != wkey:  # changes only when a fold moves num_indexed (or the tail doubles)
+                c.update(self._threshold_layout(indexed, q.shape[1], q.device), wkey=wkey,
+                         tail_j=torch.arange(cfg.sink + tail, device=q.device)[None, :])
         return c
 
-    def _threshold_layout(self, indexed: List[int], host_lengths: List[int], Hq: int, device) -> dict:
+    def _threshold_layout(self, indexed: List[int], Hq: int, device) -> dict:
         """The fit's geometry from host-known list lengths (every KV head of request b indexes
-        the same num_indexed - sink tokens): FitLayout and read positions [B*Hq, W] per query
-        head, and the always-attended tokens [B, A] (sinks, unindexed tail; -1 past the length)."""
+        the same num_indexed - sink tokens): FitLayout and read positions [B*Hq, W] per query head."""
         cfg = self.config
         n = torch.tensor([max(i - cfg.sink, 0) for i in indexed], dtype=torch.long)
         lay = fit_layout(n, cfg.head_fraction, cfg.segment_centers, cfg.segment_fraction, cfg.min_segment_tokens)
         head_w, seg_w = read_widths(lay, n)
         pos = read_positions(lay, n, head_w, seg_w)
-        tail = max(max(L - i, 0) for L, i in zip(host_lengths, indexed))
-        j = torch.arange(cfg.sink + tail)[None, :]
-        always = torch.where(j < cfg.sink, j, torch.tensor(indexed)[:, None] + j - cfg.sink)
-        always = torch.where(always < torch.tensor(host_lengths)[:, None], always, -1)
 
         def rows(t):
             return t.repeat_interleave(Hq, 0).to(device)
 
         layout = FitLayout(rows(lay.head_len), rows(lay.seg_len), tuple(rows(s) for s in lay.seg_start), rows(lay.exact))
         return {"head_w": head_w, "seg_w": seg_w, "layout": layout, "n": rows(n),
-                "positions": rows(pos).to(torch.int32), "always": always.to(torch.int32).to(device)}
+                "positions": rows(pos).to(torch.int32)}
+
+    def _always_tokens(self, state: ClusterIndex, lengths, c: dict):
+        """[B, sink + tail] int32 always-attended positions (sinks, then the unindexed tail
+        from num_indexed), -1 past each length; computed on the device every step."""
+        sink, j = self.config.sink, c["tail_j"]
+        always = torch.where(j < sink, j, state.num_indexed[:, None] + j - sink)
+        return torch.where(always < lengths[:, None], always, -1).to(torch.int32)
 
     def _choose_by_threshold(self, q, st: ClusterIndex, lengths, keys: PagedKeys, c: dict):
         """Each query head keeps its smallest cluster prefix reaching the threshold (fitted);
@@ -291,7 +333,8 @@ class Tactic(SparseMethod):
         pos = c["positions"].view(B, Hq, W)
         read = dispatch.ranked_list_logits(q, keys.pool, keys.block_table, pos, csize, ranked, order,
                                            st.entry_start, st.members)
-        always = dispatch.list_logits(q, keys.pool, keys.block_table, c["always"][:, None, :].expand(B, Hq, -1))
+        always_pos = self._always_tokens(st, lengths, c)
+        always = dispatch.list_logits(q, keys.pool, keys.block_table, always_pos[:, None, :].expand(B, Hq, -1))
         keep = dispatch.keep_clusters(read.view(B * Hq, W), c["positions"], always.view(B * Hq, -1), c["layout"],
                                       c["n"], csize.view(B * Hq, C), c["head_w"], cfg.threshold, cfg.min_budget,
                                       cfg.max_budget).view(B, Hq)

@@ -276,6 +276,7 @@ class Engine:
             def read_keys(b, start, end):
                 return cache.read(layer, reqs[b], end)[0][:, start:end]
 
+            method.maintain(cache.index[layer], new_len, host_len, read_keys)
             state = method.append_token(cache.index[layer], k, new_len, host_len, read_keys)
             cache.index[layer] = state
             plan = method.plan(q, state, new_len, host_len, PagedKeys(cache.k[layer], table, pool_rows=True))

@@ -1,0 +1,287 @@
+"""LLMEngine: the one execution path under `generate`, `serve`, `eval` and `bench`.
+
+    eng = LLMEngine.load(method="tactic", threshold=0.9)          # or LLMEngine(model, tok, ...)
+    out = eng.generate([ids], SamplingParams(max_new_tokens=64))  # blocking, many requests
+    for delta in eng.stream(ids, params): ...                     # token ids as they come
+    rid = eng.add_request(ids, params); eng.step(); eng.abort(rid) # the serving loop
+
+Each step the scheduler picks decode rows and prefill chunks, the runner runs them, and
+the engine records tokens, timings and the KV fraction each request read.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+from ..methods import config_for, make_method
+from .runner import ModelRunner
+from .scheduler import Request, SamplingParams, Scheduler
+
+# Prompts shorter than this attend densely on CUDA: below it the method's plan costs more
+# than the KV reads it saves (measured on an H200, docs/benchmarks.md "Crossover").
+DENSE_BELOW_CUDA = 2048
+
+
+@dataclass
+class RequestOutput:
+    """What a step produced for one request: new_tokens since the last output; tokens:
+    everything generated so far. kv_fraction: mean fraction of its KV cache read per
+    decode step (over layers and KV heads; 1.0 before any decode step)."""
+
+    id: int
+    new_tokens: List[int]
+    tokens: List[int]
+    prompt_tokens: int
+    finished: bool
+    finish_reason: Optional[str]
+    kv_fraction: float
+    method: str
+    ttft_s: Optional[float] = None
+    decode_s: float = 0.0
+
+
+@dataclass
+class _Track:
+    method: str
+    arrival: float
+    first: Optional[float] = None
+    last: Optional[float] = None
+    frac_sum: float = 0.0
+    steps: int = 0
+    sent: int = 0
+
+
+@dataclass
+class EngineStats:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    warmup_s: float = 0.0
+    finished: int = 0
+    preemptions: int = 0
+    kv_fraction: Dict[str, List[float]] = field(default_factory=dict)  # method -> [sum, steps]
+
+
+class LLMEngine:
+    """model: a kvsieve model (model.cfg, forward, logits); tokenizer: optional (for text);
+    method + options: the default sparse method (validated like CLI options); requests may
+    name their own. kv_pages: pool size in pages of page_size tokens (default: room for
+    max_num_seqs requests of the model's full length, capped by gpu_memory_fraction of the
+    free GPU memory on CUDA). dense_below: prompts shorter than this attend densely
+    (default DENSE_BELOW_CUDA on CUDA, 0 on CPU)."""
+
+    def __init__(self, model, tokenizer=None, method: str = "dense", kv_pages: Optional[int] = None,
+                 page_size: int = 16, max_num_seqs: int = 64, step_tokens: int = 2048, max_waiting: Optional[int] = None,
+                 dense_below: Optional[int] = None, prefill_chunk: int = 1024, paged: Optional[bool] = None,
+                 graphs: Optional[bool] = None, gpu_memory_fraction: float = 0.9, **method_options):
+        self.model, self.tokenizer = model, tokenizer
+        cfg = model.cfg
+        self.default_method = method
+        self.default_options = dict(method_options)
+        default = make_method(method, **method_options)
+        methods = {"default": default}
+        if method != "dense":
+            methods["dense"] = make_method("dense")
+        cuda = model.device.type == "cuda"
+        self.dense_below = (DENSE_BELOW_CUDA if cuda else 0) if dense_below is None else dense_below
+        if kv_pages is None:
+            kv_pages = self._default_pages(page_size, max_num_seqs, gpu_memory_fraction)
+        if kv_pages < 1:
+            raise ValueError(f"kv_pages must be >= 1, got {kv_pages}")
+        self.runner = ModelRunner(model, methods, kv_pages, page_size, prefill_chunk, paged, graphs)
+        self.scheduler = Scheduler(kv_pages, page_size, max_num_seqs, step_tokens, cfg.max_positions, max_waiting)
+        self.eos = tuple(cfg.eos_token_ids)
+        self.stats = EngineStats()
+        self._track: Dict[int, _Track] = {}
+        self._method_names = {"default": method, "dense": "dense"}
+
+    @classmethod
+    def load(cls, model: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None,
+             **kwargs) -> "LLMEngine":
+        """Load a model (None = the embedded default) and build an engine. device: default
+        CUDA when present; dtype: default bfloat16 on CUDA, float32 on the CPU."""
+        from ..model.loader import load_model
+
+        device, dt = resolve_device(device, dtype)
+        m, tok, _ = load_model(model, dtype=dt, device=device)
+        return cls(m, tok, **kwargs)
+
+    def _default_pages(self, page_size: int, max_num_seqs: int, fraction: float) -> int:
+        cfg = self.model.cfg
+        want = max_num_seqs * -(-cfg.max_positions // page_size)
+        if self.model.device.type != "cuda":
+            return want
+        per_page = 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * self.model.dtype.itemsize
+        free, _ = torch.cuda.mem_get_info(self.model.device)
+        return max(1, min(want, int(free * fraction * 0.8) // per_page))  # 20% left for indexes, graphs
+
+    # ------------------------------------------------------------------ requests
+    def method_key(self, method: Optional[str], options: Optional[dict]) -> str:
+        """The runner's key for a request's method; builds (and validates) it on first use."""
+        if method is None and not options:
+            return "default"
+        name = method or self.default_method
+        opts = dict(options or {})
+        if method is None or method == self.default_method:
+            opts = {**self.default_options, **opts}
+        if self.default_options.get("streaming_heads") is not None and name in ("lserve", "hybrid"):
+            opts.setdefault("streaming_heads", self.default_options["streaming_heads"])
+        config_for(name, **opts)  # one clear ValueError for a bad method or option
+        key = f"{name}:{sorted((k, repr(v)) for k, v in opts.items())}"
+        if key not in self.runner.methods:
+            self.runner.methods[key] = make_method(name, **opts)
+            self._method_names[key] = name
+        return key
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
+                    method: Optional[str] = None, method_options: Optional[dict] = None) -> int:
+        """Queue one request (token ids); returns its id. Raises ValueError for input that can
+        never run (empty, longer than the model allows, bigger than the pool) and
+        SchedulerFullError past the waiting-queue limit."""
+        key = self.method_key(method, method_options)
+        if len(prompt) < self.dense_below:
+            key = "dense" if "dense" in self.runner.methods else key
+        req = self.scheduler.add(prompt, params, key)
+        self._track[req.id] = _Track(self._method_names[key], time.perf_counter())
+        return req.id
+
+    def abort(self, rid: int) -> None:
+        """Cancel a request; its KV pages are free when this returns."""
+        req = self.scheduler.abort(rid)
+        if req is not None:
+            self.runner.release(rid)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> List[RequestOutput]:
+        """Run one scheduler step; returns an output for each request that produced a token."""
+        plan = self.scheduler.schedule()
+        for r in plan.preempted:
+            self.runner.release(r.id)
+            self.stats.preemptions += 1
+        produced: Dict[int, Request] = {}
+        sync = self.model.device.type == "cuda"
+        if plan.decode:
+            t0 = time.perf_counter()
+            tokens, fracs = self.runner.decode(plan.decode)
+            self.stats.decode_s += time.perf_counter() - t0
+            self.stats.decode_steps += 1
+            self.stats.decode_tokens += len(tokens)
+            for req, tok, frac in zip(plan.decode, tokens, fracs):
+                tr = self._track[req.id]
+                tr.frac_sum += frac
+                tr.steps += 1
+                agg = self.stats.kv_fraction.setdefault(tr.method, [0.0, 0])
+                agg[0] += frac
+                agg[1] += 1
+                self._append(req, tok)
+                produced[req.id] = req
+        if plan.chunks:
+            t0 = time.perf_counter()
+            for req, start, end in plan.chunks:
+                logits = self.runner.prefill(req, start, end)
+                self.scheduler.prefilled(req, end)
+                self.stats.prefill_tokens += end - start
+                if logits is not None and not req.output:
+                    self._append(req, self.runner.sample_one(logits, req, end))
+                    produced[req.id] = req
+            if sync:
+                torch.cuda.synchronize(self.model.device)
+            self.stats.prefill_s += time.perf_counter() - t0
+        return [self._output(r) for r in produced.values()]
+
+    def _append(self, req: Request, token: int) -> None:
+        tr = self._track[req.id]
+        now = time.perf_counter()
+        tr.first = tr.first or now
+        tr.last = now
+        if self.scheduler.append_token(req, token, self.eos):
+            self.runner.release(req.id)
+            self.stats.finished += 1
+
+    def _output(self, req: Request) -> RequestOutput:
+        tr = self._track[req.id]
+        new = req.output[tr.sent:]
+        tr.sent = len(req.output)
+        out = RequestOutput(req.id, new, list(req.output), len(req.prompt), req.finished, req.finish_reason,
+                            tr.frac_sum / tr.steps if tr.steps else 1.0, tr.method,
+                            None if tr.first is None else tr.first - tr.arrival,
+                            0.0 if tr.first is None else tr.last - tr.first)
+        if req.finished:
+            self._track.pop(req.id, None)
+        return out
+
+    # ------------------------------------------------------------------ conveniences
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
+                 method: Optional[str] = None, method_options: Optional[dict] = None) -> List[RequestOutput]:
+        """Run every prompt to completion (continuous batching); outputs in prompt order."""
+        if not prompts:
+            raise ValueError("no prompt given; pass at least one prompt")
+        ids = [self.add_request(p, params, method, method_options) for p in prompts]
+        final: Dict[int, RequestOutput] = {}
+        while len(final) < len(ids):
+            for o in self.step():
+                if o.finished:
+                    final[o.id] = o
+        return [final[i] for i in ids]
+
+    def stream(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
+               method: Optional[str] = None, method_options: Optional[dict] = None) -> Iterator[RequestOutput]:
+        """One request; yields an output each time it produces tokens (the last one finished)."""
+        rid = self.add_request(prompt, params, method, method_options)
+        try:
+            while True:
+                for o in self.step():
+                    if o.id == rid:
+                        yield o
+                        if o.finished:
+                            return
+        finally:
+            if rid in self.scheduler.requests:
+                self.abort(rid)
+
+    def warmup(self, prompt_tokens: int = 1100, decode_tokens: int = 6) -> float:
+        """Compile every kernel the default method uses (prefill, index, plan, attention,
+        step-graph capture) on a dummy request, outside any user request. Returns seconds.
+        Triton keeps compiled kernels in its on-disk cache, so later runs start faster."""
+        t0 = time.perf_counter()
+        n = max(1, min(prompt_tokens, self.model.cfg.max_positions - decode_tokens - 1,
+                       self.scheduler.num_pages * self.scheduler.page_size - decode_tokens - 1))
+        keys = ["default"] + (["dense"] if "dense" in self.runner.methods else [])
+        for key in keys:
+            vocab = self.model.cfg.vocab_size
+            req = self.scheduler.add([(7 * i + 3) % vocab for i in range(n)],
+                                     SamplingParams(max_new_tokens=decode_tokens, ignore_eos=True), key)
+            self._track[req.id] = _Track(self._method_names[key], time.perf_counter())
+            while not req.finished:
+                self.step()
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        self.stats = EngineStats(warmup_s=time.perf_counter() - t0)
+        return self.stats.warmup_s
+
+
+def resolve_device(device: Optional[str], dtype: Optional[str]):
+    """(torch.device, torch.dtype): CUDA when present unless told otherwise; bfloat16 on
+    CUDA, float32 on the CPU unless told otherwise."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"--device {device!r} is not a device torch knows ({e}); use cpu or cuda") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device} was asked for but no CUDA GPU is available; use --device cpu")
+    if dtype is None:
+        dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    return dev, getattr(torch, dtype)

@@ -1,0 +1,313 @@
+"""Model runner: turns the scheduler's decisions into tensors and runs them.
+
+It owns the KV pool, each request's method index and the decode-step CUDA graphs. It
+never decides *what* runs (the scheduler does) and never knows which method runs: a
+method is an object with prepare / maintain / plan, looked up by the request's method key.
+
+A decode step on CUDA is one graph replay: embedding, every layer (append to the cache,
+the method's plan, paged sparse attention), LM head and sampling. Graphs are keyed by
+the batch's composition and every host-side value a plan bakes in (list capacities,
+the alternating fresh/reuse path of page selection); when any of those change, the step
+runs eagerly once (this also compiles Triton kernels) and the next stable step is
+captured. The host reads one small tensor per step: the sampled tokens and the KV
+fraction each request read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import dispatch
+from ..cache import PagedKVCache
+from ..methods import SparseMethod
+from ..ops.attention import attend as attend_masked
+from ..ops.paged import PagedKeys
+from .sampling import sample
+from .scheduler import Request
+
+# observe(layer, q [B, Hq, D], k, v [B, Hkv, S, D], selection, lengths [B], out [B, Hq, D])
+AttentionObserver = Callable[..., None]
+
+
+@dataclass
+class DecodeBatch:
+    """The running decode rows: request ids in row order, contiguous method groups
+    (key, start, end), one batched index per group and layer, and the static input
+    buffers a captured step reads."""
+
+    rows: List[int]
+    groups: List[Tuple[str, int, int]]
+    states: Dict[str, List[Any]]
+    tokens: Tensor                 # [B] long: each row's input token
+    positions: Tensor              # [B] long: its position (= cached tokens before the step)
+    table: Tensor                  # [B, W] int32 page table
+    table_len: List[int]           # pages of each row already copied into `table`
+    sampling: Dict[str, Tensor]    # temperature, top_k, top_p, seeds: [B]
+    greedy_only: bool
+    filtered: bool
+    graphs: Dict[Any, Tuple[Any, Tensor]] = field(default_factory=dict)
+    last_key: Any = None
+
+
+class ModelRunner:
+    """model: LlamaModel-like (cfg, dtype, device, forward(tokens, positions, attend), logits);
+    methods: method key -> SparseMethod; num_pages x page_size tokens of KV pool.
+    paged: decode on the paged fast path (default: on CUDA); graphs: capture decode steps
+    (default: on CUDA with the paged path)."""
+
+    def __init__(self, model, methods: Dict[str, SparseMethod], num_pages: int, page_size: int = 16,
+                 prefill_chunk: int = 1024, paged: Optional[bool] = None, graphs: Optional[bool] = None):
+        cfg = model.cfg
+        self.model, self.methods, self.page_size = model, methods, page_size
+        self.prefill_chunk = prefill_chunk
+        cuda = model.device.type == "cuda"
+        plannable = all(m.supports_plan() for m in methods.values())
+        if paged and not plannable:
+            raise ValueError("a method with these options has no paged fast path; drop paged=True")
+        self.paged = plannable and (cuda if paged is None else paged)
+        self.graphs_on = self.paged and cuda and (True if graphs is None else graphs)
+        self.cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size,
+                                  model.dtype, model.device)
+        self.max_pages = -(-cfg.max_positions // page_size)
+        self.pending: Dict[int, List[Any]] = {}  # request id -> per-layer index (B = 1) until it decodes
+        self.batch: Optional[DecodeBatch] = None
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs_on else None
+        self.captures = 0
+        self._windows: Dict[str, list] = {}
+        self.observe: Optional[AttentionObserver] = None  # forces the reference path (eval)
+        self.last_logits: Optional[Tensor] = None  # [B, vocab] of the last decode step
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, req: Request, start: int, end: int) -> Optional[Tensor]:
+        """Run tokens [start, end) of req through the model into the cache. When the cache
+        then holds the whole prefill target, index it for the request's method and return
+        the last position's logits [vocab] (float32); else None."""
+        self.cache.tables[req.id] = req.pages
+        self.cache.lengths.setdefault(req.id, 0)
+        h = None
+        for a in range(start, end, self.prefill_chunk):
+            h = self._prefill_chunk(req, a, min(end, a + self.prefill_chunk))
+        if end < req.prefill_target:
+            return None
+        self.index_request(req, end)
+        return self.model.logits(h[-1:])[0]
+
+    def _prefill_chunk(self, req: Request, start: int, end: int, all_positions: bool = False) -> Tensor:
+        dev, cache = self.model.device, self.cache
+        windows = self._prefill_windows(req.method_key)
+        ids = torch.tensor(req.tokens[start:end], device=dev)
+        pos = torch.arange(start, end, device=dev)
+
+        def attend_prefill(layer, q, k, v):
+            cache.write(layer, req.id, start, k.transpose(0, 1), v.transpose(0, 1))
+            kk, vv = cache.read(layer, req.id, end)  # [Hkv, end, D]
+            win = windows[layer]
+            if win is not None:
+                return dispatch.block_sparse_prefill(q, kk, vv, win[0], win[1], win[2])
+            qq = q.transpose(0, 1)[None]
+            if start == 0:  # square causal: SDPA's flash / cuDNN kernels on the GPU
+                o = F.scaled_dot_product_attention(qq, kk[None], vv[None], is_causal=True, enable_gqa=True)
+            else:
+                causal = torch.arange(end, device=dev)[None, :] <= pos[:, None]
+                o = F.scaled_dot_product_attention(qq, kk[None], vv[None], attn_mask=causal, enable_gqa=True)
+            return o[0].transpose(0, 1)
+
+        return self.model.forward(ids, pos, attend_prefill)
+
+    def _prefill_windows(self, key: str) -> list:
+        """Per layer: None (dense causal) or (streaming flags on the device, sink, local)."""
+        if key not in self._windows:
+            cfg, m = self.model.cfg, self.methods[key]
+            ws = [m.prefill_window(i, cfg.num_kv_heads, cfg.max_positions) for i in range(cfg.num_layers)]
+            self._windows[key] = [None if w is None else (w.streaming.to(self.model.device), w.sink, w.local)
+                                  for w in ws]
+        return self._windows[key]
+
+    def index_request(self, req: Request, length: int) -> None:
+        """Build req's per-layer method index over its first `length` cached keys."""
+        method = self.methods[req.method_key]
+        n = torch.tensor([length], device=self.model.device)
+        states = []
+        for layer in range(self.model.cfg.num_layers):
+            k, _ = self.cache.read(layer, req.id, length)
+            states.append(method.prepare(k[None], n, layer))
+        self.pending[req.id] = states
+
+    def sample_one(self, logits: Tensor, req: Request, position: int) -> int:
+        """Sample the first token of a request from its prefill logits [vocab]."""
+        t = sample(logits[None], *self._sampling_rows([req]).values(),
+                   positions=torch.tensor([position], device=logits.device))
+        return int(t[0])
+
+    def release(self, rid: int) -> None:
+        """Forget a request's index and page table (its pages are the scheduler's)."""
+        self.pending.pop(rid, None)
+        self.cache.tables.pop(rid, None)
+        self.cache.lengths.pop(rid, None)
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, reqs: List[Request]) -> Tuple[List[int], List[float]]:
+        """One decode step for reqs (each feeds its last token). Returns the sampled tokens
+        and the fraction of its KV cache each request read (mean over layers and KV heads)."""
+        order = self._row_order(reqs)
+        reqs = [reqs[i] for i in order]
+        changed = self._compose(reqs)
+        bt = self.batch
+        dev = self.model.device
+        host_len = [r.num_cached + 1 for r in reqs]
+        bt.tokens.copy_(torch.tensor([r.tokens[-1] for r in reqs]), non_blocking=True)
+        bt.positions.copy_(torch.tensor([r.num_cached for r in reqs]), non_blocking=True)
+        for b, r in enumerate(reqs):
+            self.cache.tables[r.id] = r.pages
+            if len(r.pages) > bt.table_len[b]:
+                bt.table[b, bt.table_len[b]:len(r.pages)] = torch.tensor(r.pages[bt.table_len[b]:], dtype=torch.int32)
+                bt.table_len[b] = len(r.pages)
+        new_len = bt.positions + 1
+        key = [bt.greedy_only, bt.filtered]
+        alt = []
+        for g, a, b in bt.groups:
+            m = self.methods[g]
+            if self.paged:
+                for layer, st in enumerate(bt.states[g]):
+                    changed |= bool(m.maintain(st, new_len[a:b], host_len[a:b], self._key_reader(layer, reqs[a:b])))
+            key.append(tuple(m.graph_key(st, host_len[a:b]) for st in bt.states[g]))
+            alt.append(m.step_variant(bt.states[g][0]))
+        key = tuple(key)
+        eager = changed or key != bt.last_key  # caches the plan rebuilds must not be made inside a capture
+        if eager:
+            bt.graphs.clear()
+        bt.last_key = key
+        full_key = (key, tuple(alt))
+        if not self.graphs_on or eager:
+            out = self._step(host_len)
+        elif full_key in bt.graphs:
+            graph, out = bt.graphs[full_key]
+            graph.replay()
+        else:
+            out = self._capture(full_key, host_len)
+        for r, n in zip(reqs, host_len):
+            self.cache.lengths[r.id] = n
+        res = out.cpu()  # the one host sync of the step
+        tokens = res[0].long().tolist()
+        frac = (res[1] / self.model.cfg.num_layers).tolist()
+        back = [0] * len(order)
+        for i, j in enumerate(order):
+            back[j] = i
+        return [tokens[back[j]] for j in range(len(order))], [frac[back[j]] for j in range(len(order))]
+
+    def _capture(self, key, host_len: List[int]) -> Tensor:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            out = self._step(host_len)
+        self.batch.graphs[key] = (graph, out)
+        self.captures += 1
+        graph.replay()
+        return out
+
+    def _step(self, host_len: List[int]) -> Tensor:
+        """The decode step's device work (capturable): returns [2, B] float64 = (sampled
+        token, summed per-layer KV fraction) per row."""
+        bt, cache, model = self.batch, self.cache, self.model
+        lengths = bt.positions
+        new_len = lengths + 1
+        B = lengths.shape[0]
+        frac = torch.zeros(B, dtype=torch.float64, device=lengths.device)
+        page_of = bt.table.gather(1, (lengths // self.page_size)[:, None].to(torch.int64))[:, 0].long()
+        slot = lengths % self.page_size
+
+        def attend(layer, q, k, v):
+            cache.k[layer, page_of, :, slot] = k.to(cache.k.dtype)
+            cache.v[layer, page_of, :, slot] = v.to(cache.v.dtype)
+            outs = []
+            for g, a, b in bt.groups:
+                m, st = self.methods[g], bt.states[g][layer]
+                nl, hl, table = new_len[a:b], host_len[a:b], bt.table[a:b]
+                m.append_token(st, k[a:b], nl, hl, None)
+                plan = m.plan(q[a:b], st, nl, hl, PagedKeys(cache.k[layer], table, pool_rows=True))
+                frac[a:b] += plan.read_fraction(nl).mean(-1)
+                o, _ = dispatch.paged_decode(q[a:b], cache.k[layer], cache.v[layer], table, plan.counts, plan.indices,
+                                             cap=plan.cap, pool_rows=plan.pool_rows)
+                outs.append(o)
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+        def attend_reference(layer, q, k, v):
+            outs = []
+            for g, a, b in bt.groups:
+                m, rows = self.methods[g], bt.rows[a:b]
+                for i, (r, n) in enumerate(zip(rows, host_len[a:b])):
+                    cache.write(layer, r, n - 1, k[a + i][:, None], v[a + i][:, None])
+                kk, vv = cache.view(layer, rows, host_len[a:b])
+                nl = new_len[a:b]
+                st = bt.states[g][layer] = m.append(bt.states[g][layer], kk, nl)
+                sel = m.select(q[a:b], kk, nl, st)
+                frac[a:b] += sel.read_fraction(nl).mean(-1)
+                out = attend_masked(q[a:b], kk, vv, sel.mask)[0]
+                if self.observe is not None:
+                    self.observe(layer, q[a:b], kk, vv, sel, nl, out)
+                outs.append(out)
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+        hidden = model.forward(bt.tokens, lengths, attend if self.paged and self.observe is None else attend_reference)
+        logits = model.logits(hidden)
+        self.last_logits = logits
+        nxt = sample(logits, **bt.sampling, positions=new_len, greedy_only=bt.greedy_only, filtered=bt.filtered)
+        return torch.stack([nxt.double(), frac])
+
+    def _key_reader(self, layer: int, reqs: List[Request]):
+        def read_keys(b: int, start: int, end: int) -> Tensor:
+            return self.cache.read(layer, reqs[b].id, end)[0][:, start:end]
+        return read_keys
+
+    def _row_order(self, reqs: List[Request]) -> List[int]:
+        """Rows grouped by method key; within a group the rows already in the batch keep
+        their order and new ones follow (so the batched index is survivors + newcomers)."""
+        keys = list(self.methods)
+        old = {rid: i for i, rid in enumerate(self.batch.rows) if rid not in self.pending} \
+            if self.batch is not None else {}
+        return sorted(range(len(reqs)), key=lambda i: (keys.index(reqs[i].method_key),
+                                                       old.get(reqs[i].id, len(old) + i)))
+
+    def _compose(self, reqs: List[Request]) -> bool:
+        """Make self.batch hold exactly reqs (in order, see _row_order); True when it changed."""
+        ids = [r.id for r in reqs]
+        old = self.batch
+        if old is not None and old.rows == ids and not any(r.id in self.pending for r in reqs):
+            return False
+        # a request with a pending index was (re)prefilled since it last decoded: it is new
+        old_row = {rid: i for i, rid in enumerate(old.rows) if rid not in self.pending} if old is not None else {}
+        groups, states = [], {}
+        for key in dict.fromkeys(r.method_key for r in reqs):
+            members = [r for r in reqs if r.method_key == key]
+            start = ids.index(members[0].id)
+            groups.append((key, start, start + len(members)))
+            m, parts = self.methods[key], []
+            kept = [r for r in members if r.id in old_row]
+            if kept:
+                g0 = next(a for g, a, _ in old.groups if g == key)
+                rows = [old_row[r.id] - g0 for r in kept]
+                parts.append([m.take_states(st, rows) for st in old.states[key]])
+            parts += [self.pending.pop(r.id) for r in members if r.id not in old_row]
+            states[key] = [m.merge_states([p[layer] for p in parts]) for layer in range(self.model.cfg.num_layers)]
+        dev = self.model.device
+        B = len(reqs)
+        table = torch.zeros(B, self.max_pages, dtype=torch.int32)
+        for b, r in enumerate(reqs):
+            table[b, :len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
+        self.batch = DecodeBatch(
+            ids, groups, states, torch.zeros(B, dtype=torch.long, device=dev),
+            torch.zeros(B, dtype=torch.long, device=dev), table.to(dev), [len(r.pages) for r in reqs],
+            self._sampling_rows(reqs), all(r.params.temperature == 0 for r in reqs),
+            any(r.params.temperature > 0 and (r.params.top_k > 0 or r.params.top_p < 1) for r in reqs))
+        return True
+
+    def _sampling_rows(self, reqs: List[Request]) -> Dict[str, Tensor]:
+        dev = self.model.device
+        return {"temperature": torch.tensor([float(r.params.temperature) for r in reqs], device=dev),
+                "top_k": torch.tensor([r.params.top_k for r in reqs], device=dev),
+                "top_p": torch.tensor([float(r.params.top_p) for r in reqs], device=dev),
+                "seeds": torch.tensor([r.params.seed if r.params.seed is not None else r.id for r in reqs],
+                                      device=dev)}

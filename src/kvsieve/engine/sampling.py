@@ -1,0 +1,66 @@
+"""On-device sampling: greedy, temperature, top-k, top-p and a per-request seed.
+
+No torch.Generator: the noise of request r at position p for vocabulary entry v is a hash
+of (seed_r, p, v) (splitmix64), turned into Gumbel noise, and the token is
+argmax(logits / T + gumbel) over the entries top-k/top-p keep. So a seed reproduces the
+same tokens whatever else is in the batch, on every step path (eager or CUDA-graph
+replay), and nothing here synchronises with the host.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_M1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+_M2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_M3 = -7723592293110705685  # 0x94D049BB133111EB
+
+
+def _mix(x: Tensor) -> Tensor:
+    """splitmix64 finaliser on int64 (wrapping arithmetic; logical shifts emulated by masking)."""
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _M2
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _M3
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def uniform_noise(seeds: Tensor, positions: Tensor, vocab: int) -> Tensor:
+    """[B, vocab] float32 in (0, 1): a hash of (seed [B], position [B], vocabulary entry)."""
+    base = _mix(seeds.long() * _M1 + positions.long())  # [B]
+    v = torch.arange(vocab, device=seeds.device, dtype=torch.long)
+    bits = (_mix(base[:, None] + v[None, :] * _M1) >> 40) & ((1 << 24) - 1)
+    return (bits.float() + 0.5) / float(1 << 24)
+
+
+def filter_logits(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """logits [B, V] float32 with everything outside each row's top-k (0 = off) and top-p
+    nucleus (the smallest prefix of the sorted probabilities reaching top_p) set to -inf.
+    Ties at the cut-off are kept."""
+    B, V = logits.shape
+    srt = logits.sort(-1, descending=True).values
+    rank = torch.arange(V, device=logits.device)[None, :]
+    probs = srt.softmax(-1)
+    before = probs.cumsum(-1) - probs  # mass of the entries ranked above
+    keep = (before < top_p[:, None]) & ((top_k[:, None] == 0) | (rank < top_k[:, None]))
+    last = keep.sum(-1, keepdim=True).clamp(min=1) - 1
+    cutoff = srt.gather(-1, last)
+    return logits.masked_fill(logits < cutoff, float("-inf"))
+
+
+def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seeds: Tensor,
+           positions: Tensor, greedy_only: bool = False, filtered: bool = True) -> Tensor:
+    """logits [B, V]; per row: temperature [B] float (0 = greedy), top_k [B] long, top_p [B]
+    float, seeds [B] long, positions [B] long (the position the sampled token will take).
+    greedy_only / filtered=False skip work no row needs (the engine knows from the rows'
+    parameters). Returns token ids [B] long."""
+    logits = logits.float()
+    greedy = logits.argmax(-1)
+    if greedy_only:
+        return greedy
+    if filtered:
+        logits = filter_logits(logits, top_k, top_p)
+    t = temperature.clamp(min=1e-6)[:, None]
+    g = -torch.log(-torch.log(uniform_noise(seeds, positions, logits.shape[-1])))
+    drawn = (logits / t + g).argmax(-1)
+    return torch.where(temperature > 0, drawn, greedy)

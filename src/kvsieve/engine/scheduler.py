@@ -1,0 +1,267 @@
+"""Continuous-batching scheduler: plain Python, no torch.
+
+It owns the page accounting of the KV pool and decides, before every engine step, which
+requests decode one token and which prompt chunks prefill. Requests join and leave the
+running batch between any two steps.
+
+Invariants (tested in tests/test_scheduler.py):
+- a request in `running` holds pages for every token in its cache plus the next one;
+- `num_cached` tokens of a request are in the cache; a decoding request has exactly
+  len(tokens) - 1 cached (its last sampled token is the next step's input);
+- nothing is ever truncated: a request that could never fit is refused at `add`; one that
+  does not fit *now* waits, or a running one is preempted (pages freed, recomputed later
+  from its prompt and the tokens generated so far, which are kept).
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Deque, Dict, List, Optional, Sequence as Seq, Tuple
+
+
+class SchedulerFullError(RuntimeError):
+    """The waiting queue is at its limit (a server answers 429/503 with Retry-After)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings. temperature 0 = greedy; top_k 0 = off; top_p 1 = off;
+    seed None = derived from the request id (set it to reproduce a sampled answer)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    stop_token_ids: Tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request. tokens = prompt + output; pages: its page table."""
+
+    id: int
+    prompt: List[int]
+    params: SamplingParams
+    method_key: str = "default"
+    output: List[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    pages: List[int] = field(default_factory=list)
+    num_cached: int = 0
+    finish_reason: Optional[str] = None  # "stop", "length", "abort"
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> List[int]:
+        return self.prompt + self.output
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens the cache must hold before decoding: the prompt, or after a preemption
+        everything but the last sampled token (which the next decode step feeds)."""
+        return len(self.prompt) + max(len(self.output) - 1, 0)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_cached < self.prefill_target
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass
+class StepPlan:
+    """What one engine step runs: decode one token for `decode` (in this order), then
+    prefill `chunks` (request, start, end) in order. `preempted` lost their pages."""
+
+    decode: List[Request]
+    chunks: List[Tuple[Request, int, int]]
+    preempted: List[Request]
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.chunks
+
+
+class Scheduler:
+    """FCFS admission by free pages, chunked prefill under a per-step token budget,
+    preemption by recomputation (newest request first) when a decode step needs a page.
+
+    num_pages/page_size: the KV pool; max_num_seqs: most requests holding pages at once;
+    step_tokens: most tokens (decode rows + prefill chunk tokens) per step; max_model_len:
+    the model's positions; max_waiting: queue limit (None = unbounded)."""
+
+    def __init__(self, num_pages: int, page_size: int, max_num_seqs: int = 64, step_tokens: int = 2048,
+                 max_model_len: int = 8192, max_waiting: Optional[int] = None):
+        if num_pages < 1 or page_size < 1 or max_num_seqs < 1 or step_tokens < 1:
+            raise ValueError(f"num_pages, page_size, max_num_seqs and step_tokens must be >= 1, got "
+                             f"{num_pages}, {page_size}, {max_num_seqs}, {step_tokens}")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.free_pages: List[int] = list(range(num_pages - 1, -1, -1))
+        self.max_num_seqs = max_num_seqs
+        self.step_tokens = step_tokens
+        self.max_model_len = max_model_len
+        self.max_waiting = max_waiting
+        self.waiting: Deque[Request] = deque()
+        self.running: List[Request] = []
+        self.requests: Dict[int, Request] = {}
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def add(self, prompt: Seq[int], params: SamplingParams = SamplingParams(), method_key: str = "default",
+            request_id: Optional[int] = None) -> Request:
+        """Queue a request; refuses (ValueError) one that could never run, and raises
+        SchedulerFullError past max_waiting."""
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError("the prompt is empty; give at least one token")
+        total = len(prompt) + params.max_new_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens and max_new_tokens is {params.max_new_tokens}, but the model "
+                f"allows {self.max_model_len} positions; shorten the prompt to at most "
+                f"{self.max_model_len - params.max_new_tokens} tokens or ask for fewer new tokens "
+                "(kvsieve never truncates)")
+        if self.pages_for(total) > self.num_pages:
+            raise ValueError(
+                f"a request of {total} tokens needs {self.pages_for(total)} KV pages of {self.page_size} tokens but "
+                f"the pool has {self.num_pages}; give the engine more KV pages (--kv-pages) or ask for fewer tokens")
+        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+            raise SchedulerFullError(f"{len(self.waiting)} requests are already waiting (limit {self.max_waiting})")
+        rid = next(self._ids) if request_id is None else request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid} is already in use")
+        req = Request(rid, prompt, params, method_key)
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return req
+
+    def abort(self, rid: int) -> Optional[Request]:
+        """Cancel a request: its pages return to the pool at once."""
+        req = self.requests.get(rid)
+        if req is None or req.finished:
+            return req
+        self._finish(req, "abort")
+        return req
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self.free_pages)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> StepPlan:
+        preempted: List[Request] = []
+        decode = [r for r in self.running if not r.prefilling]
+        for req in list(decode):  # each decode row needs room for one more token
+            while req.status is Status.RUNNING and not self._grow(req, req.num_cached + 1):
+                victim = self._newest_running(exclude=None)
+                self._preempt(victim)
+                preempted.append(victim)
+        decode = [r for r in decode if r.status is Status.RUNNING]
+        budget = self.step_tokens - len(decode)
+        chunks: List[Tuple[Request, int, int]] = []
+        for req in [r for r in self.running if r.prefilling]:  # prefills already admitted go first
+            if budget <= 0:
+                break
+            chunks.append(self._chunk(req, budget))
+            budget -= chunks[-1][2] - chunks[-1][1]
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            # admit only when the whole prefill (+ the first decode token) fits right now
+            if not self._grow(req, req.prefill_target + 1):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            chunks.append(self._chunk(req, budget))
+            budget -= chunks[-1][2] - chunks[-1][1]
+        return StepPlan(decode, chunks, preempted)
+
+    def _chunk(self, req: Request, budget: int) -> Tuple[Request, int, int]:
+        start = req.num_cached
+        return req, start, min(req.prefill_target, start + budget)
+
+    def _grow(self, req: Request, tokens: int) -> bool:
+        need = self.pages_for(tokens) - len(req.pages)
+        if need > len(self.free_pages):
+            return False
+        for _ in range(max(need, 0)):
+            req.pages.append(self.free_pages.pop())
+        return True
+
+    def _newest_running(self, exclude: Optional[Request]) -> Request:
+        return [r for r in self.running if r is not exclude][-1]
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        self.running.remove(req)
+        req.status = Status.WAITING
+        req.num_cached = 0
+        req.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        self.free_pages.extend(reversed(req.pages))
+        req.pages = []
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self._release(req)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        self.requests.pop(req.id, None)
+
+    # ------------------------------------------------------------------ results
+    def prefilled(self, req: Request, end: int) -> None:
+        """A prefill chunk ran: the cache now holds `end` tokens of req."""
+        req.num_cached = end
+
+    def append_token(self, req: Request, token: int, eos_ids: Seq[int] = ()) -> bool:
+        """Record a sampled token (after a decode step, or after the last prefill chunk of a
+        new request). Returns True when the request finished (its pages are freed)."""
+        if req.finished:
+            return True
+        if req.output and not req.prefilling:
+            req.num_cached += 1  # the previous token went through the decode step
+        req.output.append(token)
+        p = req.params
+        stop = token in p.stop_token_ids or (not p.ignore_eos and token in eos_ids)
+        if stop or len(req.output) >= p.max_new_tokens:
+            self._finish(req, "stop" if stop else "length")
+            return True
+        return False
