@@ -27,11 +27,15 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-dense", action="store_true", help="also run dense; print both answers and agreement")
-    p.add_argument("--kv-pages", type=int, help="KV pool size in 16-token pages (default: just enough)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--kv-pages", type=int, help="KV pool size in 16-token pages (default: room for every prompt)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="default bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--device", help="default cuda when a GPU is present, else cpu")
+    p.add_argument("--dense-below", type=int, help="prompts shorter than this attend densely (default: the "
+                   "measured crossover on CUDA, 0 on the CPU)")
+    p.add_argument("--no-warmup", action="store_true", help="skip kernel compilation before the request (CUDA)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="do not stream tokens as they come")
     p.set_defaults(func=cmd_generate)
 
 
@@ -59,69 +63,93 @@ def read_prompts(args, tok) -> tuple[list[list[int]], bool]:
 
 
 def cmd_generate(args) -> int:
-    import torch
-
     from ..cli import method_options
-    from ..patterns import STREAMING_METHODS, pattern_for
+    from ..engine import LLMEngine, SamplingParams, resolve_device
+    from ..methods import config_for
+    from ..patterns import pattern_for
     from .loader import load_model
-    from .runner import Engine, SamplingConfig
 
-    sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.kv_pages is not None and args.kv_pages <= 0:
         raise ValueError(f"--kv-pages must be >= 1, got {args.kv_pages}")
+    if args.dense_below is not None and args.dense_below < 0:
+        raise ValueError(f"--dense-below must be >= 0, got {args.dense_below}")
+    params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed)
     opts = method_options(args)
-    from ..methods import config_for
-
     config_for(args.method, **opts)  # fail on bad options before loading anything
-    model, tok, model_dir = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    device, dtype = resolve_device(args.device, args.dtype)
+    model, tok, model_dir = load_model(args.model, dtype=dtype, device=device)
     heads = pattern_for(args.method, args.streaming_heads, model_dir, model.cfg.num_layers, model.cfg.num_kv_heads)
     if heads is not None:
         opts["streaming_heads"] = heads
     prompts, builtin = read_prompts(args, tok)
-
-    def run(method, options):
-        eng = Engine(model, method, kv_pages=args.kv_pages, progress=not args.no_progress and not args.json,
-                     **options)
-        return eng.generate(prompts, args.max_new_tokens, sampling)
-
-    res = run(args.method, opts)
-    texts = [tok.decode(t, skip_special_tokens=True) for t in res.tokens]
+    pages = args.kv_pages or sum(-(-(len(p) + args.max_new_tokens) // 16) for p in prompts)
+    eng = LLMEngine(model, tok, args.method, kv_pages=pages, max_num_seqs=max(len(prompts), 1),
+                    dense_below=args.dense_below, **opts)
+    warm = 0.0 if args.no_warmup or device.type != "cuda" else eng.warmup()
+    stream = not args.json and not args.no_progress and len(prompts) == 1
+    res = run_requests(eng, tok, prompts, params, None, stream)
+    texts = [tok.decode(o.tokens, skip_special_tokens=True) for o in res]
+    st = eng.stats
+    gen = sum(len(o.tokens) for o in res)
+    frac = sum(o.kv_fraction for o in res) / len(res)
     report = {
         "text": texts[0] if len(texts) == 1 else texts,
         "method": args.method,
         "options": {k: v for k, v in opts.items() if k != "streaming_heads"},
         "streaming_heads": None if heads is None else args.streaming_heads or "shipped pattern",
         "model": str(model_dir),
-        "prompt_tokens": res.prompt_tokens[0] if len(prompts) == 1 else res.prompt_tokens,
-        "generated_tokens": res.generated_tokens,
-        "prefill_s": round(res.prefill_s, 4),
-        "index_s": round(res.index_s, 4),
-        "decode_s": round(res.decode_s, 4),
-        "decode_tokens_per_s": round(res.decode_tokens_per_s, 3),
-        "kv_fraction": round(res.kv_fraction, 5),
-        "kv_bytes": res.kv_bytes,
+        "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+        "prompt_tokens": len(prompts[0]) if len(prompts) == 1 else [len(p) for p in prompts],
+        "generated_tokens": gen,
+        "prefill_s": round(st.prefill_s, 4),
+        "decode_s": round(st.decode_s, 4),
+        "decode_tokens_per_s": round(st.decode_tokens / st.decode_s, 3) if st.decode_s else 0.0,
+        "warmup_s": round(warm, 3),
+        "kv_fraction": round(frac, 5),
+        "kv_fraction_per_request": [round(o.kv_fraction, 5) for o in res],
+        "attended": [o.method for o in res],
+        "kv_bytes": eng.runner.cache.page_bytes * sum(-(-(len(p) + len(o.tokens)) // 16) for p, o in zip(prompts, res)),
+        "ttft_s": [round(o.ttft_s, 4) for o in res],
         "builtin_prompt": builtin,
     }
     if args.compare_dense:
-        dense = run("dense", {})
-        dtexts = [tok.decode(t, skip_special_tokens=True) for t in dense.tokens]
-        report["dense"] = {"text": dtexts[0] if len(dtexts) == 1 else dtexts,
-                           "decode_tokens_per_s": round(dense.decode_tokens_per_s, 3)}
-        report["agreement"] = round(token_agreement(dense.tokens, res.tokens), 4)
+        dense = run_requests(eng, tok, prompts, params, "dense", False)
+        dtexts = [tok.decode(o.tokens, skip_special_tokens=True) for o in dense]
+        report["dense"] = {"text": dtexts[0] if len(dtexts) == 1 else dtexts}
+        report["agreement"] = round(token_agreement([o.tokens for o in dense], [o.tokens for o in res]), 4)
     if args.json:
         print(json.dumps(report))
         return 0
-    for i, t in enumerate(texts):
-        print(t if len(texts) == 1 else f"[{i}] {t}")
+    if not stream:
+        for i, t in enumerate(texts):
+            print(t if len(texts) == 1 else f"[{i}] {t}")
     if args.compare_dense:
         print(f"--- dense answer: {report['dense']['text']}")
         print(f"--- agreement with dense: {report['agreement']:.0%} of generated tokens")
-    print(f"--- {args.method}: prompt {res.prompt_tokens} tokens, {res.generated_tokens} generated, "
-          f"KV read {res.kv_fraction:.1%}, prefill {res.prefill_s:.1f} s, "
-          f"decode {res.decode_tokens_per_s:.1f} tok/s, KV cache {res.kv_bytes / 2**20:.1f} MiB", file=sys.stderr)
+    if warm:
+        print(f"--- warm-up (kernel compilation, step-graph capture): {warm:.1f} s", file=sys.stderr)
+    attended = ", ".join(sorted(set(report["attended"])))
+    print(f"--- {args.method} ({attended} attention) on {device} {report['dtype']}: prompt {report['prompt_tokens']} "
+          f"tokens, {gen} generated, KV read {frac:.1%}, prefill {st.prefill_s:.2f} s, "
+          f"decode {report['decode_tokens_per_s']:.1f} tok/s", file=sys.stderr)
     return 0
+
+
+def run_requests(eng, tok, prompts, params, method, stream: bool):
+    """Run prompts through the engine; with stream, print the (single) answer as it comes."""
+    if not stream:
+        return eng.generate(prompts, params, method=method)
+    out, shown = None, ""
+    for out in eng.stream(prompts[0], params, method=method):
+        text = tok.decode(out.tokens, skip_special_tokens=True)
+        if text.startswith(shown):  # print only what is settled (multi-token characters)
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+    sys.stdout.write("\n")
+    return [out]
 
 
 def token_agreement(ref: list[list[int]], other: list[list[int]]) -> float:
