@@ -98,3 +98,30 @@ def block_sparse_prefill(q, k, v, streaming=None, sink=128, local=8192, scale=No
         return kernel(q, k, v, streaming, sink, local, scale)
     from .ops.prefill import block_sparse_prefill_reference
     return block_sparse_prefill_reference(q, k, v, streaming, sink, local, scale)
+
+
+def add_rms_norm(x, residual, w, eps):
+    """See ops.layer.add_rms_norm."""
+    if use_triton(x):
+        from .kernels.layer import add_rms_norm as kernel
+        return kernel(x, residual, w, eps)
+    from .ops.layer import add_rms_norm as ref
+    return ref(x, residual, w, eps)
+
+
+def rope(q, k, cos, sin):
+    """See ops.layer.rope."""
+    if use_triton(q):
+        from .kernels.layer import rope as kernel
+        return kernel(q, k, cos, sin)
+    from .ops.layer import rope as ref
+    return ref(q, k, cos, sin)
+
+
+def silu_mul(gate_up):
+    """See ops.layer.silu_mul."""
+    if use_triton(gate_up):
+        from .kernels.layer import silu_mul as kernel
+        return kernel(gate_up)
+    from .ops.layer import silu_mul as ref
+    return ref(gate_up)

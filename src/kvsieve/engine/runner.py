@@ -214,8 +214,8 @@ class ModelRunner:
         bt, cache, model = self.batch, self.cache, self.model
         lengths = bt.positions
         new_len = lengths + 1
-        B = lengths.shape[0]
-        frac = torch.zeros(B, dtype=torch.float64, device=lengths.device)
+        counts: Dict[str, List[Tensor]] = {g: [] for g, _, _ in bt.groups}  # [B_g, Hkv] per layer
+        plans: Dict[str, Any] = {}
         page_of = bt.table.gather(1, (lengths // self.page_size)[:, None].to(torch.int64))[:, 0].long()
         slot = lengths % self.page_size
 
@@ -227,8 +227,12 @@ class ModelRunner:
                 m, st = self.methods[g], bt.states[g][layer]
                 nl, hl, table = new_len[a:b], host_len[a:b], bt.table[a:b]
                 m.append_token(st, k[a:b], nl, hl, None)
-                plan = m.plan(q[a:b], st, nl, hl, PagedKeys(cache.k[layer], table, pool_rows=True))
-                frac[a:b] += plan.read_fraction(nl).mean(-1)
+                plan = plans.get(g)
+                if plan is None:
+                    plan = m.plan(q[a:b], st, nl, hl, PagedKeys(cache.k[layer], table, pool_rows=True))
+                    if m.layer_independent_plan:
+                        plans[g] = plan
+                counts[g].append(plan.counts)
                 o, _ = dispatch.paged_decode(q[a:b], cache.k[layer], cache.v[layer], table, plan.counts, plan.indices,
                                              cap=plan.cap, pool_rows=plan.pool_rows)
                 outs.append(o)
@@ -244,7 +248,7 @@ class ModelRunner:
                 nl = new_len[a:b]
                 st = bt.states[g][layer] = m.append(bt.states[g][layer], kk, nl)
                 sel = m.select(q[a:b], kk, nl, st)
-                frac[a:b] += sel.read_fraction(nl).mean(-1)
+                counts[g].append(sel.mask.sum(-1))
                 out = attend_masked(q[a:b], kk, vv, sel.mask)[0]
                 if self.observe is not None:
                     self.observe(layer, q[a:b], kk, vv, sel, nl, out)
@@ -255,6 +259,7 @@ class ModelRunner:
         logits = model.logits(hidden)
         self.last_logits = logits
         nxt = sample(logits, **bt.sampling, positions=new_len, greedy_only=bt.greedy_only, filtered=bt.filtered)
+        frac = torch.cat([torch.stack(counts[g]).double().mean(-1).sum(0) / new_len[a:b] for g, a, b in bt.groups])
         return torch.stack([nxt.double(), frac])
 
     def _key_reader(self, layer: int, reqs: List[Request]):

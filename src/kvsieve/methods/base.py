@@ -65,6 +65,9 @@ class SparseMethod:
 
     config: MethodConfig
     name: ClassVar[str] = "base"
+    # plan() depends only on the lengths (not on q or the layer's index): the engine plans
+    # once per step and reuses it in every layer
+    layer_independent_plan: ClassVar[bool] = False
 
     def prepare(self, k: Tensor, lengths: Tensor, layer: int = 0) -> Optional[Any]:
         """Build the per-layer index from keys k [B, Hkv, S, D] (valid: first lengths[b])."""

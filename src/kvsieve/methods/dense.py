@@ -14,6 +14,7 @@ class Dense(SparseMethod):
 
     config: DenseConfig = DenseConfig()
     name = "dense"
+    layer_independent_plan = True
 
     def select(self, q, k, lengths, state):
         return Selection(all_valid(k, lengths))

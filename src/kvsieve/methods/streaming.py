@@ -16,6 +16,7 @@ class Streaming(SparseMethod):
 
     config: StreamingConfig = StreamingConfig()
     name = "streaming"
+    layer_independent_plan = True
 
     def select(self, q, k, lengths, state):
         B, H, S, _ = k.shape

@@ -218,11 +218,18 @@ class Tactic(SparseMethod):
         return changed
 
     def graph_key(self, state: ClusterIndex, host_lengths):
-        tail = None
-        if self.config.budget is None:
-            indexed = state.host_indexed or list(host_lengths)
-            tail = capacity_bucket(max(max(L - i, 0) for L, i in zip(host_lengths, indexed)))
+        tail = None if self.config.budget is not None else self._tail_width(state, host_lengths)
         return self.plan_capacity(state, host_lengths), tail
+
+    def _tail_width(self, state: ClusterIndex, host_lengths) -> int:
+        """Width of the always-attended tail list: fixed at local + fold_every + 1 while
+        folding keeps the unindexed tail within it (so a captured step stays valid for a
+        whole fold interval), else the tail's power-of-two bucket."""
+        cfg = self.config
+        indexed = state.host_indexed or list(host_lengths)
+        tail = max(max(L - i, 0) for L, i in zip(host_lengths, indexed))
+        fixed = cfg.local + cfg.fold_every + 1 if cfg.fold_every > 0 else 0
+        return fixed if tail <= fixed else capacity_bucket(tail)
 
     def merge_states(self, states: List[ClusterIndex]) -> ClusterIndex:
         F = torch.nn.functional
@@ -291,7 +298,7 @@ class Tactic(SparseMethod):
                 "sink": torch.full((1, 1), cfg.sink, dtype=torch.int32, device=q.device)}
         if cfg.budget is None:
             indexed = state.host_indexed or list(host_lengths)
-            tail = capacity_bucket(max(max(L - i, 0) for L, i in zip(host_lengths, indexed)))
+            tail = self._tail_width(state, host_lengths)
             wkey = (tuple(indexed), q.shape[1], tail)
             if c.get("wkey") != wkey:  # changes only when a fold moves num_indexed (or the tail doubles)
                 c.update(self._threshold_layout(indexed, q.shape[1], q.device), wkey=wkey,

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import dispatch
 from .config import ModelConfig
 
 
@@ -48,7 +49,10 @@ def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
 
 
 class LlamaModel:
-    """Weights in a dict with Hugging Face names; forward(tokens, positions, attend)."""
+    """Weights in a dict with Hugging Face names; forward(tokens, positions, attend).
+
+    q/k/v and gate/up projections run as one matmul each: their weights are concatenated
+    once at load ("self_attn.qkv", "mlp.gate_up") and the HF names stay as views into them."""
 
     def __init__(self, cfg: ModelConfig, weights: Dict[str, Tensor]):
         self.cfg = cfg
@@ -58,6 +62,22 @@ class LlamaModel:
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.device = weights["model.embed_tokens.weight"].device
         self.inv_freq = rope_inv_freq(cfg).to(self.device)  # on the device: decode steps can be graph-captured
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            self._fuse(p + "self_attn.qkv", [p + f"self_attn.{n}_proj" for n in "qkv"])
+            self._fuse(p + "mlp.gate_up", [p + "mlp.gate_proj", p + "mlp.up_proj"])
+
+    def _fuse(self, name: str, parts) -> None:
+        for kind in ("weight", "bias"):
+            if parts[0] + "." + kind not in self.w:
+                continue
+            fused = torch.cat([self.w[f"{q}.{kind}"] for q in parts])
+            self.w[f"{name}.{kind}"] = fused
+            start = 0
+            for q in parts:
+                n = self.w[f"{q}.{kind}"].shape[0]
+                self.w[f"{q}.{kind}"] = fused[start:start + n]
+                start += n
 
     def rope(self, positions: Tensor):
         """positions [T] -> cos, sin [T, D] in float32."""
@@ -76,23 +96,23 @@ class LlamaModel:
         cfg = self.cfg
         x = self.w["model.embed_tokens.weight"][tokens]
         cos, sin = self.rope(positions)
-        cos, sin = cos[:, None, :], sin[:, None, :]
         N = tokens.shape[0]
+        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        eps = cfg.rms_norm_eps
+        pending = None  # the MLP output, added to x by the next norm (one fused launch)
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            h = rms_norm(x, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            q = self._proj(h, p + "self_attn.q_proj").view(N, cfg.num_heads, cfg.head_dim)
-            k = self._proj(h, p + "self_attn.k_proj").view(N, cfg.num_kv_heads, cfg.head_dim)
-            v = self._proj(h, p + "self_attn.v_proj").view(N, cfg.num_kv_heads, cfg.head_dim)
-            q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
-            k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
-            o = attend(i, q, k, v).reshape(N, cfg.num_heads * cfg.head_dim)
-            x = x + self._proj(o.to(x.dtype), p + "self_attn.o_proj")
-            h = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            gate = self._proj(h, p + "mlp.gate_proj")
-            up = self._proj(h, p + "mlp.up_proj")
-            x = x + self._proj(F.silu(gate) * up, p + "mlp.down_proj")
-        return rms_norm(x, self.w["model.norm.weight"], cfg.rms_norm_eps)
+            h, x = dispatch.add_rms_norm(x, pending, self.w[p + "input_layernorm.weight"], eps)
+            qkv = self._proj(h, p + "self_attn.qkv")
+            q = qkv[:, :Hq * D].view(N, Hq, D)
+            k = qkv[:, Hq * D:(Hq + Hkv) * D].view(N, Hkv, D)
+            v = qkv[:, (Hq + Hkv) * D:].view(N, Hkv, D)
+            q, k = dispatch.rope(q, k, cos, sin)
+            o = attend(i, q, k, v).reshape(N, Hq * D)
+            h, x = dispatch.add_rms_norm(x, self._proj(o.to(x.dtype), p + "self_attn.o_proj"),
+                                         self.w[p + "post_attention_layernorm.weight"], eps)
+            pending = self._proj(dispatch.silu_mul(self._proj(h, p + "mlp.gate_up")), p + "mlp.down_proj")
+        return dispatch.add_rms_norm(x, pending, self.w["model.norm.weight"], eps)[0]
 
     def logits(self, hidden: Tensor) -> Tensor:
         return F.linear(hidden, self.w["lm_head.weight"]).float()

@@ -1,0 +1,87 @@
+"""Fused per-layer elementwise kernels (twins: kvsieve.ops.layer): residual add + RMSNorm,
+RoPE on q and k, SiLU(gate) * up. One launch each instead of 5-10 torch kernels."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import next_pow2
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, xo_ptr, H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m = offs < H
+    x = tl.load(x_ptr + row * H + offs, mask=m, other=0.0)
+    if HAS_RES:
+        x = (x.to(tl.float32) + tl.load(r_ptr + row * H + offs, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(xo_ptr + row * H + offs, x, mask=m)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    y = ((xf * rstd).to(x.dtype).to(tl.float32) * w).to(x.dtype)  # rounded as torch's x.dtype multiply
+    tl.store(y_ptr + row * H + offs, y, mask=m)
+
+
+def add_rms_norm(x, residual, w, eps):
+    x = x.contiguous()
+    N, H = x.shape
+    y = x.new_empty(N, H)
+    xo = x.new_empty(N, H) if residual is not None else x
+    r = residual.contiguous() if residual is not None else x
+    _add_rms_norm_kernel[(N,)](x, r, w, y, xo, H, eps, HAS_RES=residual is not None, BLOCK=next_pow2(H))
+    return y, xo
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, o_ptr, H, D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, HALF_P)
+    m = i < HALF
+    base = (n * H + h) * D
+    a = tl.load(x_ptr + base + i, mask=m, other=0.0)
+    b = tl.load(x_ptr + base + HALF + i, mask=m, other=0.0)
+    c1 = tl.load(cos_ptr + n * D + i, mask=m, other=0.0)
+    c2 = tl.load(cos_ptr + n * D + HALF + i, mask=m, other=0.0)
+    s1 = tl.load(sin_ptr + n * D + i, mask=m, other=0.0)
+    s2 = tl.load(sin_ptr + n * D + HALF + i, mask=m, other=0.0)
+    af = a.to(tl.float32)
+    bf = b.to(tl.float32)
+    tl.store(o_ptr + base + i, (af * c1 - bf * s1).to(a.dtype), mask=m)
+    tl.store(o_ptr + base + HALF + i, (bf * c2 + af * s2).to(a.dtype), mask=m)
+
+
+def rope(q, k, cos, sin):
+    cos, sin = cos.contiguous(), sin.contiguous()
+    outs = []
+    for x in (q, k):
+        x = x.contiguous()
+        N, H, D = x.shape
+        o = x.new_empty(x.shape)
+        _rope_kernel[(N, H)](x, cos, sin, o, H, D=D, HALF=D // 2, HALF_P=next_pow2(D // 2))
+        outs.append(o)
+    return outs[0], outs[1]
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, o_ptr, inter, BLOCK: tl.constexpr):
+    n = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < inter
+    g = tl.load(gu_ptr + n * 2 * inter + offs, mask=m, other=0.0)
+    u = tl.load(gu_ptr + n * 2 * inter + inter + offs, mask=m, other=0.0)
+    gf = g.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    tl.store(o_ptr + n * inter + offs, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=m)
+
+
+def silu_mul(gate_up):
+    gate_up = gate_up.contiguous()
+    N, two = gate_up.shape
+    inter = two // 2
+    o = gate_up.new_empty(N, inter)
+    BLOCK = 1024
+    _silu_mul_kernel[(N, triton.cdiv(inter, BLOCK))](gate_up, o, inter, BLOCK=BLOCK)
+    return o

@@ -1,0 +1,66 @@
+"""The fused per-layer kernels (kernels/layer.py) against their torch twins (ops/layer.py)
+and a float64 oracle, at awkward sizes and every dtype (Triton's interpreter on the CPU)."""
+import pytest
+import torch
+
+from kvsieve.kernels import triton_available
+from kvsieve.ops import layer as ref
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("N,H,res", [(1, 576, True), (54, 97, False), (3, 64, True)])
+def test_add_rms_norm(dtype, N, H, res):
+    from kvsieve.kernels.layer import add_rms_norm
+
+    g = torch.Generator().manual_seed(N * H)
+    x = torch.randn(N, H, generator=g).to(dtype)
+    r = torch.randn(N, H, generator=g).to(dtype) if res else None
+    w = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+    y, xo = add_rms_norm(x.to(DEV), None if r is None else r.to(DEV), w.to(DEV), 1e-5)
+    ty, txo = ref.add_rms_norm(x, r, w, 1e-5)
+    xs = x.double() + (r.double() if res else 0)
+    oracle = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    assert rel(y.cpu(), oracle) <= TOL[dtype] and rel(ty, oracle) <= TOL[dtype]
+    assert rel(y.cpu(), ty) <= TOL[dtype]
+    assert torch.equal(xo.cpu(), txo)  # the residual sum is rounded the same way
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("N,Hq,Hkv,D", [(1, 9, 3, 64), (97, 8, 1, 128), (5, 6, 2, 24)])
+def test_rope(dtype, N, Hq, Hkv, D):
+    from kvsieve.kernels.layer import rope
+
+    g = torch.Generator().manual_seed(N + D)
+    q = torch.randn(N, Hq, D, generator=g).to(dtype)
+    k = torch.randn(N, Hkv, D, generator=g).to(dtype)
+    f = torch.arange(N, dtype=torch.float64)[:, None] * (1e4 ** -(torch.arange(0, D, 2) / D))[None, :]
+    emb = torch.cat((f, f), -1)
+    cos, sin = emb.cos(), emb.sin()
+    got = rope(q.to(DEV), k.to(DEV), cos.float().to(DEV), sin.float().to(DEV))
+    twin = ref.rope(q, k, cos.float(), sin.float())
+    for x, a, t in zip((q, k), got, twin):
+        xd = x.double()
+        h1, h2 = xd.chunk(2, -1)
+        oracle = xd * cos[:, None] + torch.cat((-h2, h1), -1) * sin[:, None]
+        assert rel(a.cpu(), oracle) <= TOL[dtype] and rel(t, oracle) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("N,inter", [(1, 1536), (54, 97), (3, 2048)])
+def test_silu_mul(dtype, N, inter):
+    from kvsieve.kernels.layer import silu_mul
+
+    g = torch.Generator().manual_seed(N * inter)
+    gu = (2 * torch.randn(N, 2 * inter, generator=g)).to(dtype)
+    got = silu_mul(gu.to(DEV)).cpu()
+    a, b = gu.double().chunk(2, -1)
+    oracle = a * torch.sigmoid(a) * b
+    assert rel(got, oracle) <= TOL[dtype] and rel(ref.silu_mul(gu), oracle) <= TOL[dtype]
