@@ -137,13 +137,36 @@ def check(model, tok, log):
     return rows
 
 
+def e2e8b(model, tok, log):
+    """Llama-3.1-8B-shaped random weights through the engine (the embedded model is not used)."""
+    from kvsieve.bench import e2e
+
+    del model
+    torch.cuda.empty_cache()
+    big = e2e.random_model()
+    rows = []
+    for S, B in ((131072 - 64, 1), (32768, 8), (16384, 1), (8192, 1)):
+        tok_b = int(round(0.025 * S))
+        for method, o in (("dense", {}), ("tactic", {"budget": tok_b}), ("quest", {"budget": tok_b}),
+                          ("tactic", {"threshold": 0.9})):
+            try:
+                r = e2e.decode_tokens_per_s(big, method, S, B, **o)
+            except torch.cuda.OutOfMemoryError as e:
+                r = {"method": method, "context": S, "batch": B, "note": f"OOM {e}"[:200]}
+            torch.cuda.empty_cache()
+            rows.append(r)
+            log(r)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", default="check,single,crossover,concurrent")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    model, tok, _ = load_model(None, dtype=torch.bfloat16, device="cuda")
+    embedded = any(p != "e2e8b" for p in args.parts.split(","))
+    model, tok, _ = load_model(None, dtype=torch.bfloat16, device="cuda") if embedded else (None, None, None)
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
               "torch": torch.__version__, "command": " ".join(sys.argv)}
 
@@ -154,7 +177,7 @@ def main():
         t0 = time.perf_counter()
         result[part] = globals()[part](model, tok, log)
         print(f"## {part}: {time.perf_counter() - t0:.1f} s", flush=True)
-        with open(os.path.join(args.out, "engine.json"), "w") as f:
+        with open(os.path.join(args.out, f"engine-{args.parts.replace(',', '-')}.json"), "w") as f:
             json.dump(result, f, indent=1)
 
 

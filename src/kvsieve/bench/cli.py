@@ -122,8 +122,8 @@ def format_table(result) -> str:
     for r in result.get("e2e", []):
         if "tokens_per_s" in r:
             lines.append(f"e2e ctx {r['context']:>7} B {r['batch']:>2} {r['method']:<7} {str(r['options']):<18} "
-                         f"{r['tokens_per_s']:8.1f} tok/s  step {r['step_ms_graph']:.2f} ms (graph) "
-                         f"{r['step_ms_eager']:.2f} ms (eager)  KV read {r['kv_fraction']:.2%}")
+                         f"{r['tokens_per_s']:8.1f} tok/s  step {r['step_ms']:.2f} ms  KV read {r['kv_fraction']:.2%}"
+                         f"  (engine: prefill {r['prefill_s']:.1f} s, warm-up {r['warmup_s']:.1f} s)")
         else:
             lines.append(f"e2e ctx {r['context']:>7} B {r['batch']:>2} {r['method']:<7} {r.get('note', '')}")
     pre = result.get("prefill") or {}

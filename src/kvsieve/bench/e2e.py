@@ -1,11 +1,12 @@
-"""End-to-end decode of a Llama-3.1-8B-shaped model with random weights.
+"""End-to-end decode of a Llama-3.1-8B-shaped model with random weights, through the
+engine's public API (LLMEngine: the path `kvsieve generate` and `kvsieve serve` run).
 
 Speed does not depend on weight values, and no real 8B weights can reach the GPU
-machine. The KV cache is filled with random keys/values at the requested context
-(prefilling 128K tokens would take most of a benchmark run), each layer's method index
-is built from those keys (real K-means / page summaries), and one whole decode step
-(32 layers, selection + attention + MLPs + LM head) is captured in a CUDA graph and
-replayed, as a serving engine would run decode.
+machine. Each request's prompt (random token ids) is prefilled for real, each layer's
+method index is built from its keys (real K-means / page summaries), and decode runs as
+users get it: one CUDA-graph replay per step with on-device sampling. Tokens/s is
+counted once every request decodes (the steady state after the last prefill), so it
+excludes prefill and the steps that compile kernels or capture graphs.
 """
 from __future__ import annotations
 
@@ -14,12 +15,10 @@ from typing import List
 
 import torch
 
-from ..cache import PagedKVCache
+from ..engine import LLMEngine, SamplingParams
 from ..model.config import ModelConfig
 from ..model.llama import LlamaModel
-from ..model.runner import Engine
-from .kernels import half_streaming, prepare_per_request
-from .timing import capture, median_ms
+from .kernels import half_streaming
 
 LLAMA31_8B = {
     "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
@@ -56,61 +55,42 @@ def random_model(hf_config: dict = LLAMA31_8B, dtype=torch.bfloat16, seed: int =
     return LlamaModel(cfg, weights)
 
 
-def decode_tokens_per_s(model: LlamaModel, method: str, context: int, batch: int, page_size: int = 16,
-                        **opts) -> dict:
+def decode_tokens_per_s(model: LlamaModel, method: str, context: int, batch: int, new_tokens: int = 48,
+                        skip_steps: int = 4, **opts) -> dict:
+    """Generate `new_tokens` for `batch` random prompts of `context` tokens through an
+    LLMEngine; tokens/s over the decode steps after every request started decoding (less
+    the first `skip_steps`). Sparse methods are forced on (dense_below=0)."""
     cfg = model.cfg
-    eng = Engine(model, method, page_size=page_size, progress=False, paged=True, **opts)
-    pages = batch * (-(-(context + 8) // page_size))
-    cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pages, page_size, model.dtype, "cuda")
-    reqs = list(range(batch))
-    for r in reqs:
-        cache.reserve(r, context + 8)
-        cache.lengths[r] = context
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    mu = torch.randn(cfg.num_kv_heads, 256, cfg.head_dim, generator=gen, device="cuda")
+    pages = batch * (-(-(context + new_tokens + 16) // 16))
+    eng = LLMEngine(model, None, method, kv_pages=pages, max_num_seqs=batch, step_tokens=context + batch,
+                    prefill_chunk=context, dense_below=0, **opts)
+    warm = eng.warmup(prompt_tokens=min(context, 2048))
+    g = torch.Generator().manual_seed(context + batch)
+    for _ in range(batch):
+        eng.add_request(torch.randint(0, cfg.vocab_size, (context,), generator=g).tolist(),
+                        SamplingParams(new_tokens, ignore_eos=True))
     t0 = time.perf_counter()
-    lengths = torch.full((batch,), context, device="cuda", dtype=torch.long)
-    for layer in range(cfg.num_layers):  # clusterable random keys, random values
-        for p0 in range(0, pages, 4096):
-            n = min(4096, pages - p0)
-            c = torch.randint(0, 256, (n, page_size), generator=gen, device="cuda")
-            x = mu[:, c].permute(1, 0, 2, 3) + 0.6 * torch.randn(n, cfg.num_kv_heads, page_size, cfg.head_dim,
-                                                                 generator=gen, device="cuda")
-            cache.k[layer, p0:p0 + n] = x.to(model.dtype)
-            cache.v[layer, p0:p0 + n] = torch.randn_like(x, dtype=model.dtype)
-        k = torch.stack([cache.read(layer, r, context)[0] for r in reqs])
-        cache.index[layer] = prepare_per_request(eng.method, k, lengths, layer)
-        del k
+    steps, tokens, fracs, t_start, t_end = 0, 0, [], None, None
+    while eng.has_unfinished:
+        full = len([r for r in eng.scheduler.running if not r.prefilling]) == batch
+        outs = eng.step()
+        if full and t_end is None:  # the steady state: every request decodes, none finished yet
+            steps += 1
+            if steps == skip_steps:
+                torch.cuda.synchronize()
+                t_start, tokens = time.perf_counter(), 0
+            elif steps > skip_steps:
+                tokens += sum(len(o.new_tokens) for o in outs)
+        if any(o.finished for o in outs) and t_end is None:
+            t_end = time.perf_counter()
+        fracs += [o.kv_fraction for o in outs if o.finished]
     torch.cuda.synchronize()
-    index_s = time.perf_counter() - t0
-    eng._block_table = None
-    token = torch.randint(0, cfg.vocab_size, (batch,), device="cuda")
-    host = [context + 1] * batch
-    frac = torch.zeros(cfg.num_layers, dtype=torch.float64, device="cuda")
-
-    def step():
-        return eng.decode_step(cache, reqs, token, lengths, host, frac)
-
-    step()
-    torch.cuda.synchronize()
-    t_eager = _eager_ms(step)
-    frac.zero_()
-    step()
-    kv_fraction = float(frac.mean())
-    t_graph = median_ms(capture(step), rep_ms=500)
+    dt = (t_end or time.perf_counter()) - t_start if t_start else float("nan")
     shown = {k: ("50% of KV heads" if k == "streaming_heads" else v) for k, v in opts.items()}
-    return {"method": method, "options": shown, "context": context, "batch": batch, "index_s": index_s,
-            "step_ms_graph": t_graph, "step_ms_eager": t_eager, "tokens_per_s": batch / t_graph * 1e3,
-            "kv_fraction": kv_fraction}
-
-
-def _eager_ms(fn, reps: int = 5) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps * 1e3
+    return {"method": method, "options": shown, "context": context, "batch": batch,
+            "prefill_s": eng.stats.prefill_s, "warmup_s": warm, "tokens_per_s": tokens / dt,
+            "step_ms": dt / max(steps - skip_steps, 1) * 1e3, "kv_fraction": sum(fracs) / len(fracs),
+            "captures": eng.runner.captures, "total_s": time.perf_counter() - t0}
 
 
 def run(contexts, batches, budget_fraction: float = 0.025, log=print) -> List[dict]:
@@ -119,8 +99,7 @@ def run(contexts, batches, budget_fraction: float = 0.025, log=print) -> List[di
     for S in contexts:
         for B in batches:
             tok = int(round(budget_fraction * S))
-            lserve = {"budget": tok, "streaming_heads": half_streaming(model.cfg.num_layers, model.cfg.num_kv_heads),
-                      "reuse_steps": 1}
+            lserve = {"budget": tok, "streaming_heads": half_streaming(model.cfg.num_layers, model.cfg.num_kv_heads)}
             for method, opts in (("dense", {}), ("tactic", {"budget": tok}), ("quest", {"budget": tok}),
                                  ("lserve", lserve), ("tactic", {"threshold": 0.9})):
                 try:

@@ -39,7 +39,7 @@ class DecodeBatch:
     (key, start, end), one batched index per group and layer, and the static input
     buffers a captured step reads."""
 
-    rows: List[int]
+    rows: List[int]                # request id per row; a finished row stays (dead) until the next join
     groups: List[Tuple[str, int, int]]
     states: Dict[str, List[Any]]
     tokens: Tensor                 # [B] long: each row's input token
@@ -51,6 +51,8 @@ class DecodeBatch:
     filtered: bool
     graphs: Dict[Any, Tuple[Any, Tensor]] = field(default_factory=dict)
     last_key: Any = None
+    dead: Dict[int, int] = field(default_factory=dict)  # row -> its frozen host length
+    last_host: List[int] = field(default_factory=list)  # each row's host length at the last step
 
 
 class ModelRunner:
@@ -70,12 +72,15 @@ class ModelRunner:
             raise ValueError("a method with these options has no paged fast path; drop paged=True")
         self.paged = plannable and (cuda if paged is None else paged)
         self.graphs_on = self.paged and cuda and (True if graphs is None else graphs)
-        self.cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size,
+        # one spare page past the scheduler's: dead rows of a captured batch write and read it
+        self.cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages + 1, page_size,
                                   model.dtype, model.device)
+        self.scratch_page = num_pages
+        self.keep_dead_rows = self.graphs_on  # tests turn it on for the CPU
         self.max_pages = -(-cfg.max_positions // page_size)
         self.pending: Dict[int, List[Any]] = {}  # request id -> per-layer index (B = 1) until it decodes
         self.batch: Optional[DecodeBatch] = None
-        self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs_on else None
+        self.graph_pool = None  # shared by the variants of one batch's step graphs
         self.captures = 0
         self._windows: Dict[str, list] = {}
         self.observe: Optional[AttentionObserver] = None  # forces the reference path (eval)
@@ -103,8 +108,10 @@ class ModelRunner:
         pos = torch.arange(start, end, device=dev)
 
         def attend_prefill(layer, q, k, v):
-            cache.write(layer, req.id, start, k.transpose(0, 1), v.transpose(0, 1))
-            kk, vv = cache.read(layer, req.id, end)  # [Hkv, end, D]
+            kk, vv = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, T, D]
+            cache.write(layer, req.id, start, kk, vv)
+            if start > 0:  # earlier chunks are in the cache: gather the request's keys
+                kk, vv = cache.read(layer, req.id, end)  # [Hkv, end, D]
             win = windows[layer]
             if win is not None:
                 return dispatch.block_sparse_prefill(q, kk, vv, win[0], win[1], win[2])
@@ -153,15 +160,23 @@ class ModelRunner:
     def decode(self, reqs: List[Request]) -> Tuple[List[int], List[float]]:
         """One decode step for reqs (each feeds its last token). Returns the sampled tokens
         and the fraction of its KV cache each request read (mean over layers and KV heads)."""
-        order = self._row_order(reqs)
-        reqs = [reqs[i] for i in order]
-        changed = self._compose(reqs)
+        changed = not self._retire(reqs)
+        if changed:
+            self._compose([reqs[i] for i in self._row_order(reqs)])
         bt = self.batch
-        dev = self.model.device
-        host_len = [r.num_cached + 1 for r in reqs]
-        bt.tokens.copy_(torch.tensor([r.tokens[-1] for r in reqs]), non_blocking=True)
-        bt.positions.copy_(torch.tensor([r.num_cached for r in reqs]), non_blocking=True)
-        for b, r in enumerate(reqs):
+        live = {r.id: r for r in reqs}
+        rows = [live.get(rid) for rid in bt.rows]  # None: a dead row
+        for b, r in enumerate(rows):
+            if r is None and b not in bt.dead:
+                bt.dead[b] = bt.last_host[b]
+                bt.table[b].fill_(self.scratch_page)
+        host_len = [bt.dead[b] if r is None else r.num_cached + 1 for b, r in enumerate(rows)]
+        bt.last_host = host_len
+        bt.tokens.copy_(torch.tensor([0 if r is None else r.tokens[-1] for r in rows]), non_blocking=True)
+        bt.positions.copy_(torch.tensor([0 if r is None else r.num_cached for r in rows]), non_blocking=True)
+        for b, r in enumerate(rows):
+            if r is None:
+                continue
             self.cache.tables[r.id] = r.pages
             if len(r.pages) > bt.table_len[b]:
                 bt.table[b, bt.table_len[b]:len(r.pages)] = torch.tensor(r.pages[bt.table_len[b]:], dtype=torch.int32)
@@ -173,7 +188,7 @@ class ModelRunner:
             m = self.methods[g]
             if self.paged:
                 for layer, st in enumerate(bt.states[g]):
-                    changed |= bool(m.maintain(st, new_len[a:b], host_len[a:b], self._key_reader(layer, reqs[a:b])))
+                    changed |= bool(m.maintain(st, new_len[a:b], host_len[a:b], self._key_reader(layer, rows[a:b])))
             key.append(tuple(m.graph_key(st, host_len[a:b]) for st in bt.states[g]))
             alt.append(m.step_variant(bt.states[g][0]))
         key = tuple(key)
@@ -189,17 +204,30 @@ class ModelRunner:
             graph.replay()
         else:
             out = self._capture(full_key, host_len)
-        for r, n in zip(reqs, host_len):
-            self.cache.lengths[r.id] = n
+        for r, n in zip(rows, host_len):
+            if r is not None:
+                self.cache.lengths[r.id] = n
         res = out.cpu()  # the one host sync of the step
         tokens = res[0].long().tolist()
         frac = (res[1] / self.model.cfg.num_layers).tolist()
-        back = [0] * len(order)
-        for i, j in enumerate(order):
-            back[j] = i
-        return [tokens[back[j]] for j in range(len(order))], [frac[back[j]] for j in range(len(order))]
+        row_of = {rid: b for b, rid in enumerate(bt.rows)}
+        return [tokens[row_of[r.id]] for r in reqs], [frac[row_of[r.id]] for r in reqs]
+
+    def _retire(self, reqs: List[Request]) -> bool:
+        """True when the current batch can serve reqs as it is: no request joins and the rows
+        that left (dead from now on) are at most half of it. Only with step graphs (a dead
+        row saves a re-capture; eager steps simply drop it)."""
+        bt = self.batch
+        if not self.keep_dead_rows or bt is None:
+            return False
+        ids = set(bt.rows)
+        if any(r.id not in ids or r.id in self.pending for r in reqs):
+            return False
+        return 2 * len(reqs) >= len(bt.rows)
 
     def _capture(self, key, host_len: List[int]) -> Tensor:
+        if not self.batch.graphs:  # a pool dies with its last graph: a new one for a new set
+            self.graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
             out = self._step(host_len)
@@ -262,7 +290,7 @@ class ModelRunner:
         frac = torch.cat([torch.stack(counts[g]).double().mean(-1).sum(0) / new_len[a:b] for g, a, b in bt.groups])
         return torch.stack([nxt.double(), frac])
 
-    def _key_reader(self, layer: int, reqs: List[Request]):
+    def _key_reader(self, layer: int, reqs: List[Optional[Request]]):
         def read_keys(b: int, start: int, end: int) -> Tensor:
             return self.cache.read(layer, reqs[b].id, end)[0][:, start:end]
         return read_keys
@@ -307,6 +335,7 @@ class ModelRunner:
             torch.zeros(B, dtype=torch.long, device=dev), table.to(dev), [len(r.pages) for r in reqs],
             self._sampling_rows(reqs), all(r.params.temperature == 0 for r in reqs),
             any(r.params.temperature > 0 and (r.params.top_k > 0 or r.params.top_p < 1) for r in reqs))
+        self.batch.last_host = [r.num_cached + 1 for r in reqs]
         return True
 
     def _sampling_rows(self, reqs: List[Request]) -> Dict[str, Tensor]:

@@ -10,7 +10,7 @@ from . import next_pow2
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, xo_ptr, H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # rows * H may pass 2**31
     offs = tl.arange(0, BLOCK)
     m = offs < H
     x = tl.load(x_ptr + row * H + offs, mask=m, other=0.0)
@@ -36,7 +36,7 @@ def add_rms_norm(x, residual, w, eps):
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, o_ptr, H, D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr):
-    n = tl.program_id(0)
+    n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     i = tl.arange(0, HALF_P)
     m = i < HALF
@@ -67,7 +67,7 @@ def rope(q, k, cos, sin):
 
 @triton.jit
 def _silu_mul_kernel(gu_ptr, o_ptr, inter, BLOCK: tl.constexpr):
-    n = tl.program_id(0)
+    n = tl.program_id(0).to(tl.int64)  # 128K tokens x 2 x 14336 passes 2**31
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < inter
     g = tl.load(gu_ptr + n * 2 * inter + offs, mask=m, other=0.0)

@@ -1,0 +1,134 @@
+"""LLMEngine on a tiny random Llama (CPU): continuous batching equals running each request
+alone, full pools queue or preempt without losing a request, cancel frees pages, seeds
+reproduce, and dead rows (kept in a captured batch after a request leaves) change nothing."""
+import pytest
+import torch
+
+from kvsieve.engine import LLMEngine, SamplingParams
+from kvsieve.engine.sampling import filter_logits, sample
+
+METHODS = [("dense", {}), ("tactic", {"cluster_size": 8, "fold_every": 16, "local": 8}),
+           ("quest", {"budget": 32}), ("lserve", {"budget": 64, "sink": 4, "local": 8}),
+           ("tactic", {"budget": 24, "cluster_size": 8})]
+
+
+def prompts(n, lo=20, hi=140, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 300, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def alone(model, method, opts, ps, params, **kw):
+    return [LLMEngine(model, None, method, **kw, **opts).generate([p], params)[0].tokens for p in ps]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("method,opts", METHODS)
+def test_continuous_batching_equals_each_request_alone(tiny_model, method, opts, paged):
+    ps = prompts(5)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (30, 7, 19, 3, 12)]
+    eng = LLMEngine(tiny_model, None, method, paged=paged, step_tokens=96, **opts)
+    ids, done, step = {}, {}, 0
+    for i in (0, 1):  # two arrive first, the rest mid-flight
+        ids[eng.add_request(ps[i], params[i])] = i
+    while eng.has_unfinished or len(ids) < 5:
+        step += 1
+        if step in (3, 5, 9):
+            i = len(ids)
+            ids[eng.add_request(ps[i], params[i])] = i
+        for o in eng.step():
+            if o.finished:
+                done[ids[o.id]] = o.tokens
+    for i, p in enumerate(ps):
+        ref = LLMEngine(tiny_model, None, method, paged=paged, **opts).generate([p], params[i])[0].tokens
+        assert done[i] == ref, (i, method)
+    assert eng.scheduler.used_pages == 0
+
+
+@pytest.mark.parametrize("method,opts", METHODS[:3])
+def test_dead_rows_change_nothing(tiny_model, method, opts):
+    """Requests finishing at different steps leave dead rows in the batch (as under CUDA
+    graphs); every request's tokens are still its own."""
+    ps = prompts(4, seed=3)
+    eng = LLMEngine(tiny_model, None, method, paged=True, **opts)
+    eng.runner.keep_dead_rows = True
+    lens = [5, 25, 9, 17]
+    rids = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(ps, lens)]
+    done, saw_dead = {}, False
+    while eng.has_unfinished:
+        for o in eng.step():
+            if o.finished:
+                done[o.id] = o.tokens
+        saw_dead |= bool(eng.runner.batch is not None and eng.runner.batch.dead)
+    assert saw_dead
+    for rid, p, n in zip(rids, ps, lens):
+        assert done[rid] == alone(tiny_model, method, opts, [p], SamplingParams(max_new_tokens=n, ignore_eos=True),
+                                  paged=True)[0]
+
+
+def test_full_pool_queues_and_preempts_without_losing_a_request(tiny_model):
+    ps = prompts(6, lo=40, hi=60, seed=5)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    # 14 pages of 16 tokens: about two requests at a time; decode growth forces preemption
+    eng = LLMEngine(tiny_model, None, "dense", kv_pages=14, page_size=16)
+    outs = eng.generate(ps, params)
+    assert all(len(o.tokens) == 40 and o.finish_reason == "length" for o in outs)
+    assert eng.stats.preemptions >= 1
+    ref = alone(tiny_model, "dense", {}, ps, params)
+    same = sum(a == b for o, r in zip(outs, ref) for a, b in zip(o.tokens, r)) / (40 * len(ps))
+    assert same >= 0.95  # recomputation after preemption replays the same greedy tokens (fp32)
+    assert eng.scheduler.used_pages == 0
+
+
+def test_cancel_frees_pages_at_once(tiny_model):
+    eng = LLMEngine(tiny_model, None, "tactic", cluster_size=8)
+    a = eng.add_request(prompts(1, 100, 101)[0], SamplingParams(max_new_tokens=200, ignore_eos=True))
+    b = eng.add_request(prompts(1, 50, 51, seed=2)[0], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert eng.scheduler.used_pages > 0
+    eng.abort(a)
+    assert a not in eng.scheduler.requests and a not in eng.runner.pending
+    while eng.has_unfinished:
+        eng.step()
+    assert eng.scheduler.used_pages == 0
+    del b
+
+
+def test_seeds_reproduce_and_differ(tiny_model):
+    eng = LLMEngine(tiny_model, None, "dense")
+    ps = prompts(2, seed=7)
+    p = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.95, top_k=50, seed=11, ignore_eos=True)
+    a = eng.generate([ps[0]], p)[0].tokens
+    b = eng.generate([ps[0], ps[1]], p)[0].tokens  # other requests in the batch change nothing
+    c = eng.generate([ps[0]], SamplingParams(max_new_tokens=16, temperature=1.0, seed=12, ignore_eos=True))[0].tokens
+    assert a == b and a != c
+
+
+def test_sampling_filters_and_greedy():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 3)
+    f = filter_logits(logits, torch.tensor([2, 0, 0]), torch.tensor([1.0, 0.5, 1.0]))
+    assert torch.isfinite(f[0]).tolist() == [True, True, False, False, False]
+    assert torch.isfinite(f[1]).tolist() == [True, False, False, False, False]  # 0.63 of the mass >= 0.5
+    assert torch.isfinite(f[2]).all()
+    # temperature 0 rows are greedy; sampled rows follow the distribution over many seeds
+    n = 4000
+    lg = torch.tensor([[0.0, 1.0, 2.0]]).expand(n, 3)
+    toks = sample(lg, torch.ones(n), torch.zeros(n, dtype=torch.long), torch.ones(n), torch.arange(n), torch.zeros(n))
+    freq = torch.bincount(toks, minlength=3).double() / n
+    assert torch.allclose(freq, torch.softmax(lg[0].double(), 0), atol=0.03)
+    g = sample(lg[:2], torch.zeros(2), torch.zeros(2, dtype=torch.long), torch.ones(2), torch.arange(2), torch.zeros(2))
+    assert g.tolist() == [2, 2]
+
+
+def test_bad_requests_raise_one_clear_error(tiny_model):
+    eng = LLMEngine(tiny_model, None, "tactic")
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request([], SamplingParams())
+    with pytest.raises(ValueError, match="allows 1024 positions"):
+        eng.add_request([1] * 1000, SamplingParams(max_new_tokens=100))
+    with pytest.raises(ValueError, match="unknown method"):
+        eng.add_request([1, 2], SamplingParams(), method="nope")
+    with pytest.raises(ValueError, match="threshold"):
+        eng.add_request([1, 2], SamplingParams(), method="tactic", method_options={"threshold": 1.5})
+    assert not eng.has_unfinished

@@ -1,0 +1,147 @@
+"""The scheduler alone: plain Python, no torch, no model."""
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+PATH = pathlib.Path(__file__).parents[1] / "src" / "kvsieve" / "engine" / "scheduler.py"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("kvsieve_scheduler_alone", PATH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+S = load()
+
+
+def test_module_imports_no_torch():
+    code = (f"import importlib.util, sys; s = importlib.util.spec_from_file_location('x', {str(PATH)!r}); "
+            "m = importlib.util.module_from_spec(s); sys.modules['x'] = m; s.loader.exec_module(m); "
+            "print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def drive(sched, steps=1000):
+    """Pretend to be the engine: prefill chunks, decode rows, token 1 always (never eos)."""
+    log = []
+    for _ in range(steps):
+        if not sched.has_unfinished:
+            return log
+        plan = sched.schedule()
+        assert sum(e - s for _, s, e in plan.chunks) + len(plan.decode) <= sched.step_tokens
+        log.append(plan)
+        for r in plan.decode:
+            assert len(r.pages) * sched.page_size >= r.num_cached + 1  # room for the token it writes
+            sched.append_token(r, 1)
+        for r, s, e in plan.chunks:
+            assert s == r.num_cached
+            sched.prefilled(r, e)
+            if e == r.prefill_target and not r.output:
+                sched.append_token(r, 1)
+        used = sum(len(r.pages) for r in sched.running)
+        assert used == sched.num_pages - len(sched.free_pages)  # no page lost or shared
+    raise AssertionError("did not finish")
+
+
+def test_chunked_prefill_interleaves_with_decode_under_the_token_budget():
+    sched = S.Scheduler(num_pages=100, page_size=16, max_num_seqs=8, step_tokens=64, max_model_len=1000)
+    a = sched.add(list(range(40)), S.SamplingParams(max_new_tokens=5))
+    b = sched.add(list(range(150)), S.SamplingParams(max_new_tokens=3))
+    log = drive(sched)
+    assert a.finished and b.finished and len(a.output) == 5 and len(b.output) == 3
+    assert a.finish_reason == b.finish_reason == "length"
+    # b's 150-token prompt went in chunks while a decoded
+    b_chunks = [(s, e) for p in log for r, s, e in p.chunks if r is b]
+    assert len(b_chunks) >= 3 and b_chunks[0][0] == 0 and b_chunks[-1][1] == 150
+    assert any(a in p.decode and any(r is b for r, _, _ in p.chunks) for p in log)
+    assert len(sched.free_pages) == 100
+
+
+def test_requests_join_and_leave_at_every_step():
+    sched = S.Scheduler(num_pages=200, page_size=16, max_num_seqs=3, step_tokens=256, max_model_len=1000)
+    reqs = [sched.add(list(range(20 + 7 * i)), S.SamplingParams(max_new_tokens=2 + i)) for i in range(6)]
+    log = drive(sched)
+    assert all(r.finished and len(r.output) == r.params.max_new_tokens for r in reqs)
+    assert max(len(p.decode) + len(p.chunks) for p in log) <= 3  # max_num_seqs
+    sizes = [len(p.decode) for p in log]
+    assert len(set(sizes)) > 1
+
+
+def test_full_pool_preempts_and_recomputes_without_losing_a_request():
+    # 10 pages of 4 tokens: two requests of 12 + 20 tokens cannot both hold their pages
+    sched = S.Scheduler(num_pages=10, page_size=4, max_num_seqs=4, step_tokens=64, max_model_len=100)
+    a = sched.add(list(range(12)), S.SamplingParams(max_new_tokens=20))
+    b = sched.add(list(range(12)), S.SamplingParams(max_new_tokens=20))
+    drive(sched)
+    assert a.finished and b.finished and len(a.output) == len(b.output) == 20
+    assert a.preemptions + b.preemptions >= 1
+    assert len(sched.free_pages) == 10
+
+
+def test_waiting_when_the_pool_is_full_then_admitted():
+    sched = S.Scheduler(num_pages=8, page_size=4, max_num_seqs=4, step_tokens=64, max_model_len=100)
+    a = sched.add(list(range(20)), S.SamplingParams(max_new_tokens=4))
+    b = sched.add(list(range(20)), S.SamplingParams(max_new_tokens=4))
+    p = sched.schedule()
+    assert [r for r, _, _ in p.chunks] == [a] and list(sched.waiting) == [b]  # b waits for pages
+    drive(sched)
+    assert a.finished and b.finished
+
+
+def test_cancel_frees_pages_at_once():
+    sched = S.Scheduler(num_pages=50, page_size=16, max_num_seqs=4, step_tokens=512, max_model_len=1000)
+    a = sched.add(list(range(100)), S.SamplingParams(max_new_tokens=50))
+    waiting = sched.add(list(range(10)), S.SamplingParams(max_new_tokens=5))
+    sched.schedule()
+    assert sched.used_pages > 0
+    sched.abort(a.id)
+    assert a.finish_reason == "abort" and a.pages == []
+    sched.abort(waiting.id)
+    assert sched.used_pages == 0 and not sched.has_unfinished
+
+
+def test_stop_tokens_and_eos():
+    sched = S.Scheduler(num_pages=50, page_size=16, step_tokens=512, max_model_len=1000)
+    r = sched.add([1, 2, 3], S.SamplingParams(max_new_tokens=9, stop_token_ids=(7,)))
+    sched.schedule()
+    sched.prefilled(r, 3)
+    assert not sched.append_token(r, 5, eos_ids=(2,))
+    assert sched.append_token(r, 7) and r.finish_reason == "stop"
+    r2 = sched.add([1, 2, 3], S.SamplingParams(max_new_tokens=9))
+    sched.schedule()
+    sched.prefilled(r2, 3)
+    assert sched.append_token(r2, 2, eos_ids=(2,))
+    r3 = sched.add([1, 2, 3], S.SamplingParams(max_new_tokens=9, ignore_eos=True))
+    sched.schedule()
+    sched.prefilled(r3, 3)
+    assert not sched.append_token(r3, 2, eos_ids=(2,))
+
+
+@pytest.mark.parametrize("prompt,new,msg", [([], 4, "empty"), (list(range(990)), 20, "allows 1000 positions"),
+                                            (list(range(500)), 400, "KV pages")])
+def test_requests_that_can_never_run_are_refused(prompt, new, msg):
+    sched = S.Scheduler(num_pages=40, page_size=16, max_model_len=1000)
+    with pytest.raises(ValueError, match=msg):
+        sched.add(prompt, S.SamplingParams(max_new_tokens=new))
+    assert not sched.has_unfinished
+
+
+def test_queue_limit():
+    sched = S.Scheduler(num_pages=40, page_size=16, max_model_len=1000, max_waiting=2)
+    sched.add([1], S.SamplingParams(max_new_tokens=1))
+    sched.add([1], S.SamplingParams(max_new_tokens=1))
+    with pytest.raises(S.SchedulerFullError):
+        sched.add([1], S.SamplingParams(max_new_tokens=1))
+
+
+@pytest.mark.parametrize("field,value", [("max_new_tokens", 0), ("temperature", -1.0), ("top_p", 0.0),
+                                         ("top_k", -2), ("seed", 1.5)])
+def test_sampling_params_validated(field, value):
+    with pytest.raises(ValueError, match=field):
+        S.SamplingParams(**{field: value})
