@@ -64,11 +64,20 @@ def single(model, tok, log, new_tokens=128):
             out = eng.generate([ids], params)[0]
             tps = eng.stats.decode_tokens / eng.stats.decode_s
             best = max(best or 0, tps)
+        graph_ms = None
+        if eng.runner.batch is not None and eng.runner.batch.graphs:  # the step graph alone, no host work
+            g = next(iter(eng.runner.batch.graphs.values()))[0]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(50):
+                g.replay()
+            torch.cuda.synchronize()
+            graph_ms = (time.perf_counter() - t0) / 50 * 1e3
         if name == "dense":
             dense_tokens = out.tokens
         agree = sum(a == b for a, b in zip(out.tokens, dense_tokens)) / len(dense_tokens)
         rows.append({"method": name, "prompt": len(ids), "tok_s": best, "kv_fraction": out.kv_fraction,
-                     "attended": out.method, "agree_dense": agree, "warmup_s": warm, "captures": eng.runner.captures,
+                     "attended": out.method, "agree_dense": agree, "warmup_s": warm, "captures": eng.runner.captures, "graph_ms": graph_ms,
                      "answer": tok.decode(out.tokens[:12])})
         log(rows[-1])
     return rows

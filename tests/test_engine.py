@@ -132,3 +132,19 @@ def test_bad_requests_raise_one_clear_error(tiny_model):
     with pytest.raises(ValueError, match="threshold"):
         eng.add_request([1, 2], SamplingParams(), method="tactic", method_options={"threshold": 1.5})
     assert not eng.has_unfinished
+
+
+def test_dense_below_the_crossover_and_when_plans_read_most(tiny_model):
+    ps = prompts(2, lo=60, hi=61, seed=9)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    short = LLMEngine(tiny_model, None, "tactic", cluster_size=8, dense_below=100).generate(ps, params)
+    dense = LLMEngine(tiny_model, None, "dense").generate(ps, params)
+    assert all(o.attended_densely and o.kv_fraction == 1.0 and o.method == "tactic" for o in short)
+    assert [o.tokens for o in short] == [o.tokens for o in dense]
+    # random weights attend almost uniformly: P = 0.99 reads most of the cache, so after a
+    # few such steps the request attends densely (the fallback is on once dense_below > 0)
+    eng = LLMEngine(tiny_model, None, "tactic", cluster_size=8, threshold=0.99, dense_below=1)
+    out = eng.generate(ps, params)
+    assert all(o.attended_densely for o in out)
+    off = LLMEngine(tiny_model, None, "tactic", cluster_size=8, threshold=0.99, dense_below=0).generate(ps, params)
+    assert not any(o.attended_densely for o in off) and min(o.kv_fraction for o in off) > 0.5

@@ -1,7 +1,7 @@
 """The engine: a torch-free scheduler, a model runner that owns the KV pool and the decode
 graphs, and LLMEngine on top, under every command (generate, serve, eval, bench)."""
-from .engine import DENSE_BELOW_CUDA, EngineStats, LLMEngine, RequestOutput, resolve_device
+from .engine import DENSE_BELOW_KV_BYTES, EngineStats, LLMEngine, RequestOutput, resolve_device
 from .scheduler import Request, SamplingParams, Scheduler, SchedulerFullError
 
 __all__ = ["LLMEngine", "RequestOutput", "EngineStats", "SamplingParams", "Scheduler", "SchedulerFullError",
-           "Request", "resolve_device", "DENSE_BELOW_CUDA"]
+           "Request", "resolve_device", "DENSE_BELOW_KV_BYTES"]

@@ -20,9 +20,14 @@ from ..methods import config_for, make_method
 from .runner import ModelRunner
 from .scheduler import Request, SamplingParams, Scheduler
 
-# Prompts shorter than this attend densely on CUDA: below it the method's plan costs more
-# than the KV reads it saves (measured on an H200, docs/benchmarks.md "Crossover").
-DENSE_BELOW_CUDA = 2048
+# On CUDA a request attends densely while its prompt's KV per layer is below this many
+# bytes: under it the plan's launches cost more than the reads they save (H100, 2026-11-22,
+# docs/benchmarks.md "Crossover": the embedded model never gains up to its 8K limit, 5.8 MB
+# per layer; the 8B shape gains from 8K tokens, 32 MiB per layer).
+DENSE_BELOW_KV_BYTES = 32 << 20
+# A request whose plans read more than DENSE_ABOVE of its cache for DENSE_AFTER steps in a
+# row attends densely from then on (a sparse read of most of the cache is slower than dense).
+DENSE_ABOVE, DENSE_AFTER = 0.5, 4
 
 
 @dataclass
@@ -41,6 +46,7 @@ class RequestOutput:
     method: str
     ttft_s: Optional[float] = None
     decode_s: float = 0.0
+    attended_densely: bool = False  # below the crossover, or its plans read most of its cache
 
 
 @dataclass
@@ -52,6 +58,7 @@ class _Track:
     frac_sum: float = 0.0
     steps: int = 0
     sent: int = 0
+    high: int = 0  # consecutive steps reading more than DENSE_ABOVE of the cache
 
 
 @dataclass
@@ -88,7 +95,10 @@ class LLMEngine:
         if method != "dense":
             methods["dense"] = make_method("dense")
         cuda = model.device.type == "cuda"
-        self.dense_below = (DENSE_BELOW_CUDA if cuda else 0) if dense_below is None else dense_below
+        kv_token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
+        self.dense_below = (DENSE_BELOW_KV_BYTES // kv_token_bytes if cuda else 0) if dense_below is None \
+            else dense_below
+        self.dense_fallback = cuda if dense_below is None else dense_below > 0
         if kv_pages is None:
             kv_pages = self._default_pages(page_size, max_num_seqs, gpu_memory_fraction)
         if kv_pages < 1:
@@ -144,10 +154,11 @@ class LLMEngine:
         never run (empty, longer than the model allows, bigger than the pool) and
         SchedulerFullError past the waiting-queue limit."""
         key = self.method_key(method, method_options)
-        if len(prompt) < self.dense_below:
-            key = "dense" if "dense" in self.runner.methods else key
+        requested = self._method_names[key]
+        if len(prompt) < self.dense_below and "dense" in self.runner.methods:
+            key = "dense"  # below the crossover
         req = self.scheduler.add(prompt, params, key)
-        self._track[req.id] = _Track(self._method_names[key], time.perf_counter())
+        self._track[req.id] = _Track(requested, time.perf_counter())
         return req.id
 
     def abort(self, rid: int) -> None:
@@ -179,6 +190,9 @@ class LLMEngine:
                 tr = self._track[req.id]
                 tr.frac_sum += frac
                 tr.steps += 1
+                tr.high = tr.high + 1 if frac > DENSE_ABOVE and req.method_key != "dense" else 0
+                if self.dense_fallback and tr.high >= DENSE_AFTER and "dense" in self.runner.methods:
+                    self.runner.attend_densely(req)
                 agg = self.stats.kv_fraction.setdefault(tr.method, [0.0, 0])
                 agg[0] += frac
                 agg[1] += 1
@@ -214,7 +228,8 @@ class LLMEngine:
         out = RequestOutput(req.id, new, list(req.output), len(req.prompt), req.finished, req.finish_reason,
                             tr.frac_sum / tr.steps if tr.steps else 1.0, tr.method,
                             None if tr.first is None else tr.first - tr.arrival,
-                            0.0 if tr.first is None else tr.last - tr.first)
+                            0.0 if tr.first is None else tr.last - tr.first,
+                            req.method_key == "dense" and tr.method != "dense")
         if req.finished:
             self._track.pop(req.id, None)
         return out

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
 from .. import dispatch
 from ..cache import PagedKVCache
@@ -118,9 +119,9 @@ class ModelRunner:
             qq = q.transpose(0, 1)[None]
             if start == 0:  # square causal: SDPA's flash / cuDNN kernels on the GPU
                 o = F.scaled_dot_product_attention(qq, kk[None], vv[None], is_causal=True, enable_gqa=True)
-            else:
-                causal = torch.arange(end, device=dev)[None, :] <= pos[:, None]
-                o = F.scaled_dot_product_attention(qq, kk[None], vv[None], attn_mask=causal, enable_gqa=True)
+            else:  # a later chunk: causal aligned to the bottom right (no materialised mask)
+                o = F.scaled_dot_product_attention(qq, kk[None], vv[None], attn_mask=causal_lower_right(end - start, end),
+                                                   enable_gqa=True)
             return o[0].transpose(0, 1)
 
         return self.model.forward(ids, pos, attend_prefill)
@@ -149,6 +150,13 @@ class ModelRunner:
         t = sample(logits[None], *self._sampling_rows([req]).values(),
                    positions=torch.tensor([position], device=logits.device))
         return int(t[0])
+
+    def attend_densely(self, req: Request, key: str = "dense") -> None:
+        """Move a decoding request to the dense method from its next step on (its sparse
+        index is dropped; a dense index is just the KV head count)."""
+        heads = self.model.cfg.num_kv_heads
+        self.pending[req.id] = [heads] * self.model.cfg.num_layers
+        req.method_key = key
 
     def release(self, rid: int) -> None:
         """Forget a request's index and page table (its pages are the scheduler's)."""
@@ -186,10 +194,13 @@ class ModelRunner:
         alt = []
         for g, a, b in bt.groups:
             m = self.methods[g]
-            if self.paged:
+            if self.paged and type(m).maintain is not SparseMethod.maintain:
                 for layer, st in enumerate(bt.states[g]):
                     changed |= bool(m.maintain(st, new_len[a:b], host_len[a:b], self._key_reader(layer, rows[a:b])))
-            key.append(tuple(m.graph_key(st, host_len[a:b]) for st in bt.states[g]))
+            if m.layer_independent_plan:
+                key.append(m.graph_key(bt.states[g][0], host_len[a:b]))
+            else:
+                key.append(tuple(m.graph_key(st, host_len[a:b]) for st in bt.states[g]))
             alt.append(m.step_variant(bt.states[g][0]))
         key = tuple(key)
         eager = changed or key != bt.last_key  # caches the plan rebuilds must not be made inside a capture
