@@ -85,8 +85,9 @@ def single(model, tok, log, new_tokens=128):
 
 def crossover(model, tok, log, lengths=(1024, 2048, 4096, 7600), new_tokens=64):
     rows = []
+    full = doc_ids(tok, 7700)
     for n in lengths:
-        ids = doc_ids(tok, n)[-n:]
+        ids = full[-n:]
         for name in ("dense", "tactic", "quest", "lserve", "tactic-2.5%"):
             method, o = opts_for(name, model)
             eng = LLMEngine(model, tok, method, kv_pages=(len(ids) + new_tokens) // 16 + 8, max_num_seqs=1,
@@ -168,13 +169,50 @@ def e2e8b(model, tok, log):
     return rows
 
 
+def cb8b(model, tok, log, n=24, lo=8192, hi=32768, new_tokens=32):
+    """Continuous batching on the 8B shape: n requests with contexts drawn from [lo, hi]."""
+    from kvsieve.bench import e2e
+    from kvsieve.bench.kernels import half_streaming
+
+    del model
+    torch.cuda.empty_cache()
+    big = e2e.random_model()
+    cfg = big.cfg
+    rng = random.Random(1)
+    g = torch.Generator().manual_seed(1)
+    lens = [rng.randint(lo, hi) for _ in range(n)]
+    prompts = [torch.randint(0, cfg.vocab_size, (L,), generator=g).tolist() for L in lens]
+    rows = []
+    for method, o in (("dense", {}), ("tactic", {"budget": 512}),
+                      ("lserve", {"budget": 512, "streaming_heads": half_streaming(cfg.num_layers, cfg.num_kv_heads)})):
+        eng = LLMEngine(big, None, method, max_num_seqs=n, step_tokens=hi + n, prefill_chunk=8192, **o)
+        eng.warmup()
+        t0 = time.perf_counter()
+        outs = eng.generate(prompts, SamplingParams(new_tokens, ignore_eos=True))
+        wall = time.perf_counter() - t0
+        tpot = [x.decode_s / max(len(x.tokens) - 1, 1) for x in outs]
+        ttft = [x.ttft_s for x in outs]
+        rows.append({"method": method, "options": {k: v for k, v in o.items() if k != "streaming_heads"},
+                     "requests": n, "contexts": [lo, hi], "wall_s": wall,
+                     "tok_s": sum(len(x.tokens) for x in outs) / wall,
+                     "decode_tok_s": eng.stats.decode_tokens / eng.stats.decode_s, "prefill_s": eng.stats.prefill_s,
+                     "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50),
+                     "tpot_p99": pct(tpot, 99), "kv_fraction": sum(x.kv_fraction for x in outs) / n,
+                     "pool_pages": eng.scheduler.num_pages, "captures": eng.runner.captures,
+                     "preemptions": eng.stats.preemptions})
+        log(rows[-1])
+        del eng
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", default="check,single,crossover,concurrent")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    embedded = any(p != "e2e8b" for p in args.parts.split(","))
+    embedded = any(p not in ("e2e8b", "cb8b") for p in args.parts.split(","))
     model, tok, _ = load_model(None, dtype=torch.bfloat16, device="cuda") if embedded else (None, None, None)
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
               "torch": torch.__version__, "command": " ".join(sys.argv)}

@@ -43,14 +43,23 @@ class DecodeBatch:
     rows: List[int]                # request id per row; a finished row stays (dead) until the next join
     groups: List[Tuple[str, int, int]]
     states: Dict[str, List[Any]]
-    tokens: Tensor                 # [B] long: each row's input token
-    positions: Tensor              # [B] long: its position (= cached tokens before the step)
+    inputs: Tensor                 # [2, B] long: each row's input token and its position
+                                   # (= cached tokens before the step), one copy per step
     table: Tensor                  # [B, W] int32 page table
     table_len: List[int]           # pages of each row already copied into `table`
     sampling: Dict[str, Tensor]    # temperature, top_k, top_p, seeds: [B]
     greedy_only: bool
     filtered: bool
     graphs: Dict[Any, Tuple[Any, Tensor]] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> Tensor:
+        return self.inputs[0]
+
+    @property
+    def positions(self) -> Tensor:
+        return self.inputs[1]
+
     last_key: Any = None
     dead: Dict[int, int] = field(default_factory=dict)  # row -> its frozen host length
     last_host: List[int] = field(default_factory=list)  # each row's host length at the last step
@@ -180,8 +189,9 @@ class ModelRunner:
                 bt.table[b].fill_(self.scratch_page)
         host_len = [bt.dead[b] if r is None else r.num_cached + 1 for b, r in enumerate(rows)]
         bt.last_host = host_len
-        bt.tokens.copy_(torch.tensor([0 if r is None else r.tokens[-1] for r in rows]), non_blocking=True)
-        bt.positions.copy_(torch.tensor([0 if r is None else r.num_cached for r in rows]), non_blocking=True)
+        host_in = torch.tensor([[0 if r is None else r.tokens[-1] for r in rows],
+                                [0 if r is None else r.num_cached for r in rows]])
+        bt.inputs.copy_(host_in.pin_memory() if bt.inputs.is_cuda else host_in, non_blocking=True)
         for b, r in enumerate(rows):
             if r is None:
                 continue
@@ -189,12 +199,12 @@ class ModelRunner:
             if len(r.pages) > bt.table_len[b]:
                 bt.table[b, bt.table_len[b]:len(r.pages)] = torch.tensor(r.pages[bt.table_len[b]:], dtype=torch.int32)
                 bt.table_len[b] = len(r.pages)
-        new_len = bt.positions + 1
         key = [bt.greedy_only, bt.filtered]
         alt = []
         for g, a, b in bt.groups:
             m = self.methods[g]
             if self.paged and type(m).maintain is not SparseMethod.maintain:
+                new_len = bt.positions + 1
                 for layer, st in enumerate(bt.states[g]):
                     changed |= bool(m.maintain(st, new_len[a:b], host_len[a:b], self._key_reader(layer, rows[a:b])))
             if m.layer_independent_plan:
@@ -342,8 +352,7 @@ class ModelRunner:
         for b, r in enumerate(reqs):
             table[b, :len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
         self.batch = DecodeBatch(
-            ids, groups, states, torch.zeros(B, dtype=torch.long, device=dev),
-            torch.zeros(B, dtype=torch.long, device=dev), table.to(dev), [len(r.pages) for r in reqs],
+            ids, groups, states, torch.zeros(2, B, dtype=torch.long, device=dev), table.to(dev), [len(r.pages) for r in reqs],
             self._sampling_rows(reqs), all(r.params.temperature == 0 for r in reqs),
             any(r.params.temperature > 0 and (r.params.top_k > 0 or r.params.top_p < 1) for r in reqs))
         self.batch.last_host = [r.num_cached + 1 for r in reqs]
