@@ -3,12 +3,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+GEMMA3 = ("gemma3", "gemma3_text")
+SUPPORTED = LLAMA_FAMILY + GEMMA3
+
+# transformers' Gemma3TextConfig defaults: Gemma 3 config.json files on the Hub rely on them
+# (a multimodal "gemma3" config's text_config often omits heads, head_dim, vocab, ...).
+GEMMA3_DEFAULTS = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+    max_position_embeddings=131_072, rms_norm_eps=1e-6, eos_token_id=1, tie_word_embeddings=True,
+    attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=None,
+    attn_logit_softcapping=None, use_bidirectional_attention=False,
+)
+GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The facts of a Llama-family decoder, read from a Hugging Face config.json dict."""
+    """The facts of a decoder (Llama family or Gemma 3), read from a Hugging Face config.json dict.
+
+    The fields after `eos_token_ids` only matter for Gemma 3 and default to the Llama
+    behaviour: no sliding window (every layer global), one RoPE base, 1/sqrt(head_dim)
+    attention scaling, no softcapping, SiLU gate."""
 
     model_type: str
     vocab_size: int
@@ -25,12 +42,44 @@ class ModelConfig:
     attention_bias: bool
     rope_scaling: Optional[dict]
     eos_token_ids: Tuple[int, ...]
+    sliding_window: Optional[int] = None  # keys a local layer sees, the query's own included
+    layer_types: Optional[Tuple[str, ...]] = None  # "sliding_attention" / "full_attention" per layer
+    rope_local_theta: Optional[float] = None  # RoPE base of sliding layers (rope_theta: full layers)
+    rope_local_scaling: Optional[dict] = None
+    query_pre_attn_scalar: Optional[float] = None  # attention scale = this ** -0.5 (None: head_dim)
+    final_logit_softcapping: Optional[float] = None
+    attn_logit_softcapping: Optional[float] = None
+    bidirectional: bool = False
+    hidden_activation: str = "silu"
+
+    @property
+    def is_gemma3(self) -> bool:
+        return self.model_type in GEMMA3
+
+    def layer_window(self, i: int) -> Optional[int]:
+        """The sliding-window size W of layer i, or None for a global (full-attention) layer
+        and for every layer of a Llama-family model.
+
+        Convention (transformers' sliding_window_overlay and causal mask, exactly): a query at
+        position p attends the keys at positions j with  p - W < j <= p , i.e. the last W
+        positions including its own (HF: `kv_idx > q_idx - sliding_window` and
+        `kv_idx <= q_idx`). Decoding token p = 1000 with W = 512 sees positions 489..1000."""
+        if self.layer_types is None or self.layer_types[i] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def global_layers(self) -> Tuple[int, ...]:
+        """Indices of the full-attention layers (all layers for the Llama family)."""
+        return tuple(i for i in range(self.num_layers) if self.layer_window(i) is None)
 
     @classmethod
     def from_hf(cls, d: dict) -> "ModelConfig":
         mt = d.get("model_type", "llama")
         if mt not in SUPPORTED:
-            raise ValueError(f"unsupported model_type {mt!r}; kvsieve runs {', '.join(SUPPORTED)} (Llama family)")
+            raise ValueError(f"unsupported model_type {mt!r}; kvsieve runs {', '.join(SUPPORTED)} "
+                             "(Llama family and Gemma 3)")
+        if mt in GEMMA3:
+            return cls._from_gemma3(d)
         rope = d.get("rope_parameters") or {}
         scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         eos = d.get("eos_token_id")
@@ -47,4 +96,54 @@ class ModelConfig:
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=d.get("attention_bias", mt == "qwen2"),
             rope_scaling=scaling, eos_token_ids=eos,
+        )
+
+    @classmethod
+    def _from_gemma3(cls, d: dict) -> "ModelConfig":
+        """Gemma 3 text config (a multimodal "gemma3" config: its text_config), read the way
+        transformers' Gemma3TextConfig reads it (defaults, layer pattern, both RoPE formats)."""
+        eos_top = d.get("eos_token_id")
+        if d["model_type"] == "gemma3" and "text_config" in d:
+            d = d["text_config"] or {}
+            if eos_top is not None and "eos_token_id" not in d:
+                d = {**d, "eos_token_id": eos_top}
+        d = {**GEMMA3_DEFAULTS, **d}
+        n = d["num_hidden_layers"]
+        types = d.get("layer_types")
+        if types is None:  # old configs: every `pattern`-th layer is global
+            pattern = d.get("sliding_window_pattern", 6)
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        types = tuple(types)
+        if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+            raise ValueError(f"Gemma 3 layer_types must be {n} of sliding_attention/full_attention, got {types}")
+        window = d.get("sliding_window")
+        if "sliding_attention" in types and not window:
+            raise ValueError("Gemma 3 config has sliding layers but no sliding_window")
+        rope = d.get("rope_parameters") or {}
+        if "full_attention" in rope or "sliding_attention" in rope:  # transformers 5 format
+            full = dict(rope.get("full_attention") or {})
+            local = dict(rope.get("sliding_attention") or {})
+        else:  # older format: rope_theta, rope_local_base_freq, rope_scaling (full layers only)
+            full = {**(d.get("rope_scaling") or {}), "rope_theta": d.get("rope_theta", rope.get("rope_theta"))}
+            local = {"rope_theta": d.get("rope_local_base_freq")}
+        full_theta = full.get("rope_theta") or GEMMA3_THETA["full_attention"]
+        local_theta = local.get("rope_theta") or GEMMA3_THETA["sliding_attention"]
+
+        def scaling(p):
+            return p if p.get("rope_type", p.get("type", "default")) != "default" else None
+
+        eos = d.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        return cls(
+            model_type="gemma3_text", vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_layers=n, num_heads=d["num_attention_heads"],
+            num_kv_heads=d["num_key_value_heads"], head_dim=d["head_dim"], rms_norm_eps=d["rms_norm_eps"],
+            rope_theta=float(full_theta), max_positions=d["max_position_embeddings"],
+            tie_word_embeddings=d["tie_word_embeddings"], attention_bias=d["attention_bias"],
+            rope_scaling=scaling(full), eos_token_ids=eos, sliding_window=window, layer_types=types,
+            rope_local_theta=float(local_theta), rope_local_scaling=scaling(local),
+            query_pre_attn_scalar=d["query_pre_attn_scalar"],
+            final_logit_softcapping=d["final_logit_softcapping"],
+            attn_logit_softcapping=d["attn_logit_softcapping"],
+            bidirectional=bool(d["use_bidirectional_attention"]), hidden_activation=d["hidden_activation"],
         )
