@@ -148,3 +148,30 @@ def test_dense_below_the_crossover_and_when_plans_read_most(tiny_model):
     assert all(o.attended_densely for o in out)
     off = LLMEngine(tiny_model, None, "tactic", cluster_size=8, threshold=0.99, dense_below=0).generate(ps, params)
     assert not any(o.attended_densely for o in off) and min(o.kv_fraction for o in off) > 0.5
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_sliding_window_layers_match_transformers_generate(tmp_path, paged):
+    """A tiny random Gemma 3 (window 16, local and global layers): greedy decode through the
+    engine's paged cache over 70 tokens (past the window) equals HF generate; sparse
+    methods run on its global layers."""
+    transformers = pytest.importorskip("transformers")
+    from test_gemma3 import TINY
+
+    from kvsieve.model.loader import load_weights
+
+    torch.manual_seed(0)
+    transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**TINY, initializer_range=0.1)).save_pretrained(tmp_path)
+    model = load_weights(tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = prompts(2, lo=50, hi=71, seed=4)
+    for p in ids:
+        with torch.no_grad():
+            x = torch.tensor([p])  # an explicit mask: HF would take token 0 (its pad id) for padding
+            want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False)[0, len(p):]
+            want = want.tolist()
+        got = LLMEngine(model, None, "dense", paged=paged).generate([p], SamplingParams(10, ignore_eos=True))[0]
+        assert got.tokens == want[:len(got.tokens)]
+    for method, opts in METHODS[1:]:
+        out = LLMEngine(model, None, method, paged=paged, **opts).generate(ids, SamplingParams(6, ignore_eos=True))
+        assert all(len(o.tokens) == 6 and 0 < o.kv_fraction <= 1 for o in out)

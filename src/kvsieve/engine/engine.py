@@ -10,6 +10,7 @@ the engine records tokens, timings and the KV fraction each request read.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence
@@ -124,11 +125,13 @@ class LLMEngine:
     def _default_pages(self, page_size: int, max_num_seqs: int, fraction: float) -> int:
         cfg = self.model.cfg
         want = max_num_seqs * -(-cfg.max_positions // page_size)
-        if self.model.device.type != "cuda":
-            return want
         per_page = 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * self.model.dtype.itemsize
+        if self.model.device.type != "cuda":  # at most half the free RAM
+            free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+            return max(1, min(want, free // 2 // per_page))
         free, _ = torch.cuda.mem_get_info(self.model.device)
-        return max(1, min(want, int(free * fraction * 0.8) // per_page))  # 20% left for indexes, graphs
+        # 30% of it left for method indexes (transiently twice when a batch is rebuilt) and graphs
+        return max(1, min(want, int(free * fraction * 0.7) // per_page))
 
     # ------------------------------------------------------------------ requests
     def method_key(self, method: Optional[str], options: Optional[dict]) -> str:

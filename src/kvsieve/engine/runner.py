@@ -24,7 +24,9 @@ from torch.nn.attention.bias import causal_lower_right
 
 from .. import dispatch
 from ..cache import PagedKVCache
-from ..methods import SparseMethod
+from ..methods import Selection, SparseMethod
+from ..methods.base import recent_and_sink
+from ..methods.streaming import sink_local_plan
 from ..ops.attention import attend as attend_masked
 from ..ops.paged import PagedKeys
 from .sampling import sample
@@ -93,6 +95,10 @@ class ModelRunner:
         self.graph_pool = None  # shared by the variants of one batch's step graphs
         self.captures = 0
         self._windows: Dict[str, list] = {}
+        # the model's own sliding-window layers (Gemma 3's local layers): every head sees the
+        # last W positions, whatever the method; methods act on the other (global) layers
+        window = getattr(cfg, "layer_window", None)
+        self.layer_window = [window(i) if window else None for i in range(cfg.num_layers)]
         self.observe: Optional[AttentionObserver] = None  # forces the reference path (eval)
         self.last_logits: Optional[Tensor] = None  # [B, vocab] of the last decode step
 
@@ -138,10 +144,12 @@ class ModelRunner:
     def _prefill_windows(self, key: str) -> list:
         """Per layer: None (dense causal) or (streaming flags on the device, sink, local)."""
         if key not in self._windows:
-            cfg, m = self.model.cfg, self.methods[key]
+            cfg, m, dev = self.model.cfg, self.methods[key], self.model.device
             ws = [m.prefill_window(i, cfg.num_kv_heads, cfg.max_positions) for i in range(cfg.num_layers)]
-            self._windows[key] = [None if w is None else (w.streaming.to(self.model.device), w.sink, w.local)
-                                  for w in ws]
+            every = torch.ones(cfg.num_kv_heads, dtype=torch.bool, device=dev)
+            self._windows[key] = [(every, 0, self.layer_window[i]) if self.layer_window[i] is not None
+                                  else None if w is None else (w.streaming.to(dev), w.sink, w.local)
+                                  for i, w in enumerate(ws)]
         return self._windows[key]
 
     def index_request(self, req: Request, length: int) -> None:
@@ -276,11 +284,16 @@ class ModelRunner:
                 m, st = self.methods[g], bt.states[g][layer]
                 nl, hl, table = new_len[a:b], host_len[a:b], bt.table[a:b]
                 m.append_token(st, k[a:b], nl, hl, None)
-                plan = plans.get(g)
-                if plan is None:
+                window = self.layer_window[layer]
+                pkey = g if window is None else (g, "window")
+                plan = plans.get(pkey)
+                if plan is None and window is not None:
+                    plan = plans[pkey] = sink_local_plan(nl, b - a, k.shape[1], 0, window,
+                                                         PagedKeys(cache.k[layer], table, pool_rows=True))
+                elif plan is None:
                     plan = m.plan(q[a:b], st, nl, hl, PagedKeys(cache.k[layer], table, pool_rows=True))
                     if m.layer_independent_plan:
-                        plans[g] = plan
+                        plans[pkey] = plan
                 counts[g].append(plan.counts)
                 o, _ = dispatch.paged_decode(q[a:b], cache.k[layer], cache.v[layer], table, plan.counts, plan.indices,
                                              cap=plan.cap, pool_rows=plan.pool_rows)
@@ -297,6 +310,9 @@ class ModelRunner:
                 nl = new_len[a:b]
                 st = bt.states[g][layer] = m.append(bt.states[g][layer], kk, nl)
                 sel = m.select(q[a:b], kk, nl, st)
+                if self.layer_window[layer] is not None:
+                    lam = recent_and_sink(nl, kk.shape[2], 0, self.layer_window[layer], kk.device)
+                    sel = Selection(lam[:, None, :].expand(kk.shape[0], kk.shape[1], -1).contiguous())
                 counts[g].append(sel.mask.sum(-1))
                 out = attend_masked(q[a:b], kk, vv, sel.mask)[0]
                 if self.observe is not None:

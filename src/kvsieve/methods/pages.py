@@ -107,8 +107,8 @@ class PageSelect(SparseMethod):
         need = -(-max(host_lengths) // ps)
         have = state.kmin.shape[2]
         changed = need > have
-        if changed:
-            grow = max(need, 2 * have) - have
+        if changed:  # in steps of 64 pages: a batched index is padded to its longest row
+            grow = max(need - have, 64)
             state.kmin = torch.nn.functional.pad(state.kmin, (0, 0, 0, grow), value=float("inf"))
             state.kmax = torch.nn.functional.pad(state.kmax, (0, 0, 0, grow), value=float("-inf"))
             state.last_plan = None  # its page count no longer matches

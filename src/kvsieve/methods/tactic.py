@@ -200,11 +200,11 @@ class Tactic(SparseMethod):
         return state
 
     def maintain(self, state: ClusterIndex, lengths, host_lengths, read_keys) -> bool:
-        """Grow the assignment buffer (doubling), fold tokens into the index every
+        """Grow the assignment buffer, fold tokens into the index every
         `fold_every` tokens, and rebuild the CSR view the plan reads."""
         changed = False
-        if state.assign.shape[-1] < max(host_lengths):
-            grow = max(max(host_lengths), 2 * state.assign.shape[-1]) - state.assign.shape[-1]
+        if state.assign.shape[-1] < max(host_lengths):  # in steps of 1024 tokens (padded batch rows)
+            grow = max(max(host_lengths) - state.assign.shape[-1], 1024)
             state.assign = torch.nn.functional.pad(state.assign, (0, grow), value=-1)
             state.members, changed = None, True
         for b, n in enumerate(host_lengths):

@@ -51,14 +51,15 @@ def read_prompts(args, tok) -> tuple[list[list[int]], bool]:
         texts.append(path.read_text(encoding="utf-8", errors="replace"))
     if not texts:
         doc, _, _ = document_prompt(lambda s: len(tok.encode(s, add_special_tokens=False)), 4000)
-        return [tok.encode(doc + DEFAULT_QUESTION, add_special_tokens=False)], True
+        return [tok.encode(doc + DEFAULT_QUESTION, add_special_tokens=True)], True
     ids = []
     for i, t in enumerate(texts):
         if not t.strip():
             raise ValueError(f"prompt {i} is empty; give some text with --prompt or --prompt-file")
-        if not args.no_chat and getattr(tok, "chat_template", None):
+        chat = not args.no_chat and getattr(tok, "chat_template", None)
+        if chat:  # the template writes the special tokens itself
             t = tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
-        ids.append(tok.encode(t, add_special_tokens=False))
+        ids.append(tok.encode(t, add_special_tokens=not chat))  # raw text: the tokenizer's BOS (Gemma needs it)
     return ids, False
 
 
