@@ -13,6 +13,7 @@ Writes OUT/engine.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -109,7 +110,7 @@ def concurrent(model, tok, log, n=32, new_tokens=128):
     rows = []
     for name in ("dense", "tactic", "lserve", "quest"):
         method, o = opts_for(name, model)
-        eng = LLMEngine(model, tok, method, max_num_seqs=n, **o)
+        eng = LLMEngine(model, tok, method, max_num_seqs=n, dense_below=0, **o)  # the method itself, not dense
         eng.warmup()
         t0 = time.perf_counter()
         outs = eng.generate(prompts, SamplingParams(new_tokens, ignore_eos=True))
@@ -121,6 +122,8 @@ def concurrent(model, tok, log, n=32, new_tokens=128):
                      "tpot_p99": pct(tpot, 99), "kv_fraction": sum(o.kv_fraction for o in outs) / n,
                      "captures": eng.runner.captures, "preemptions": eng.stats.preemptions})
         log(rows[-1])
+        del eng
+        gc.collect()
     return rows
 
 
@@ -185,7 +188,7 @@ def cb8b(model, tok, log, n=24, lo=8192, hi=32768, new_tokens=32):
     rows = []
     for method, o in (("dense", {}), ("tactic", {"budget": 512}),
                       ("lserve", {"budget": 512, "streaming_heads": half_streaming(cfg.num_layers, cfg.num_kv_heads)})):
-        eng = LLMEngine(big, None, method, max_num_seqs=n, step_tokens=hi + n, prefill_chunk=8192, **o)
+        eng = LLMEngine(big, None, method, max_num_seqs=n, step_tokens=8192, prefill_chunk=8192, **o)
         eng.warmup()
         t0 = time.perf_counter()
         outs = eng.generate(prompts, SamplingParams(new_tokens, ignore_eos=True))
@@ -201,7 +204,8 @@ def cb8b(model, tok, log, n=24, lo=8192, hi=32768, new_tokens=32):
                      "pool_pages": eng.scheduler.num_pages, "captures": eng.runner.captures,
                      "preemptions": eng.stats.preemptions})
         log(rows[-1])
-        del eng
+        del eng, outs
+        gc.collect()
         torch.cuda.empty_cache()
     return rows
 
