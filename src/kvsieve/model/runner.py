@@ -1,4 +1,7 @@
-"""Batch generation over the paged cache: dense chunked prefill, sparse decode.
+"""A batch harness over the paged cache: dense chunked prefill, sparse decode, one batch
+at a time. `kvsieve eval` and `calibrate` use it (one shared prefill for a whole method
+sweep, teacher-forced scoring with attention observers); the engine tests use it as an
+independent reference. Users' commands run kvsieve.engine.LLMEngine.
 
 The engine builds one SparseMethod from a name and options and never branches on which
 one it is: prefill keys go to method.prepare(), each decode step calls append()/select()
@@ -18,6 +21,8 @@ from torch import Tensor
 from .. import dispatch
 from ..cache import PagedKVCache
 from ..methods import Selection, make_method
+from ..methods.base import PrefillWindow, recent_and_sink
+from ..methods.streaming import sink_local_plan
 from ..ops.attention import attend
 from ..ops.paged import PagedKeys
 from .llama import LlamaModel
@@ -136,6 +141,9 @@ class Engine:
         dev = self.model.device
         cfg = self.model.cfg
         windows = [self.method.prefill_window(i, cfg.num_kv_heads, cfg.max_positions) for i in range(cfg.num_layers)]
+        every = torch.ones(cfg.num_kv_heads, dtype=torch.bool)
+        windows = [w if self._window(i) is None else PrefillWindow(every, 0, self._window(i))  # model's own window
+                   for i, w in enumerate(windows)]
         flags = [None if w is None else w.streaming.to(dev) for w in windows]
         ids = torch.tensor(prompt, device=dev)
         hidden = []
@@ -279,7 +287,11 @@ class Engine:
             method.maintain(cache.index[layer], new_len, host_len, read_keys)
             state = method.append_token(cache.index[layer], k, new_len, host_len, read_keys)
             cache.index[layer] = state
-            plan = method.plan(q, state, new_len, host_len, PagedKeys(cache.k[layer], table, pool_rows=True))
+            keys = PagedKeys(cache.k[layer], table, pool_rows=True)
+            if self._window(layer) is not None:
+                plan = sink_local_plan(new_len, len(reqs), k.shape[1], 0, self._window(layer), keys)
+            else:
+                plan = method.plan(q, state, new_len, host_len, keys)
             if frac_sum is not None:
                 frac_sum[layer] += _live_mean(plan.read_fraction(new_len), live)
             out, _ = dispatch.paged_decode(q, cache.k[layer], cache.v[layer], table, plan.counts, plan.indices,
@@ -293,6 +305,9 @@ class Engine:
             state = method.append(cache.index[layer], kk, new_len)
             cache.index[layer] = state
             sel = method.select(q, kk, new_len, state)
+            if self._window(layer) is not None:
+                lam = recent_and_sink(new_len, kk.shape[2], 0, self._window(layer), kk.device)
+                sel = Selection(lam[:, None, :].expand(kk.shape[0], kk.shape[1], -1).contiguous())
             if frac_sum is not None:
                 frac_sum[layer] += _live_mean(sel.read_fraction(new_len), live)
             out = attend(q, kk, vv, sel.mask)[0]
@@ -306,6 +321,11 @@ class Engine:
             for r, n in zip(reqs, host_len):
                 cache.lengths[r] = n
         return hidden
+
+    def _window(self, layer: int) -> Optional[int]:
+        """The model's own sliding window on this layer (Gemma 3 local layers), or None."""
+        window = getattr(self.model.cfg, "layer_window", None)
+        return window(layer) if window else None
 
     def _table(self, cache: PagedKVCache, reqs: List[int]) -> Tensor:
         """[B, max_pages] int32 page table on the device, built once per generation."""
