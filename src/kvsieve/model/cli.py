@@ -1,7 +1,6 @@
 """`kvsieve generate`: a long prompt through a model with a chosen sparse method."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import ModelConfig
-from .llama import rope_inv_freq, rotate_half
+from .llama import fuse_projections, rope_inv_freq, rotate_half
 
 ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # HF name -> F.gelu approximate=
 
@@ -89,22 +89,7 @@ class Gemma3Model:
         self.norm = {k[:-len(".weight")]: 1.0 + v.float() for k, v in weights.items()
                      if k.endswith("norm.weight")}
         self.approximate = ACTIVATIONS[cfg.hidden_activation]
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            self._fuse(p + "self_attn.qkv", [p + f"self_attn.{n}_proj" for n in "qkv"])
-            self._fuse(p + "mlp.gate_up", [p + "mlp.gate_proj", p + "mlp.up_proj"])
-
-    def _fuse(self, name: str, parts) -> None:
-        for kind in ("weight", "bias"):
-            if parts[0] + "." + kind not in self.w:
-                continue
-            fused = torch.cat([self.w[f"{q}.{kind}"] for q in parts])
-            self.w[f"{name}.{kind}"] = fused
-            start = 0
-            for q in parts:
-                n = self.w[f"{q}.{kind}"].shape[0]
-                self.w[f"{q}.{kind}"] = fused[start:start + n]
-                start += n
+        fuse_projections(self.w, cfg.num_layers)
 
     def rope(self, positions: Tensor, kind: str = "full"):
         """positions [T] -> cos, sin [T, D] in the model dtype, for "full" or "local" layers

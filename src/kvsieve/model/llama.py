@@ -43,9 +43,22 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
-def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+def fuse_projections(w: Dict[str, Tensor], num_layers: int) -> None:
+    """Concatenate each layer's q/k/v ("self_attn.qkv") and gate/up ("mlp.gate_up")
+    weights (and biases) so each runs as one matmul; the HF names become views into them."""
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        for name, parts in ((p + "self_attn.qkv", [p + f"self_attn.{n}_proj" for n in "qkv"]),
+                            (p + "mlp.gate_up", [p + "mlp.gate_proj", p + "mlp.up_proj"])):
+            for kind in ("weight", "bias"):
+                if f"{parts[0]}.{kind}" not in w:
+                    continue
+                fused = w[f"{name}.{kind}"] = torch.cat([w[f"{q}.{kind}"] for q in parts])
+                start = 0
+                for q in parts:
+                    n = w[f"{q}.{kind}"].shape[0]
+                    w[f"{q}.{kind}"] = fused[start:start + n]
+                    start += n
 
 
 class LlamaModel:
@@ -62,22 +75,7 @@ class LlamaModel:
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.device = weights["model.embed_tokens.weight"].device
         self.inv_freq = rope_inv_freq(cfg).to(self.device)  # on the device: decode steps can be graph-captured
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            self._fuse(p + "self_attn.qkv", [p + f"self_attn.{n}_proj" for n in "qkv"])
-            self._fuse(p + "mlp.gate_up", [p + "mlp.gate_proj", p + "mlp.up_proj"])
-
-    def _fuse(self, name: str, parts) -> None:
-        for kind in ("weight", "bias"):
-            if parts[0] + "." + kind not in self.w:
-                continue
-            fused = torch.cat([self.w[f"{q}.{kind}"] for q in parts])
-            self.w[f"{name}.{kind}"] = fused
-            start = 0
-            for q in parts:
-                n = self.w[f"{q}.{kind}"].shape[0]
-                self.w[f"{q}.{kind}"] = fused[start:start + n]
-                start += n
+        fuse_projections(self.w, cfg.num_layers)
 
     def rope(self, positions: Tensor):
         """positions [T] -> cos, sin [T, D] in float32."""
