@@ -103,6 +103,21 @@ def crossover(model, tok, log, lengths=(1024, 2048, 4096, 7600), new_tokens=64):
     return rows
 
 
+def run_batch(eng, prompts, new_tokens):
+    """Warm up, submit every prompt at once, run to completion: throughput and latency."""
+    eng.warmup()
+    t0 = time.perf_counter()
+    outs = eng.generate(prompts, SamplingParams(new_tokens, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    tpot = [o.decode_s / max(len(o.tokens) - 1, 1) for o in outs]
+    ttft = [o.ttft_s for o in outs]
+    return {"requests": len(prompts), "wall_s": wall, "tok_s": sum(len(o.tokens) for o in outs) / wall,
+            "decode_tok_s": eng.stats.decode_tokens / eng.stats.decode_s, "prefill_s": eng.stats.prefill_s,
+            "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
+            "kv_fraction": sum(o.kv_fraction for o in outs) / len(outs), "pool_pages": eng.scheduler.num_pages,
+            "captures": eng.runner.captures, "preemptions": eng.stats.preemptions}
+
+
 def concurrent(model, tok, log, n=32, new_tokens=128):
     rng = random.Random(0)
     base = doc_ids(tok, 7600)
@@ -111,16 +126,7 @@ def concurrent(model, tok, log, n=32, new_tokens=128):
     for name in ("dense", "tactic", "lserve", "quest"):
         method, o = opts_for(name, model)
         eng = LLMEngine(model, tok, method, max_num_seqs=n, dense_below=0, **o)  # the method itself, not dense
-        eng.warmup()
-        t0 = time.perf_counter()
-        outs = eng.generate(prompts, SamplingParams(new_tokens, ignore_eos=True))
-        wall = time.perf_counter() - t0
-        tpot = [o.decode_s / max(len(o.tokens) - 1, 1) for o in outs]
-        ttft = [o.ttft_s for o in outs]
-        rows.append({"method": name, "requests": n, "wall_s": wall, "tok_s": sum(len(o.tokens) for o in outs) / wall,
-                     "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50),
-                     "tpot_p99": pct(tpot, 99), "kv_fraction": sum(o.kv_fraction for o in outs) / n,
-                     "captures": eng.runner.captures, "preemptions": eng.stats.preemptions})
+        rows.append({"method": name, **run_batch(eng, prompts, new_tokens)})
         log(rows[-1])
         del eng
         gc.collect()
@@ -189,22 +195,10 @@ def cb8b(model, tok, log, n=24, lo=8192, hi=32768, new_tokens=32):
     for method, o in (("dense", {}), ("tactic", {"budget": 512}),
                       ("lserve", {"budget": 512, "streaming_heads": half_streaming(cfg.num_layers, cfg.num_kv_heads)})):
         eng = LLMEngine(big, None, method, max_num_seqs=n, step_tokens=8192, prefill_chunk=8192, **o)
-        eng.warmup()
-        t0 = time.perf_counter()
-        outs = eng.generate(prompts, SamplingParams(new_tokens, ignore_eos=True))
-        wall = time.perf_counter() - t0
-        tpot = [x.decode_s / max(len(x.tokens) - 1, 1) for x in outs]
-        ttft = [x.ttft_s for x in outs]
         rows.append({"method": method, "options": {k: v for k, v in o.items() if k != "streaming_heads"},
-                     "requests": n, "contexts": [lo, hi], "wall_s": wall,
-                     "tok_s": sum(len(x.tokens) for x in outs) / wall,
-                     "decode_tok_s": eng.stats.decode_tokens / eng.stats.decode_s, "prefill_s": eng.stats.prefill_s,
-                     "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50),
-                     "tpot_p99": pct(tpot, 99), "kv_fraction": sum(x.kv_fraction for x in outs) / n,
-                     "pool_pages": eng.scheduler.num_pages, "captures": eng.runner.captures,
-                     "preemptions": eng.stats.preemptions})
+                     "contexts": [lo, hi], **run_batch(eng, prompts, new_tokens)})
         log(rows[-1])
-        del eng, outs
+        del eng
         gc.collect()
         torch.cuda.empty_cache()
     return rows
