@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _extra_commands():
     """Subcommands that live next to their features (model, eval, bench)."""
     found = []
-    for mod in ("kvsieve.model.cli", "kvsieve.eval.cli", "kvsieve.eval.calibrate", "kvsieve.bench.cli"):
+    for mod in ("kvsieve.model.cli", "kvsieve.eval.cli", "kvsieve.eval.calibrate", "kvsieve.bench.cli",
+                "kvsieve.server.cli"):
         try:
             found.append(__import__(mod, fromlist=["register"]).register)
         except ModuleNotFoundError as e:

@@ -1,0 +1,424 @@
+"""The OpenAI-compatible HTTP app: /v1/chat/completions, /v1/completions, /v1/models,
+/health, /metrics.
+
+    app = create_app(engine, "smollm2-135m-instruct")   # then: uvicorn.run(app)
+
+Handlers parse and check the body (400 naming the field), tokenize on one tokenizer
+thread (transformers tokenizers are not safe to share across threads), and hand the
+request to the driver thread; the engine itself is only ever touched there. Stop strings
+are matched on the incrementally detokenized text: the request is aborted at the first
+match (finish_reason "stop") and the text cut before it. A streaming client that goes
+away cancels its request (its KV pages are freed at the driver's next turn).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import List, Optional, Tuple
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine import SamplingParams, SchedulerFullError
+from ..methods import METHOD_NAMES, config_for
+from ..patterns import STREAMING_METHODS
+from .driver import DriverStopped, EngineDriver, EngineError, Metrics, RequestStream
+from .schemas import BadRequest, ChatCompletionRequest, CompletionRequest, error_body, parse
+
+log = logging.getLogger("kvsieve.server")
+MAX_STOPS = 4
+
+
+class Detokenizer:
+    """Token ids -> text deltas whose concatenation is the decoded text; a delta is held
+    back while it ends in an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+
+    def add(self, new_ids: List[int], final: bool) -> str:
+        self.ids.extend(new_ids)
+        dec = self.tok.decode
+        before = dec(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        text = dec(self.ids[self.prefix:], skip_special_tokens=True)
+        if (text.endswith("\ufffd") and not final) or len(text) <= len(before):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
+
+
+class StopMatcher:
+    """Cuts the text at the first stop string; holds back a tail that may start one."""
+
+    def __init__(self, stops: List[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str, final: bool) -> Tuple[str, bool]:
+        """-> (text safe to emit, whether a stop string was found)."""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[:min(hits)], ""
+            return out, True
+        hold = 0
+        if not final:
+            for k in range(min(len(self.pending), max((len(s) for s in self.stops), default=1) - 1), 0, -1):
+                if any(s.startswith(self.pending[-k:]) for s in self.stops):
+                    hold = k
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+
+def _error(e: BadRequest, headers=None) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.param, e.type, e.code), status_code=e.status, headers=headers)
+
+
+class Server:
+    """Everything the routes share: engine facts, the driver, the tokenizer thread."""
+
+    def __init__(self, engine, model_name: str, streaming_heads=None, max_method_configs: int = 32,
+                 retry_after_s: int = 1, drain_s: float = 0.0, registry=None):
+        self.engine, self.model_name = engine, model_name
+        self.tok = engine.tokenizer
+        self.max_positions = engine.model.cfg.max_positions
+        self.vocab = engine.model.cfg.vocab_size
+        self.streaming_heads = streaming_heads  # the pattern per-request lserve/hybrid runs with
+        self.retry_after_s, self.drain_s = retry_after_s, drain_s
+        self.metrics = Metrics(registry)
+        self.driver = EngineDriver(engine, self.metrics, max_method_configs)
+        self.tok_pool = ThreadPoolExecutor(1, thread_name_prefix="kvsieve-tokenizer")
+        self.created = int(time.time())
+        self.draining = False
+
+    async def on_tok(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.tok_pool, fn, *args)
+
+    # ------------------------------------------------------------------ checks
+    def prompt_param(self, chat: bool) -> str:
+        return "messages" if chat else "prompt"
+
+    def check_common(self, req) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise BadRequest(f"model {req.model!r} is not served here; use {self.model_name!r} (GET /v1/models)",
+                             "model", status=404, code="model_not_found")
+        if req.n not in (None, 1):
+            raise BadRequest(f"n must be 1, got {req.n}; send one request per completion (with different seeds)",
+                             "n")
+        for field, bad in req.refused():
+            if bad:
+                raise BadRequest(f"{field} is not supported by this server; leave it out", field)
+        if req.stream_options is not None and not req.stream:
+            raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stops) > MAX_STOPS:
+            raise BadRequest(f"stop takes at most {MAX_STOPS} strings, got {len(stops)}", "stop")
+
+    def sampling(self, req, prompt_len: int, chat: bool) -> SamplingParams:
+        field, max_tokens = "max_tokens", req.max_tokens
+        if chat and req.max_completion_tokens is not None:
+            field, max_tokens = "max_completion_tokens", req.max_completion_tokens
+        sch = self.engine.scheduler
+        room = min(self.max_positions, sch.num_pages * sch.page_size) - prompt_len
+        if room < 1:
+            raise BadRequest(
+                f"the prompt has {prompt_len} tokens but this server allows at most "
+                f"{min(self.max_positions, sch.num_pages * sch.page_size) - 1} (the model's {self.max_positions} "
+                f"positions, the KV pool's {sch.num_pages * sch.page_size} tokens, one new token); shorten the "
+                "prompt (kvsieve never truncates)", self.prompt_param(chat))
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens < 1:
+            raise BadRequest(f"{field} must be an integer >= 1, got {max_tokens}; ask for at least one token", field)
+        elif max_tokens > room:
+            raise BadRequest(
+                f"the prompt has {prompt_len} tokens and {field} is {max_tokens}, but at most {prompt_len + room} "
+                f"positions fit (the model allows {self.max_positions}, the KV pool holds "
+                f"{sch.num_pages * sch.page_size}); set {field} <= {room} or shorten the prompt", field)
+        seed = req.seed
+        if seed is not None and not -(1 << 63) <= seed < (1 << 63):
+            raise BadRequest(f"seed must fit in 64 bits, got {seed}", "seed")
+        try:
+            return SamplingParams(max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None
+                                  else req.temperature, top_p=1.0 if req.top_p is None else req.top_p,
+                                  top_k=req.top_k or 0, seed=seed, ignore_eos=bool(req.ignore_eos))
+        except ValueError as e:
+            msg = str(e).replace("max_new_tokens", field)
+            return self._raise_sampling(msg, field)
+
+    @staticmethod
+    def _raise_sampling(msg: str, field: str):
+        name = msg.split(" ", 1)[0]
+        raise BadRequest(msg, name if name in ("temperature", "top_p", "top_k", "seed") else field)
+
+    def method(self, kv: Optional[dict]) -> Tuple[Optional[str], Optional[dict]]:
+        """The request's (method, options) from the `kvsieve` extra body, validated."""
+        if not kv:
+            return None, None
+        opts = {str(k).replace("-", "_"): v for k, v in kv.items()}
+        method = opts.pop("method", None)
+        if method is not None and (not isinstance(method, str) or method not in METHOD_NAMES):
+            raise BadRequest(f"kvsieve.method must be one of: {', '.join(METHOD_NAMES)}; got {method!r}",
+                             "kvsieve.method")
+        name = method or self.engine.default_method
+        if "streaming_heads" in opts:
+            if opts["streaming_heads"] not in (None, "none"):
+                raise BadRequest("kvsieve.streaming_heads can only be \"none\" per request (no streaming head); "
+                                 "the server's pattern applies otherwise (kvsieve serve --streaming-heads FILE)",
+                                 "kvsieve.streaming_heads")
+            opts["streaming_heads"] = None
+        elif name in STREAMING_METHODS and self.streaming_heads is not None \
+                and "streaming_heads" not in self.engine.default_options:
+            opts["streaming_heads"] = self.streaming_heads
+        merged = {**self.engine.default_options, **opts} if name == self.engine.default_method else opts
+        try:
+            config_for(name, **merged)
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            first = msg.split(" ", 1)[0]
+            param = f"kvsieve.{first}" if first in opts else "kvsieve"
+            raise BadRequest(f"kvsieve: {msg}" + ("" if "unknown option" in msg else
+                                                   " (fix the value in the kvsieve object)"), param) from None
+        return method, opts
+
+    # ------------------------------------------------------------------ prompts
+    def chat_ids(self, req: ChatCompletionRequest) -> List[int]:
+        if not getattr(self.tok, "chat_template", None):
+            raise BadRequest("this model has no chat template; use /v1/completions with a prompt", "messages")
+        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # the template refuses this conversation (e.g. role order)
+            raise BadRequest(f"the model's chat template refused these messages ({e})", "messages") from None
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def completion_ids(self, req: CompletionRequest) -> List[int]:
+        p = req.prompt
+        if isinstance(p, list) and p and isinstance(p[0], int):
+            bad = [t for t in p if not 0 <= t < self.vocab]
+            if bad:
+                raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab})", "prompt")
+            return list(p)
+        if isinstance(p, list):
+            if len(p) != 1:
+                raise BadRequest(f"prompt must be a single string (or a list of one), got a list of {len(p)}; "
+                                 "send one request per prompt", "prompt")
+            p = p[0]
+        if not p:
+            return []
+        return self.tok.encode(p, add_special_tokens=True)  # raw text: the tokenizer's BOS, as generate does
+
+    # ------------------------------------------------------------------ serving one request
+    async def handle(self, request: Request, chat: bool):
+        raw = await request.body()
+        try:
+            if self.draining or not self.driver.alive:
+                raise BadRequest("the server is shutting down; retry on another server", None, 503,
+                                 "service_unavailable_error", "shutting_down")
+            req = parse(ChatCompletionRequest if chat else CompletionRequest, raw)
+            self.check_common(req)
+            ids = await self.on_tok(self.chat_ids if chat else self.completion_ids, req)
+            if not ids:
+                raise BadRequest(f"the {'messages render' if chat else 'prompt is'} empty; give some text",
+                                 self.prompt_param(chat))
+            params = self.sampling(req, len(ids), chat)
+            method, options = self.method(req.kvsieve)
+        except BadRequest as e:
+            self.metrics.rejected.labels("shutting_down" if e.code == "shutting_down" else "invalid").inc()
+            return _error(e)
+        try:
+            stream = self.driver.submit(ids, params, method, options)
+        except DriverStopped as e:
+            self.metrics.rejected.labels("shutting_down").inc()
+            return _error(BadRequest(str(e), None, 503, "service_unavailable_error", "shutting_down"))
+        try:
+            await stream.admitted
+        except asyncio.CancelledError:
+            self.driver.abort(stream)
+            raise
+        except SchedulerFullError as e:
+            self.metrics.rejected.labels("queue_full").inc()
+            return _error(BadRequest(f"the server is at capacity ({e}); retry after {self.retry_after_s} s", None,
+                                     503, "service_unavailable_error", "queue_full"),
+                          headers={"Retry-After": str(self.retry_after_s)})
+        except DriverStopped as e:
+            return _error(BadRequest(str(e), None, 503, "service_unavailable_error", "shutting_down"))
+        except EngineError as e:
+            return _error(BadRequest(str(e), None, 500, "server_error"))
+        except ValueError as e:  # the engine's last word (e.g. bigger than the pool)
+            self.metrics.rejected.labels("invalid").inc()
+            msg = str(e).replace("max_new_tokens", "max_tokens")
+            return _error(BadRequest(msg, "max_tokens" if "fewer" in msg else self.prompt_param(chat)))
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self.sse(stream, stops, chat, rid, include_usage, len(ids)),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await self.complete(request, stream, stops, chat, rid, len(ids))
+
+    async def events(self, stream: RequestStream, stops: List[str]):
+        """Yields (text delta, None, None) then (text, finish_reason, last output) once."""
+        det, match = Detokenizer(self.tok), StopMatcher(stops)
+        try:
+            while True:
+                out = await stream.get()
+                text = await self.on_tok(det.add, out.new_tokens, out.finished) if out.new_tokens or out.finished \
+                    else ""
+                emit, stopped = match.feed(text, out.finished)
+                if stopped and not out.finished:
+                    self.driver.abort(stream, "stop")
+                if stopped or out.finished:
+                    yield emit, "stop" if stopped else out.finish_reason, out
+                    return
+                if emit:
+                    yield emit, None, None
+        finally:
+            if not stream.done:  # the client left, or a stop string: free its pages
+                self.driver.abort(stream)
+
+    def usage(self, prompt_tokens: int, out) -> dict:
+        n = len(out.tokens)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
+                "kvsieve": {"method": out.method, "kv_fraction": round(out.kv_fraction, 6),
+                            "attended_densely": out.attended_densely}}
+
+    async def complete(self, request: Request, stream: RequestStream, stops, chat: bool, rid: str, n_prompt: int):
+        async def watch():  # a non-streaming client that hangs up cancels its request too
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.5)
+
+        parts: List[str] = []
+
+        async def collect():
+            async for text, reason, out in self.events(stream, stops):
+                parts.append(text)
+                if reason is not None:
+                    return reason, out
+
+        task, watcher = asyncio.ensure_future(collect()), asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+                self.driver.abort(stream)
+        if not task.done() or task.cancelled():
+            return Response(status_code=499)
+        try:
+            reason, out = task.result()
+        except EngineError as e:
+            return _error(BadRequest(str(e), None, 500, "server_error"))
+        if reason == "abort":
+            return _error(BadRequest("the request was aborted (the server is shutting down); retry it", None, 503,
+                                     "service_unavailable_error", "aborted"))
+        text = "".join(parts)
+        choice = {"index": 0, "logprobs": None, "finish_reason": reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": [choice], "usage": self.usage(n_prompt, out)}
+
+    async def sse(self, stream: RequestStream, stops, chat: bool, rid: str, include_usage: bool, n_prompt: int):
+        created, obj = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: Optional[str], reason: Optional[str], first: bool = False) -> str:
+            if chat:
+                delta = {} if text is None else {"role": "assistant", "content": text} if first else {"content": text}
+                c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [c]}
+            if include_usage:
+                body["usage"] = None
+            return f"data: {json.dumps(body)}\n\n"
+
+        try:
+            if chat:
+                yield chunk("", None, first=True)
+            async for text, reason, out in self.events(stream, stops):
+                if text:
+                    yield chunk(text, None)
+                if reason is not None:
+                    yield chunk(None, reason)
+                    if include_usage:
+                        body = {"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                "choices": [], "usage": self.usage(n_prompt, out)}
+                        yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+        except EngineError as e:
+            yield f"data: {json.dumps(error_body(str(e), None, 'server_error'))}\n\n"
+            yield "data: [DONE]\n\n"
+
+
+def create_app(engine, model_name: str = "kvsieve", *, streaming_heads=None, max_method_configs: int = 32,
+               retry_after_s: int = 1, drain_s: float = 0.0, registry=None) -> FastAPI:
+    """The app for `engine` (not started: uvicorn's lifespan starts and stops the driver).
+    streaming_heads: the pattern that per-request lserve/hybrid run with when the server's
+    default method has none; drain_s: at shutdown, how long requests still in flight may
+    run before they are aborted."""
+    server = Server(engine, model_name, streaming_heads, max_method_configs, retry_after_s, drain_s, registry)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.driver.start()
+        try:
+            yield
+        finally:
+            server.draining = True
+            await asyncio.get_running_loop().run_in_executor(None, server.driver.stop, server.drain_s)
+            server.tok_pool.shutdown(wait=False)
+
+    app = FastAPI(title="kvsieve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = server
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", None,
+                                       "invalid_request_error" if exc.status_code < 500 else "server_error"),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(f"internal error ({type(exc).__name__}: {exc})", None, "server_error"),
+                            status_code=500)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await server.handle(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await server.handle(request, chat=False)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "kvsieve", "max_model_len": server.max_positions}]}
+
+    @app.get("/health")
+    async def health():
+        ok = server.driver.alive and not server.draining
+        body = {"status": "ok" if ok else "unavailable", "steps": server.driver.steps,
+                "last_engine_error": server.driver.last_error}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

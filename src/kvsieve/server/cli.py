@@ -1,0 +1,145 @@
+"""`kvsieve serve`: an OpenAI-compatible HTTP server on the engine."""
+from __future__ import annotations
+
+import socket
+import sys
+
+
+def register(sub) -> None:
+    from ..cli import add_method_options
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, per-request method)",
+                       description="Serves /v1/chat/completions, /v1/completions, /v1/models, /health and "
+                                   "/metrics. A request may pick its own sparse method with the extra body field "
+                                   '"kvsieve": {"method": "tactic", "threshold": 0.95}.')
+    p.add_argument("--model", help="Hugging Face model directory (config.json + *.safetensors) or .gguf file "
+                                   "(default: the embedded SmolLM2-135M-Instruct)")
+    add_method_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; the server has "
+                                                       "no authentication, so expose it with care)")
+    p.add_argument("--port", type=int, default=8000, help="default 8000")
+    p.add_argument("--served-model-name", help="the model name clients send (default: the model directory's name)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once (default 64)")
+    p.add_argument("--kv-pages", type=int, help="KV pool size in 16-token pages (default: room for --max-num-seqs "
+                   "requests of the model's full length, within --gpu-memory-fraction on CUDA and "
+                   "--cpu-kv-gib on the CPU)")
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="CUDA: share of free GPU memory the KV "
+                                                                          "pool may take (default 0.9)")
+    p.add_argument("--cpu-kv-gib", type=float, default=2.0, help="CPU: most GiB the default KV pool takes "
+                                                                 "(default 2)")
+    p.add_argument("--device", help="default cuda when a GPU is present, else cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="default bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--max-waiting", type=int, default=256, help="queue limit; past it requests get 503 with "
+                                                                "Retry-After (default 256)")
+    p.add_argument("--dense-below", type=int, help="prompts shorter than this attend densely (default: the "
+                   "measured crossover on CUDA, 0 on the CPU)")
+    p.add_argument("--max-method-configs", type=int, default=32, help="distinct per-request kvsieve settings "
+                   "the server keeps at once (default 32)")
+    p.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds of a 503 (default 1)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="on Ctrl-C/SIGTERM, seconds requests in "
+                   "flight may run before they are aborted (default 30)")
+    p.add_argument("--no-warmup", action="store_true", help="skip kernel compilation before serving (CUDA)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+
+def _positive(name: str, value, zero_ok: bool = False) -> None:
+    if value is not None and (value < 0 if zero_ok else value <= 0):
+        raise ValueError(f"--{name} must be {'>= 0' if zero_ok else '>= 1'}, got {value}")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads (a busy port fails at once)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} does not resolve ({e}); use an address such as 127.0.0.1") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or stop the "
+                         "process using it") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def cmd_serve(args) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn
+    except ModuleNotFoundError as e:
+        raise ValueError(f"missing dependency {e.name!r} for `kvsieve serve`: pip install 'kvsieve[serve]' "
+                         "(or bash scripts/setup.sh serve)") from None
+    from ..cli import method_options
+    from ..engine import LLMEngine, resolve_device
+    from ..methods import config_for
+    from ..model.loader import load_model
+    from ..patterns import STREAMING_METHODS, pattern_for
+    from .app import create_app
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    for name in ("max_num_seqs", "kv_pages", "max_method_configs"):
+        _positive(name.replace("_", "-"), getattr(args, name))
+    for name in ("max_waiting", "dense_below", "retry_after", "shutdown_timeout"):
+        _positive(name.replace("_", "-"), getattr(args, name), zero_ok=True)
+    if not 0 < args.gpu_memory_fraction <= 1:
+        raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {args.gpu_memory_fraction}")
+    _positive("cpu-kv-gib", args.cpu_kv_gib)
+    opts = method_options(args)
+    config_for(args.method, **opts)  # bad options fail before anything loads
+    device, dtype = resolve_device(args.device, args.dtype)
+    sock = bind(args.host, args.port)
+    model, tok, model_dir = load_model(args.model, dtype=dtype, device=device)
+    cfg = model.cfg
+    heads = pattern_for(args.method, args.streaming_heads, model_dir, cfg.num_layers, cfg.num_kv_heads)
+    if heads is not None:
+        opts["streaming_heads"] = heads
+    # the pattern a request asking for lserve/hybrid runs with when the default method has none
+    shipped = heads if args.method in STREAMING_METHODS else \
+        pattern_for("lserve", None, model_dir, cfg.num_layers, cfg.num_kv_heads)
+    pages = args.kv_pages
+    if pages is None and device.type != "cuda":  # the engine's default is sized for a GPU's free memory
+        per_page = 2 * cfg.num_layers * cfg.num_kv_heads * 16 * cfg.head_dim * model.dtype.itemsize
+        want = args.max_num_seqs * -(-cfg.max_positions // 16)
+        pages = max(1, min(want, int(args.cpu_kv_gib * (1 << 30)) // per_page))
+    eng = LLMEngine(model, tok, args.method, kv_pages=pages, max_num_seqs=args.max_num_seqs,
+                    max_waiting=args.max_waiting, dense_below=args.dense_below,
+                    gpu_memory_fraction=args.gpu_memory_fraction, **opts)
+    if device.type == "cuda" and not args.no_warmup:
+        print(f"kvsieve serve: warm-up {eng.warmup():.1f} s", file=sys.stderr)
+    name = args.served_model_name or model_dir.name
+    app = create_app(eng, name, streaming_heads=shipped, max_method_configs=args.max_method_configs,
+                     retry_after_s=args.retry_after)  # uvicorn lets requests finish, then the rest abort
+    sch = eng.scheduler
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    port = sock.getsockname()[1]
+    print(f"kvsieve serve: {name} ({args.method}) on {device} {str(dtype).replace('torch.', '')}, KV pool "
+          f"{sch.num_pages} pages = {sch.num_pages * sch.page_size} tokens, max {sch.max_num_seqs} running, "
+          f"{args.max_waiting} waiting; http://{host}:{port}/v1", file=sys.stderr)
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    _make_server(config, app, args.shutdown_timeout).run(sockets=[sock])
+    return 0
+
+
+def _make_server(config, app, shutdown_timeout: float):
+    """A uvicorn.Server that answers 503 to new requests from the first Ctrl-C/SIGTERM on,
+    while the requests in flight finish (up to --shutdown-timeout, then they are aborted)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            server = app.state.server
+            server.draining = True
+            # requests still running at the deadline are aborted by the driver, so their
+            # clients get a clean end (503 / finish_reason "abort") before uvicorn gives up
+            server.driver.stop(drain_s=shutdown_timeout, wait=False)
+            super().handle_exit(sig, frame)
+
+    return Server(config)

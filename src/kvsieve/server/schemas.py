@@ -1,0 +1,179 @@
+"""Request bodies of the OpenAI-compatible endpoints, and the OpenAI error shape.
+
+Bodies are parsed from the raw JSON in strict mode (no "5" for 5, no 1.0 for an integer):
+a wrong type is a 400 naming the field, never a silent coercion. Fields the server does
+not implement are refused when set to anything but their neutral value, so a client is
+never answered as if they had been honoured.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+
+class BadRequest(ValueError):
+    """A client error: HTTP status, message (what is wrong and how to fix it), the field."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
+                 type: str = "invalid_request_error", code: Optional[str] = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+
+def error_body(message: str, param: Optional[str] = None, type: str = "invalid_request_error",
+               code: Optional[str] = None) -> Dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+Number = Union[StrictInt, StrictFloat]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[StrictStr, List[TextPart], None] = None
+    name: Optional[StrictStr] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class _Common(BaseModel):
+    """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    model_config = ConfigDict(extra="ignore")  # e.g. `user`, `metadata`: accepted, no effect
+
+    model: Optional[StrictStr] = None
+    max_tokens: Optional[StrictInt] = None
+    temperature: Optional[Number] = None
+    top_p: Optional[Number] = None
+    seed: Optional[StrictInt] = None
+    stop: Union[StrictStr, List[StrictStr], None] = None
+    n: Optional[StrictInt] = None
+    stream: Optional[StrictBool] = False
+    stream_options: Optional[StreamOptions] = None
+    # extensions (as in vLLM): top_k, ignore_eos; kvsieve: the sparse method of this request
+    top_k: Optional[StrictInt] = None
+    ignore_eos: Optional[StrictBool] = False
+    kvsieve: Optional[Dict[str, Any]] = None
+    # not implemented: refused unless neutral
+    frequency_penalty: Optional[Number] = None
+    presence_penalty: Optional[Number] = None
+    logit_bias: Optional[Dict[str, Any]] = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: List[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[StrictInt] = None
+    logprobs: Optional[StrictBool] = None
+    top_logprobs: Optional[StrictInt] = None
+    tools: Optional[List[Any]] = None
+    tool_choice: Optional[Any] = None
+    response_format: Optional[Dict[str, Any]] = None
+
+    def refused(self) -> List[tuple]:
+        return _refused(self) + [
+            ("logprobs", bool(self.logprobs)),
+            ("top_logprobs", bool(self.top_logprobs)),
+            ("tools", bool(self.tools)),
+            ("tool_choice", self.tool_choice not in (None, "none", "auto")),
+            ("response_format", self.response_format not in (None, {"type": "text"})),
+        ]
+
+
+class CompletionRequest(_Common):
+    prompt: Union[StrictStr, List[StrictStr], List[StrictInt]]
+    echo: Optional[StrictBool] = False
+    suffix: Optional[StrictStr] = None
+    best_of: Optional[StrictInt] = None
+    logprobs: Optional[StrictInt] = None
+
+    def refused(self) -> List[tuple]:
+        return _refused(self) + [
+            ("echo", bool(self.echo)),
+            ("suffix", bool(self.suffix)),
+            ("best_of", self.best_of not in (None, 1)),
+            ("logprobs", self.logprobs is not None),
+        ]
+
+
+def _refused(r: _Common) -> List[tuple]:
+    return [("frequency_penalty", bool(r.frequency_penalty)), ("presence_penalty", bool(r.presence_penalty)),
+            ("logit_bias", bool(r.logit_bias))]
+
+
+# what each field must be, for wrong-type messages
+EXPECTED = {
+    "model": "a string (the served model name, see GET /v1/models)",
+    "max_tokens": "an integer >= 1", "max_completion_tokens": "an integer >= 1",
+    "temperature": "a number >= 0", "top_p": "a number in (0, 1]", "top_k": "an integer >= 0 (0 = off)",
+    "seed": "an integer", "stop": "a string or a list of up to 4 strings", "n": "1 (the only value served)",
+    "stream": "true or false", "stream_options": 'an object like {"include_usage": true}',
+    "stream_options.include_usage": "true or false", "ignore_eos": "true or false",
+    "kvsieve": 'an object like {"method": "tactic", "threshold": 0.9}',
+    "messages": 'a non-empty list of {"role": "user", "content": "..."} objects',
+    "prompt": "a string, a list of one string, or a list of token ids",
+    "frequency_penalty": "a number (only 0 is served)", "presence_penalty": "a number (only 0 is served)",
+    "logit_bias": "an object (only {} is served)", "echo": "true or false", "suffix": "a string",
+    "best_of": "an integer (only 1 is served)",
+}
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
+
+
+def _param(loc) -> Optional[str]:
+    parts = []
+    for p in loc:
+        if isinstance(p, int):
+            parts.append(str(p))
+        elif "[" in p or "(" in p or p in _TYPE_TAGS or p.startswith("function-") or p.startswith("literal"):
+            continue
+        else:
+            parts.append(p)
+    return ".".join(parts) or None
+
+
+def parse(model: type, raw: bytes):
+    """The body as `model`, or BadRequest naming the first bad field and what it must be."""
+    if not raw.strip():
+        raise BadRequest("the request body is empty; send a JSON object (Content-Type: application/json)")
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not valid JSON ({e}); send a JSON object") from None
+    if not isinstance(obj, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(obj).__name__}")
+    try:
+        return model.model_validate(obj, strict=True)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = _param(err["loc"])
+        if err["type"] == "missing":
+            raise BadRequest(f"{param} is required; give {EXPECTED.get(param, 'a value')}", param) from None
+        got = json.dumps(err.get("input"), default=str)
+        if len(got) > 80:
+            got = got[:77] + "..."
+        generic = param.split(".")[0] if param else None
+        if param in EXPECTED:
+            msg = f"{param} must be {EXPECTED[param]}, got {got}"
+        elif generic in ("messages",):
+            msg = f"{param}: {err['msg']} (got {got}); messages must be {EXPECTED['messages']}"
+        else:
+            msg = f"{param}: {err['msg']} (got {got})"
+        raise BadRequest(msg, param) from None
