@@ -1,0 +1,294 @@
+"""`kvsieve serve` end to end: a real uvicorn server on 127.0.0.1 (a free port, in a thread of
+this process) with the embedded model on the CPU, queried with the official openai client
+and httpx. Short prompts and at most 8 new tokens per request (except the cancelled
+stream, which is cut after its first chunk); every wait is bounded."""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+for _mod in ("fastapi", "uvicorn", "httpx", "openai", "prometheus_client"):
+    pytest.importorskip(_mod)
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+import uvicorn  # noqa: E402
+
+from kvsieve.engine import LLMEngine  # noqa: E402
+from kvsieve.server.app import Detokenizer, StopMatcher, create_app  # noqa: E402
+from kvsieve.server.schemas import BadRequest, ChatCompletionRequest, parse  # noqa: E402
+
+NAME = "smollm2-test"
+TIMEOUT = 120.0  # per HTTP request: the shared CPU can be slow
+
+
+class LiveServer:
+    """uvicorn serving create_app(engine) on 127.0.0.1:<free port> in a background thread."""
+
+    def __init__(self, engine, **app_kwargs):
+        self.app = create_app(engine, NAME, **app_kwargs)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive(), "the server did not stop"
+        assert not self.app.state.server.driver._thread.is_alive(), "the driver thread did not stop"
+        self.sock.close()
+
+    def post(self, path, body, **kw):
+        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        return httpx.post(self.url + path, content=content, headers={"content-type": "application/json"},
+                          timeout=TIMEOUT, **kw)
+
+    def metric(self, name: str, labels: str = "") -> float:
+        text = httpx.get(self.url + "/metrics", timeout=TIMEOUT).text
+        m = re.search(rf"^{name}{re.escape(labels)} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine.load(device="cpu", method="dense", kv_pages=256, max_num_seqs=16, max_waiting=64)
+
+
+@pytest.fixture(scope="module")
+def live(engine):
+    with LiveServer(engine) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
+
+
+def wait_for(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def chat_msgs(text):
+    return [{"role": "user", "content": text}]
+
+
+# ---------------------------------------------------------------------- no model needed
+def test_stop_matcher_holds_back_a_possible_stop_and_cuts_at_the_first():
+    m = StopMatcher(["END", "xy"])
+    assert m.feed("hello E", False) == ("hello ", False)  # "E" may start "END"
+    assert m.feed("N", False) == ("", False)
+    assert m.feed("Dafter", False) == ("", True)
+    m = StopMatcher(["END"])
+    assert m.feed("ab EN", True) == ("ab EN", False)  # final: nothing held back
+    assert StopMatcher([]).feed("abc", False) == ("abc", False)
+
+
+def test_schema_errors_name_the_field():
+    with pytest.raises(BadRequest) as e:
+        parse(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}')
+    assert e.value.param == "temperature" and "number" in e.value.message
+    with pytest.raises(BadRequest) as e:
+        parse(ChatCompletionRequest, b'{"messages": [{"role": "robot", "content": "hi"}]}')
+    assert e.value.param == "messages.0.role"
+
+
+def test_detokenizer_deltas_join_to_the_full_text(engine):
+    tok = engine.tokenizer
+    ids = tok.encode("Grüße, 世界! naïve café ☕ done", add_special_tokens=False)
+    det = Detokenizer(tok)
+    text = "".join(det.add([t], i == len(ids) - 1) for i, t in enumerate(ids))
+    assert text == tok.decode(ids, skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------------- the live server
+def test_models_health_and_openai_client(live, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(live.url + "/health", timeout=TIMEOUT).json()["status"] == "ok"
+
+    r = client.chat.completions.create(model=NAME, messages=chat_msgs("Say hi"), max_tokens=6, temperature=0)
+    text = r.choices[0].message.content
+    assert r.object == "chat.completion" and r.model == NAME and text
+    assert r.choices[0].finish_reason in ("stop", "length") and 1 <= r.usage.completion_tokens <= 6
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.model_extra["kvsieve"]["method"] == "dense"
+    assert r.usage.model_extra["kvsieve"]["kv_fraction"] == pytest.approx(1.0)
+
+    parts, usage, reasons = [], None, []
+    for chunk in client.chat.completions.create(model=NAME, messages=chat_msgs("Say hi"), max_tokens=6,
+                                                temperature=0, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            parts.append(c.delta.content or "")
+            reasons.append(c.finish_reason)
+    assert "".join(parts) == text and reasons[-1] == r.choices[0].finish_reason
+    assert usage.completion_tokens == r.usage.completion_tokens and usage.model_extra["kvsieve"]["method"] == "dense"
+
+    c = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert c.object == "text_completion" and c.choices[0].text and c.usage.completion_tokens <= 5
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model=NAME, prompt=["The capital of France is"], max_tokens=5, temperature=0, stream=True) if ch.choices)
+    assert streamed == c.choices[0].text
+
+
+def test_stop_strings_cut_the_text_and_end_the_request(live, client):
+    ref = client.completions.create(model=NAME, prompt="One, two, three,", max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    full = ref.choices[0].text
+    assert ref.usage.completion_tokens == 8
+    stop = full.strip()[len(full.strip()) // 2:][:2]  # two characters from the middle of the answer
+    assert stop
+    want = full[:full.index(stop)]
+    r = client.completions.create(model=NAME, prompt="One, two, three,", max_tokens=8, temperature=0,
+                                  stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model=NAME, prompt="One, two, three,", max_tokens=8, temperature=0, stop=stop, stream=True,
+        extra_body={"ignore_eos": True}) if ch.choices)
+    assert streamed == want
+    wait_for(lambda: live.metric("kvsieve_kv_pages_used") == 0, "the stopped requests' pages to be freed")
+
+
+def test_sixteen_concurrent_streams_equal_single_runs(live, engine, client):
+    prompts = [f"{w} is a word that means" for w in ("Red", "Blue", "Green", "Tree", "Fish", "Rain", "Sun", "Moon",
+                                                     "River", "Stone", "Cloud", "Bread", "Music", "Snow", "Fire",
+                                                     "Glass")]
+    params = dict(model=NAME, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, **params).choices[0].text for p in prompts]
+
+    def stream(p):
+        return "".join(ch.choices[0].text for ch in client.completions.create(prompt=p, stream=True, **params)
+                       if ch.choices)
+
+    steps = engine.stats.decode_steps
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(stream, prompts, timeout=4 * TIMEOUT))
+    assert together == alone
+    assert engine.stats.decode_steps - steps < len(prompts) * 3  # they decoded in shared steps
+
+
+def test_closing_a_stream_cancels_it_and_frees_its_pages(live):
+    aborted = live.metric("kvsieve_requests_finished_total", '{reason="abort"}')
+    body = {"prompt": "Count to one thousand: 1, 2, 3,", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # kept referenced: closing the iterator closes the connection
+        for line in lines:
+            if line.startswith("data: "):
+                assert json.loads(line[6:])["choices"][0]["finish_reason"] is None
+                break
+        time.sleep(0.5)
+        assert live.metric("kvsieve_kv_pages_used") > 0 and live.metric("kvsieve_requests_running") == 1
+    wait_for(lambda: live.metric("kvsieve_kv_pages_used") == 0 and live.metric(
+        "kvsieve_requests_finished_total", '{reason="abort"}') == aborted + 1, "the closed stream's pages to be freed")
+    assert live.metric("kvsieve_requests_running") == 0
+
+
+BAD = [
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], ', None),  # malformed JSON
+    ("/v1/chat/completions", b'[1, 2]', None),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "8"}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": 3}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi " * 9000, "max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 8192}, "max_tokens"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": 12}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "kvsieve": {"method": "nope"}}, "kvsieve.method"),
+    ("/v1/completions", {"prompt": "hi", "kvsieve": {"method": "tactic", "threshold": 1.5}}, "kvsieve.threshold"),
+    ("/v1/completions", {"prompt": "hi", "kvsieve": {"method": "tactic", "treshold": 0.9}}, "kvsieve"),
+    ("/v1/completions", {"prompt": "hi", "kvsieve": {"method": "lserve", "streaming_heads": "/etc/passwd"}},
+     "kvsieve.streaming_heads"),
+    ("/v1/completions", {"prompt": "hi", "kvsieve": "tactic"}, "kvsieve"),
+]
+
+
+def test_bad_requests_get_400_naming_the_field_and_the_server_keeps_serving(live):
+    for path, body, param in BAD:
+        r = live.post(path, body)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["code"] is None and err["message"], body
+        assert err["param"] == param, (body, err)
+        if param:
+            assert param.split(".")[-1] in err["message"], err
+    r = live.post("/v1/completions", {"prompt": "hi", "model": "gpt-4"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert live.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1}).status_code == 200
+    assert httpx.get(live.url + "/health", timeout=TIMEOUT).status_code == 200
+    assert live.metric("kvsieve_requests_rejected_total", '{reason="invalid"}') >= len(BAD)
+
+
+def test_per_request_kvsieve_settings_are_honoured_and_reported(live, engine, client):
+    prompt = "The quick brown fox jumps over the lazy dog. " * 9 + "Question: what did the fox do?"
+    fractions = {}
+    for threshold in (0.95, 0.3):
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0, extra_body={
+            "ignore_eos": True, "kvsieve": {"method": "tactic", "threshold": threshold, "local": 8,
+                                            "cluster_size": 8}})
+        kv = r.usage.model_extra["kvsieve"]
+        assert kv["method"] == "tactic" and r.usage.prompt_tokens < 100
+        fractions[threshold] = kv["kv_fraction"]
+    assert 0 < fractions[0.3] < fractions[0.95] < 1  # a lower attention-mass target reads less
+    configs = [getattr(m, "config", None) for m in engine.runner.methods.values()]
+    assert any(getattr(c, "threshold", None) == 0.95 and getattr(c, "local", None) == 8 for c in configs)
+    assert 'kvsieve_kv_fraction{method="tactic"}' in httpx.get(live.url + "/metrics", timeout=TIMEOUT).text
+    r = live.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "kvsieve": {"method": "tactic",
+                                                                                   "cluster_size": 0}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kvsieve.cluster_size"
+
+
+def test_full_queue_answers_503_with_retry_after_and_admitted_requests_finish(engine):
+    small = LLMEngine(engine.model, engine.tokenizer, "dense", kv_pages=8, max_num_seqs=1, max_waiting=1)
+    with LiveServer(small) as s:
+        r = s.post("/v1/completions", {"prompt": "hi", "max_tokens": 200})  # bigger than the pool
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        body = {"prompt": "Tell me a story about a dog.", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        for _ in range(3):  # arrivals are nearly simultaneous; retry the burst if the engine kept up
+            with ThreadPoolExecutor(10) as pool:
+                res = list(pool.map(lambda _: s.post("/v1/completions", body), range(10), timeout=4 * TIMEOUT))
+            if any(r.status_code == 503 for r in res):
+                break
+        codes = sorted(r.status_code for r in res)
+        assert set(codes) <= {200, 503} and 503 in codes and 200 in codes, codes
+        for r in res:
+            if r.status_code == 503:
+                assert int(r.headers["Retry-After"]) >= 1 and r.json()["error"]["code"] == "queue_full"
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 8 and r.json()["choices"][0]["finish_reason"] == \
+                    "length"
+        assert len({r.json()["choices"][0]["text"] for r in res if r.status_code == 200}) == 1  # greedy, same
+        assert s.metric("kvsieve_requests_rejected_total", '{reason="queue_full"}') >= 1
+        assert s.metric("kvsieve_kv_pages_total") == 8
+        wait_for(lambda: s.metric("kvsieve_kv_pages_used") == 0, "every page back in the pool")
