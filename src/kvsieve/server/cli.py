@@ -124,7 +124,10 @@ def cmd_serve(args) -> int:
           f"{sch.num_pages} pages = {sch.num_pages * sch.page_size} tokens, max {sch.max_num_seqs} running, "
           f"{args.max_waiting} waiting; http://{host}:{port}/v1", file=sys.stderr)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout + 5)
-    _make_server(config, app, args.shutdown_timeout).run(sockets=[sock])
+    try:
+        _make_server(config, app, args.shutdown_timeout).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
     return 0
 
 

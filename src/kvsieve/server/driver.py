@@ -161,6 +161,11 @@ class EngineDriver:
 
     # ------------------------------------------------------------------ the driver thread
     def _run(self) -> None:
+        device = getattr(getattr(self.engine, "model", None), "device", None)
+        if getattr(device, "type", None) == "cuda" and device.index is not None:  # per thread: cuda:1 stays cuda:1
+            import torch
+
+            torch.cuda.set_device(device.index)
         deadline = None
         while True:
             try:
