@@ -17,6 +17,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import List, Optional, Tuple
@@ -261,8 +262,11 @@ class Server:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self.sse(stream, stops, chat, rid, include_usage, len(ids)),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            gen = self.sse(stream, stops, chat, rid, include_usage, len(ids))
+            # a client gone before the first chunk: the generator never starts, so its own
+            # cleanup never runs; abort when it is collected (a no-op once the request ended)
+            weakref.finalize(gen, self.driver.abort, stream)
+            return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self.complete(request, stream, stops, chat, rid, len(ids))
 
     async def events(self, stream: RequestStream, stops: List[str]):
