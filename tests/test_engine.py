@@ -175,3 +175,12 @@ def test_sliding_window_layers_match_transformers_generate(tmp_path, paged):
     for method, opts in METHODS[1:]:
         out = LLMEngine(model, None, method, paged=paged, **opts).generate(ids, SamplingParams(6, ignore_eos=True))
         assert all(len(o.tokens) == 6 and 0 < o.kv_fraction <= 1 for o in out)
+
+
+def test_abort_forgets_the_request(tiny_model):
+    eng = LLMEngine(tiny_model, None, "dense")
+    rids = [eng.add_request(p, SamplingParams(max_new_tokens=50)) for p in prompts(3, seed=11)]
+    eng.step()
+    for r in rids:
+        eng.abort(r)
+    assert not eng._track and not eng.runner.pending and eng.scheduler.used_pages == 0

@@ -169,6 +169,7 @@ class LLMEngine:
         req = self.scheduler.abort(rid)
         if req is not None:
             self.runner.release(rid)
+        self._track.pop(rid, None)
 
     @property
     def has_unfinished(self) -> bool:
