@@ -127,8 +127,12 @@ class PageSelect(SparseMethod):
                          torch.cat([s.lengths for s in states]))
 
     def take_states(self, state: PageState, rows: List[int]) -> PageState:
+        """The kept rows keep their reuse schedule and current selection (a request leaving
+        changes nothing for the others)."""
         r = torch.tensor(rows, device=state.kmin.device)
-        return PageState(state.kmin.index_select(0, r), state.kmax.index_select(0, r), state.lengths.index_select(0, r))
+        plan = None if state.last_plan is None else tuple(t.index_select(0, r) for t in state.last_plan)
+        return PageState(state.kmin.index_select(0, r), state.kmax.index_select(0, r), state.lengths.index_select(0, r),
+                         state.step, None, None, plan, state.fresh)
 
     def append_token(self, state: PageState, k_new, lengths, host_lengths, read_keys):
         """Fold the new key into its page's min/max in place (maintain() grew the capacity;

