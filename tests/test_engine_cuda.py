@@ -38,7 +38,11 @@ def staggered(eng, ps, lens):
 def test_graph_replay_equals_eager(tiny_cuda, method, opts):
     model, _ = tiny_cuda
     ps, lens = prompts(4, lo=200, hi=900, seed=1), [40, 9, 25, 33]
-    eager = staggered(LLMEngine(model, None, method, graphs=False, dense_below=0, **opts), ps, lens)
+    # the eager engine keeps dead rows too: the attention kernel sizes its splits by the
+    # row count, so a smaller batch sums in another order and can flip a near-tie
+    plain = LLMEngine(model, None, method, graphs=False, dense_below=0, **opts)
+    plain.runner.keep_dead_rows = True
+    eager = staggered(plain, ps, lens)
     eng = LLMEngine(model, None, method, dense_below=0, **opts)
     graph = staggered(eng, ps, lens)
     assert eng.runner.captures >= 1
