@@ -53,6 +53,9 @@ class DecodeBatch:
     greedy_only: bool
     filtered: bool
     graphs: Dict[Any, Tuple[Any, Tensor]] = field(default_factory=dict)
+    last_key: Any = None
+    dead: Dict[int, int] = field(default_factory=dict)  # row -> its frozen host length
+    last_host: List[int] = field(default_factory=list)  # each row's host length at the last step
 
     @property
     def tokens(self) -> Tensor:
@@ -61,10 +64,6 @@ class DecodeBatch:
     @property
     def positions(self) -> Tensor:
         return self.inputs[1]
-
-    last_key: Any = None
-    dead: Dict[int, int] = field(default_factory=dict)  # row -> its frozen host length
-    last_host: List[int] = field(default_factory=list)  # each row's host length at the last step
 
 
 class ModelRunner:
@@ -99,8 +98,7 @@ class ModelRunner:
         # last W positions, whatever the method; methods act on the other (global) layers
         window = getattr(cfg, "layer_window", None)
         self.layer_window = [window(i) if window else None for i in range(cfg.num_layers)]
-        self.observe: Optional[AttentionObserver] = None  # forces the reference path (eval)
-        self.last_logits: Optional[Tensor] = None  # [B, vocab] of the last decode step
+        self.observe: Optional[AttentionObserver] = None  # sees every layer's attention (reference path)
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, req: Request, start: int, end: int) -> Optional[Tensor]:
@@ -117,7 +115,8 @@ class ModelRunner:
         self.index_request(req, end)
         return self.model.logits(h[-1:])[0]
 
-    def _prefill_chunk(self, req: Request, start: int, end: int, all_positions: bool = False) -> Tensor:
+    def _prefill_chunk(self, req: Request, start: int, end: int) -> Tensor:
+        """One forward over tokens [start, end) of req; returns their hidden states [T, hidden]."""
         dev, cache = self.model.device, self.cache
         windows = self._prefill_windows(req.method_key)
         ids = torch.tensor(req.tokens[start:end], device=dev)
@@ -226,7 +225,7 @@ class ModelRunner:
             bt.graphs.clear()
         bt.last_key = key
         full_key = (key, tuple(alt))
-        if not self.graphs_on or eager:
+        if not self.graphs_on or eager or self.observe is not None:  # an observer is host code
             out = self._step(host_len)
         elif full_key in bt.graphs:
             graph, out = bt.graphs[full_key]
@@ -322,7 +321,6 @@ class ModelRunner:
 
         hidden = model.forward(bt.tokens, lengths, attend if self.paged and self.observe is None else attend_reference)
         logits = model.logits(hidden)
-        self.last_logits = logits
         nxt = sample(logits, **bt.sampling, positions=new_len, greedy_only=bt.greedy_only, filtered=bt.filtered)
         frac = torch.cat([torch.stack(counts[g]).double().mean(-1).sum(0) / new_len[a:b] for g, a, b in bt.groups])
         return torch.stack([nxt.double(), frac])
