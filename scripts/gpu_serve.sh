@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU machine: start `kvsieve serve`, replay bounded workloads with scripts/load_test.py for
 # several methods, stop the server. Installs nothing (serve deps must be importable).
-# Usage: bash scripts/gpu_serve.sh OUT MODEL "LOAD_TEST ARGS" METHOD:JSON_OPTIONS...
+# Usage: [SERVE_ARGS=...] bash scripts/gpu_serve.sh OUT MODEL('' = embedded) "LOAD_TEST ARGS" METHOD:JSON_OPTIONS...
 #   e.g. bash scripts/gpu_serve.sh out random:llama-3.1-8b "--prompt-tokens 16000 --concurrency 1,8" \
 #        'dense:{}' 'tactic:{"budget":400}'
 set -uo pipefail
@@ -9,11 +9,15 @@ OUT=$1; MODEL=$2; LOAD=$3; shift 3
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-src} PYTHONUNBUFFERED=1
 PORT=8011
-python3 -m kvsieve serve --model "$MODEL" --port $PORT --max-num-seqs 16 > "$OUT/serve.log" 2>&1 &
+python3 -m kvsieve serve ${MODEL:+--model "$MODEL"} --port $PORT --max-num-seqs 32 ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1 &
 SERVER=$!
 python3 - <<PY || { tail -20 "$OUT/serve.log"; kill $SERVER; exit 1; }
-import time, urllib.request
+import os, time, urllib.request
 for _ in range(600):
+    try:
+        os.kill($SERVER, 0)  # the server died (bad argument, no GPU memory): stop waiting
+    except OSError:
+        raise SystemExit("server exited")
     try:
         urllib.request.urlopen("http://127.0.0.1:$PORT/health", timeout=2); break
     except Exception:
