@@ -101,3 +101,14 @@ def test_generate_rejects_a_pattern_for_another_model(capsys, tmp_path):
     assert main(["generate", "--method", "lserve", "--streaming-heads", str(path), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert "is for a model with 4 layers x 2 KV heads" in err and len(error_lines(err)) == 1
+
+
+def test_local_layers_stream_by_construction_and_the_ratio_applies_to_global_layers():
+    from kvsieve.patterns import choose_streaming
+
+    scores = [[0.1, 0.2], [0.99, 0.98], [0.5, 0.7], [0.3, 0.9]]
+    # layer 1 is a sliding-window layer: all of it streams, the top half of the 6 global heads too
+    assert choose_streaming(scores, 0.5, local_layers=[1]) == ((False, False), (True, True), (True, True),
+                                                               (False, True))
+    # without it, layer 1's two heads use up two of the four places
+    assert choose_streaming(scores, 0.5) == ((False, False), (True, True), (False, True), (False, True))

@@ -29,13 +29,16 @@ def check_ratio(ratio: float) -> None:
         raise ValueError(f"--ratio must be a fraction of KV heads in [0, 1], got {ratio!r}")
 
 
-def choose_streaming(scores: Sequence[Sequence[float]], ratio: float) -> Pattern:
+def choose_streaming(scores: Sequence[Sequence[float]], ratio: float, local_layers: Sequence[int] = ()) -> Pattern:
     """The round(ratio x heads) heads with the highest score (over all layers) stream.
-    scores: [layers][kv_heads]; ties keep the earlier (layer, head)."""
+    scores: [layers][kv_heads]; ties keep the earlier (layer, head). local_layers: layers
+    with the model's own sliding window (Gemma 3's local layers): every head there streams
+    by construction, and the ratio applies to the other (global) layers' heads."""
     check_ratio(ratio)
-    flat = [(-s, i, j) for i, row in enumerate(scores) for j, s in enumerate(row)]
+    local = set(local_layers)
+    flat = [(-s, i, j) for i, row in enumerate(scores) if i not in local for j, s in enumerate(row)]
     chosen = {(i, j) for _, i, j in sorted(flat)[: round(ratio * len(flat))]}
-    return tuple(tuple((i, j) in chosen for j in range(len(row))) for i, row in enumerate(scores))
+    return tuple(tuple(i in local or (i, j) in chosen for j in range(len(row))) for i, row in enumerate(scores))
 
 
 def save_pattern(path, pattern: Pattern, tables: Dict[str, Sequence[Sequence[float]]], meta: Dict) -> None:

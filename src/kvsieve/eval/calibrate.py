@@ -134,9 +134,12 @@ def cmd_calibrate(args) -> int:
                                             args.sink, args.local)
         tables.update(lambda_mass_retrieval=r_mass.tolist(), lambda_err_retrieval=r_err.tolist())
         mass = torch.minimum(mass, r_mass)
-    pattern = choose_streaming(mass.tolist(), args.ratio)
+    window = getattr(model.cfg, "layer_window", None)
+    local = [i for i in range(model.cfg.num_layers) if window and window(i) is not None]
+    pattern = choose_streaming(mass.tolist(), args.ratio, local)
     save_pattern(out, pattern, {"score": mass.tolist(), **tables}, {
         "model": model_dir.name, "ratio": args.ratio, "sink": args.sink, "local": args.local,
+        "window_layers": local,  # the model's own sliding-window layers: streaming by construction
         "criterion": "score = dense softmax mass kept by the sink+local (Λ) mask per KV head, the smaller of its "
                      "means over teacher-forced decode steps on real text and over passkey answer steps; the "
                      "`ratio` heads with the highest score stream",
