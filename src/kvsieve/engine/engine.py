@@ -1,4 +1,4 @@
-"""LLMEngine: the one execution path under `generate`, `serve`, `eval` and `bench`.
+"""LLMEngine: the one execution path under `generate`, `serve` and `bench` (eval: see docs/engine.md).
 
     eng = LLMEngine.load(method="tactic", threshold=0.9)          # or LLMEngine(model, tok, ...)
     out = eng.generate([ids], SamplingParams(max_new_tokens=64))  # blocking, many requests
@@ -80,8 +80,8 @@ class LLMEngine:
     method + options: the default sparse method (validated like CLI options); requests may
     name their own. kv_pages: pool size in pages of page_size tokens (default: room for
     max_num_seqs requests of the model's full length, capped by gpu_memory_fraction of the
-    free GPU memory on CUDA). dense_below: prompts shorter than this attend densely
-    (default DENSE_BELOW_CUDA on CUDA, 0 on CPU)."""
+    free GPU memory on CUDA). dense_below: prompts shorter than this many tokens attend
+    densely (default on CUDA: DENSE_BELOW_KV_BYTES of KV per layer; 0 on the CPU)."""
 
     def __init__(self, model, tokenizer=None, method: str = "dense", kv_pages: Optional[int] = None,
                  page_size: int = 16, max_num_seqs: int = 64, step_tokens: int = 2048, max_waiting: Optional[int] = None,
@@ -138,6 +138,8 @@ class LLMEngine:
         """The runner's key for a request's method; builds (and validates) it on first use."""
         if method is None and not options:
             return "default"
+        if method == "dense" and not options and "dense" in self.runner.methods:
+            return "dense"
         name = method or self.default_method
         opts = dict(options or {})
         if method is None or method == self.default_method:

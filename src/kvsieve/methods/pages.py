@@ -102,19 +102,24 @@ class PageSelect(SparseMethod):
         return True
 
     def maintain(self, state: PageState, lengths, host_lengths, read_keys) -> bool:
-        """Grow the summaries (doubling) and decide whether the next plan selects anew."""
-        ps = self.config.page_size
-        need = -(-max(host_lengths) // ps)
-        have = state.kmin.shape[2]
-        changed = need > have
-        if changed:  # in steps of 64 pages: a batched index is padded to its longest row
-            grow = max(need - have, 64)
-            state.kmin = torch.nn.functional.pad(state.kmin, (0, 0, 0, grow), value=float("inf"))
-            state.kmax = torch.nn.functional.pad(state.kmax, (0, 0, 0, grow), value=float("-inf"))
-            state.last_plan = None  # its page count no longer matches
+        """Grow the summaries if needed and decide whether the next plan selects anew."""
+        changed = self._grow(state, host_lengths)
         state.fresh = state.last_plan is None or state.step % self.config.reuse_steps == 0
         state.step += 1
         return changed
+
+    def _grow(self, state: PageState, host_lengths) -> bool:
+        """Room for max(host_lengths) tokens, in steps of 64 pages (a batched index is padded
+        to its longest row); True when the summaries were reallocated."""
+        need = -(-max(host_lengths) // self.config.page_size)
+        have = state.kmin.shape[2]
+        if need <= have:
+            return False
+        grow = max(need - have, 64)
+        state.kmin = torch.nn.functional.pad(state.kmin, (0, 0, 0, grow), value=float("inf"))
+        state.kmax = torch.nn.functional.pad(state.kmax, (0, 0, 0, grow), value=float("-inf"))
+        state.last_plan = None  # its page count no longer matches
+        return True
 
     def step_variant(self, state: PageState):
         return "fresh" if state.fresh else "reuse"
@@ -138,9 +143,7 @@ class PageSelect(SparseMethod):
         """Fold the new key into its page's min/max in place (maintain() grew the capacity;
         without an engine driving maintain(), grow here)."""
         if state.fresh is None:
-            self.maintain(state, lengths, host_lengths, read_keys)
-            state.fresh = None
-            state.step -= 1
+            self._grow(state, host_lengths)
         ps = self.config.page_size
         b = torch.arange(k_new.shape[0], device=k_new.device)
         page = (lengths - 1) // ps
