@@ -48,6 +48,23 @@ def test_needle_prompts_differ_by_seed_and_reject_bad_input():
 
 
 # ------------------------------------------------------------------ sweep points
+def test_text_windows_start_with_the_tokenizers_prefix():
+    from kvsieve.eval.harness import special_prefix, text_windows
+
+    class Bos:  # a tokenizer that puts BOS (id 2) before any text, as Gemma's does
+        def encode(self, s, add_special_tokens=True):
+            return [2] * add_special_tokens + [ord(c) for c in s]
+
+    assert special_prefix(Bos()) == [2]
+    ids = list(range(100, 400))
+    plain = text_windows(ids, 50, 5, 3)
+    assert [w[0] for w in plain] == [100, 222, 345] and all(len(w) == 55 for w in plain)
+    wins = text_windows(ids, 50, 5, 3, [2])
+    assert all(len(w) == 55 and w[0] == 2 and w[1:] == ids[ids.index(w[1]):ids.index(w[1]) + 54] for w in wins)
+    with pytest.raises(ValueError, match="has 300 tokens but length 400"):
+        text_windows(ids, 400, 5, 1)
+
+
 def test_points_resolve_to_budgets_of_the_context():
     assert MethodPoint("quest", 0.1).options(2048) == {"budget": 208}
     assert MethodPoint("lserve", 0.1).options(2048) == {"budget": 192}

@@ -72,7 +72,7 @@ def retrieval_prompts(tok, length: int, count: int):
     prompts, answers = [], []
     for i in range(count):
         text, key = passkey_prompt(count_tokens, length, (i + 0.5) / count, seed=1000 + i)
-        prompts.append(tok.encode(text, add_special_tokens=False))
+        prompts.append(tok.encode(text, add_special_tokens=True))  # with BOS where the model has one
         answers.append(tok.encode(f" {key}.", add_special_tokens=False))
     n = min(map(len, answers))
     return prompts, [a[:n] for a in answers]
@@ -104,7 +104,7 @@ def cmd_calibrate(args) -> int:
     from ..model.loader import load_model
     from ..patterns import check_ratio, choose_streaming, save_pattern
     from .cli import read_text
-    from .harness import text_windows
+    from .harness import special_prefix, text_windows
 
     check_ratio(args.ratio)
     for name in ("sink", "local"):
@@ -125,7 +125,7 @@ def cmd_calibrate(args) -> int:
                          f"--steps within the model's {limit} positions, got {length}")
     out = Path(args.out or f"{model_dir.name}.streaming.json")
     ids = tok.encode(text, add_special_tokens=False)
-    windows = text_windows(ids, length, args.steps, args.windows)
+    windows = text_windows(ids, length, args.steps, args.windows, special_prefix(tok))
     L = length - args.steps
     mass, err = measure_lambda_mass(model, [w[:L] for w in windows], [w[L:] for w in windows], args.sink, args.local)
     tables = {"lambda_mass_text": mass.tolist(), "lambda_err_text": err.tolist()}

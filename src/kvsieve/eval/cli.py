@@ -108,7 +108,7 @@ def cmd_eval(args) -> int:
 
     from ..model.loader import load_model
     from ..patterns import pattern_for, pattern_tag
-    from .harness import plan_cell_ids, run_fidelity, run_retrieval
+    from .harness import plan_cell_ids, run_fidelity, run_retrieval, special_prefix
     from .report import write_report
     from .store import ResultStore
 
@@ -141,7 +141,7 @@ def cmd_eval(args) -> int:
 
     resumed = sum(store.get(i) is not None for i in ids)
     if "fidelity" in plan.tasks:
-        run_fidelity(model, text_ids, plan, store, progress, heads)
+        run_fidelity(model, text_ids, plan, store, progress, heads, special_prefix(tok))
     if "retrieval" in plan.tasks:
         run_retrieval(model, tok, plan, store, progress, heads)
     if bar:

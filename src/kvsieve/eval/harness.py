@@ -110,8 +110,18 @@ def _retrieval_points(plan: EvalPlan) -> List[MethodPoint]:
     return headline_points(plan.methods, plan.retrieval_thresholds, plan.retrieval_fraction)
 
 
-def text_windows(ids: Sequence[int], length: int, need: int, samples: int) -> List[List[int]]:
-    """`samples` windows of `length + need` tokens spread evenly over the text."""
+def special_prefix(tokenizer) -> List[int]:
+    """The ids a tokenizer puts before any text (Gemma: [BOS]; SmolLM2: none). Windows cut
+    from the middle of a text get them too: a model never sees text without them."""
+    return list(tokenizer.encode("", add_special_tokens=True))
+
+
+def text_windows(ids: Sequence[int], length: int, need: int, samples: int, prefix: Sequence[int] = ()
+                 ) -> List[List[int]]:
+    """`samples` windows of `length + need` tokens spread evenly over the text, each starting
+    with `prefix` (counted in length)."""
+    if prefix:
+        return [list(prefix) + w for w in text_windows(ids, length - len(prefix), need, samples)]
     total = length + need
     if len(ids) < total:
         raise ValueError(f"the evaluation text has {len(ids)} tokens but length {length} needs {total}; "
@@ -122,7 +132,7 @@ def text_windows(ids: Sequence[int], length: int, need: int, samples: int) -> Li
 
 
 def run_fidelity(model, text_ids: Sequence[int], plan: EvalPlan, store: ResultStore, progress: Progress,
-                 streaming_heads=None) -> None:
+                 streaming_heads=None, prefix: Sequence[int] = ()) -> None:
     N = plan.decode_tokens
     for L in plan.lengths:
         points = _fidelity_points(plan)
@@ -131,7 +141,7 @@ def run_fidelity(model, text_ids: Sequence[int], plan: EvalPlan, store: ResultSt
             for i in ids.values():
                 progress(i)
             continue
-        windows = text_windows(text_ids, L, N + 1, plan.samples)
+        windows = text_windows(text_ids, L, N + 1, plan.samples, prefix)
         batch = PrefilledBatch(model, [w[:L] for w in windows], N, streaming_heads)
         fed = torch.tensor([w[L:L + N] for w in windows])
         targets = torch.tensor([w[L + 1:L + N + 1] for w in windows])
@@ -168,7 +178,7 @@ def run_retrieval(model, tokenizer, plan: EvalPlan, store: ResultStore, progress
                     progress(i)
                 continue
             tasks = [make_task(variant, count, L, d, seed=plan.seed + i) for i, d in enumerate(depths)]
-            prompts = [tokenizer.encode(t.prompt, add_special_tokens=False) for t in tasks]
+            prompts = [tokenizer.encode(t.prompt, add_special_tokens=True) for t in tasks]  # with BOS where the model has one
             batch = PrefilledBatch(model, prompts, tasks[0].max_new_tokens, streaming_heads)
             for p in points:
                 cid = ids[p]
