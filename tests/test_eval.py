@@ -118,6 +118,28 @@ def test_attention_fidelity_observer_averages_per_layer():
     assert s["kv_fraction"] == pytest.approx(0.75)
 
 
+def test_attention_fidelity_on_sliding_window_layers():
+    """A windowed layer is judged against dense attention over its window: reading exactly
+    the window is exact there; the summary's mass and error cover the global layers only."""
+    B, Hkv, G, S, D, W = 2, 1, 4, 97, 32, 16
+    q, k, v = clustered_qkv(B, Hkv * G, Hkv, S, D, seed=3)
+    lengths = torch.tensor([97, 54])
+    pos = torch.arange(S)[None, :]
+    window = ((pos < lengths[:, None]) & (pos >= lengths[:, None] - W))[:, None, :].expand(B, Hkv, S)
+    out = oracle(q, k, v, mask=window)[0]
+    mass, err = attention_fidelity(q, k, v, window, lengths, out, window=W)
+    assert torch.allclose(mass, torch.ones_like(mass)) and err.max() < 1e-12
+    mass_full, err_full = attention_fidelity(q, k, v, window, lengths, out)
+    assert mass_full.max() < 0.999 and err_full.max() > 1e-3  # against unwindowed dense it would look lossy
+    stats = AttentionFidelity(2, Hkv * G, Hkv, windows=[W, None])
+    stats(0, q, k, v, Selection(window), lengths, out)
+    half = Selection(((pos % 2 == 0) & (pos < lengths[:, None]))[:, None, :])
+    stats(1, q, k, v, half, lengths, attend(q, k, v, half.mask)[0])
+    s = stats.summary()
+    assert s["judged_layers"] == [1] and s["mass_mean"] == pytest.approx(stats.mass[1].mean().item() / 2)
+    assert 0.2 < s["mass_mean"] < 0.8 and s["kv_fraction_judged"] == pytest.approx(0.5, abs=0.02)
+
+
 def test_next_token_metrics():
     logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(0))
     dense = torch.log_softmax(logits, -1)

@@ -8,7 +8,7 @@ next-token distributions against a dense run on the same teacher-forced text.
 from __future__ import annotations
 
 import math
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -18,9 +18,16 @@ MASS_LEVELS = (0.8, 0.9, 0.95)
 
 class AttentionFidelity:
     """An Engine observer accumulating, per layer: achieved mass and relative output error
-    per query head, fraction of KV read per KV head (averaged over steps and requests)."""
+    per query head, fraction of KV read per KV head (averaged over steps and requests).
 
-    def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int):
+    windows: per layer the model's own sliding window (Gemma 3's local layers) or None. A
+    windowed layer's dense attention is over its window, and every method attends to that
+    window there, so the summary's mass and error statistics cover the other (global)
+    layers, where methods differ; kv_fraction stays the share of the whole cache read."""
+
+    def __init__(self, num_layers: int, num_q_heads: int, num_kv_heads: int, windows=None):
+        self.windows = list(windows) if windows is not None else [None] * num_layers
+        self.judged = [i for i, w in enumerate(self.windows) if w is None] or list(range(num_layers))
         self.mass = torch.zeros(num_layers, num_q_heads, dtype=torch.float64)
         self.err = torch.zeros(num_layers, num_q_heads, dtype=torch.float64)
         self.frac = torch.zeros(num_layers, num_kv_heads, dtype=torch.float64)
@@ -29,37 +36,46 @@ class AttentionFidelity:
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, sel, lengths: Tensor, out: Tensor) -> None:
         """q [B, Hq, D]; k, v [B, Hkv, S, D]; sel.mask [B, Hkv, S]; lengths [B]; out [B, Hq, D]."""
-        mass, err = attention_fidelity(q, k, v, sel.mask, lengths, out)
+        mass, err = attention_fidelity(q, k, v, sel.mask, lengths, out, self.windows[layer])
         self.mass[layer] += mass.sum(0).cpu()
         self.err[layer] += err.sum(0).cpu()
         self.frac[layer] += sel.read_fraction(lengths).sum(0).cpu()
         self.count[layer] += q.shape[0]
-        self.all_mass.append(mass.flatten().cpu())
+        if layer in self.judged:
+            self.all_mass.append(mass.flatten().cpu())
 
     def summary(self) -> Dict:
         n = self.count.clamp(min=1)[:, None]
         mass, err, frac = self.mass / n, self.err / n, self.frac / n
         every = torch.cat(self.all_mass) if self.all_mass else torch.ones(1, dtype=torch.float64)
+        j = self.judged
         return {
             "kv_fraction": frac.mean().item(),
-            "mass_mean": mass.mean().item(),
+            "kv_fraction_judged": frac[j].mean().item(),
+            "judged_layers": j,
+            "mass_mean": mass[j].mean().item(),
             "mass_p10": torch.quantile(every, 0.1).item(),
             "mass_min": every.min().item(),
             "mass_reaching": {f"{p:g}": (every >= p).double().mean().item() for p in MASS_LEVELS},
-            "out_err_mean": err.mean().item(),
-            "out_err_max_head": err.max().item(),
+            "out_err_mean": err[j].mean().item(),
+            "out_err_max_head": err[j].max().item(),
             "layer_head": {"mass": _rows(mass), "out_err": _rows(err), "kv_fraction": _rows(frac)},
         }
 
 
-def attention_fidelity(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, lengths: Tensor, out: Tensor):
+def attention_fidelity(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, lengths: Tensor, out: Tensor,
+                       window: Optional[int] = None):
     """Per request and query head: (dense softmax mass on the selected tokens,
-    ||out - o_dense|| / ||o_dense||), both [B, Hq] float64, dense computed in float64."""
+    ||out - o_dense|| / ||o_dense||), both [B, Hq] float64, dense computed in float64 over
+    each request's first lengths[b] keys (its last `window` of them, if given)."""
     B, Hq, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
     logits = torch.einsum("bhgd,bhsd->bhgs", q.double().view(B, Hkv, G, D), k.double()) / math.sqrt(D)
-    valid = torch.arange(S, device=k.device)[None, :] < lengths[:, None]
+    pos = torch.arange(S, device=k.device)[None, :]
+    valid = pos < lengths[:, None]
+    if window is not None:
+        valid &= pos >= lengths[:, None] - window
     logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(logits, -1)
     mass = (probs * mask[:, :, None, :]).sum(-1).reshape(B, Hq)

@@ -98,6 +98,53 @@ def retrieval_section(results: Dict) -> str:
                       _table(["method", "KV read", *variants], rows)])
 
 
+def suite_section(results: Dict) -> str:
+    """Retrieval-suite table: per point, the share of dense's correct cases it also answers
+    right (overall, per length, per kind), with the KV fraction it read."""
+    cells = [c for c in results["cells"] if c["task"] == "suite"]
+    if not cells:
+        return ""
+    lengths = sorted({c["length"] for c in cells})
+    kinds = list(dict.fromkeys(k for c in cells for k in c["kinds"]))
+    dense = {c["length"]: c for c in cells if c["method"] == "dense"}
+
+    def found(mine, keep=lambda c, i: True) -> str:
+        hit = tot = 0
+        for c in mine:
+            d = dense.get(c["length"])
+            for i, s in enumerate(d["scores"] if d else ()):
+                if s == 1.0 and keep(c, i):
+                    tot += 1
+                    hit += c["scores"][i] == 1.0
+        return f"{hit / tot:.0%} ({hit}/{tot})" if tot else "—"
+
+    rows = []
+    for lab in dict.fromkeys(c["label"] for c in cells):
+        mine = [c for c in cells if c["label"] == lab]
+        kv = np.mean([c["kv_fraction"] for c in mine])
+        rows.append([lab, _fmt(kv, ".1%"), found(mine)]
+                    + [found([c for c in mine if c["length"] == L]) for L in lengths]
+                    + [found(mine, lambda c, i, k=k: c["kinds"][i] == k) for k in kinds])
+    n = sum(len(c["scores"]) for c in dense.values())
+    right = sum(s == 1.0 for c in dense.values() for s in c["scores"])
+    return "\n".join(["## Retrieval suite", "",
+                      f"{n} cases (needle kinds {', '.join(kinds)}; lengths {', '.join(map(str, lengths))}). Dense "
+                      f"answers {right} right: found = the share of those a method also answers right (exact "
+                      f"match); the {n - right} cases dense misses are not counted. KV read: mean fraction of the "
+                      "cache read per decode step.", "",
+                      _table(["method", "KV read", "found", *map(str, lengths), *kinds], rows)])
+
+
+def _window_note(results: Dict) -> List[str]:
+    cfg = results.get("model_config", {})
+    judged = next((c.get("judged_layers") for c in results["cells"] if c["task"] == "fidelity"), None)
+    if not judged or len(judged) == cfg.get("num_layers"):
+        return []
+    return [f"- sliding-window layers: every method attends to the model's own window on {cfg['num_layers'] - len(judged)}"
+            f" of {cfg['num_layers']} layers; mass and out err are over the other {len(judged)} (global) layers "
+            f"{judged}, KV read over the whole cache (so dense reads less than 100%)"]
+
+
 def write_report(results: Dict, out_dir) -> Report:
     out_dir = Path(out_dir)
     lengths = sorted({c["length"] for c in results["cells"] if c["task"] == "fidelity"})
@@ -119,15 +166,17 @@ def write_report(results: Dict, out_dir) -> Report:
                  "hybrid = tactic" if results["streaming_heads"] is None else
                  "{streaming} of {kv_heads} KV heads stream ({file}, tag {tag})".format(**results["streaming_heads"])),
              f"- fidelity text: {results['text']} ({results['text_tokens']} tokens)",
+             *_window_note(results),
              f"- versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()), "",
              "## Attention and next-token fidelity", "",
              "mass: dense softmax mass on the tokens read; out err: ||o - o_dense|| / ||o_dense|| per head, "
              "dense in float64 on the same q, k, v; ppl of the true next tokens; KL(dense || method) of the "
              "next-token distribution in nats; top-1 = dense: same argmax token as dense."]
     parts += ["\n" + fidelity_section(results, L) for L in lengths]
-    parts += ["", threshold_section(results), "", retrieval_section(results), ""]
+    parts += ["", threshold_section(results), "", retrieval_section(results), "", suite_section(results), ""]
     parts += [f"![{p}]({p})" for p in plots]
     text = "\n".join(parts) + "\n"
     (out_dir / "report.md").write_text(text)
-    summary = "\n\n".join(s for s in [*(fidelity_section(results, L) for L in lengths), retrieval_section(results)] if s)
+    summary = "\n\n".join(s for s in [*(fidelity_section(results, L) for L in lengths), retrieval_section(results),
+                                       suite_section(results)] if s)
     return Report(summary, plots)

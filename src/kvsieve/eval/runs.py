@@ -52,7 +52,8 @@ class PrefilledBatch:
         """Feed tokens [B, N] after the prompts. Returns log-probs [B, N, V] and the
         attention-fidelity summary of every decode step."""
         cfg = self.model.cfg
-        stats = AttentionFidelity(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads)
+        windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]
+        stats = AttentionFidelity(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, windows)
         logprobs = self.engine(point).score(self.cache, self.reqs, self.lengths, tokens, observe=stats)
         return logprobs, stats.summary()
 

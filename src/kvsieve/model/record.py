@@ -23,7 +23,7 @@ class RecordedStep:
 
 def record_decode_step(model: LlamaModel, prompt: Sequence[int]) -> RecordedStep:
     """Prefill prompt[:-1] densely, then run prompt[-1] as a decode step and capture what
-    each layer's attention sees."""
+    each layer's attention sees (all of it; a sliding-window layer attends to its window)."""
     eng = Engine(model, "dense", progress=False)
     cache = eng.new_cache([prompt], 1)
     cache.reserve(0, len(prompt))
@@ -37,7 +37,8 @@ def record_decode_step(model: LlamaModel, prompt: Sequence[int]) -> RecordedStep
         rec.q.append(q.clone())
         rec.k.append(kk)
         rec.v.append(vv)
-        return dense_attend(q, kk, vv)[0]
+        w = model.cfg.layer_window(layer)
+        return dense_attend(q, kk[:, :, -w:], vv[:, :, -w:])[0] if w else dense_attend(q, kk, vv)[0]
 
     model.forward(torch.tensor(prompt[-1:]), torch.tensor([n]), capture)
     return rec
