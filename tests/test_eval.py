@@ -224,6 +224,10 @@ def run_cli(capsys, *argv):
     (["--retrieval-lengths", "8180", "--tasks", "retrieval"], "exceeds the model's 8192 positions"),
     (["--thresholds", "0.9,1.5"], "--thresholds must lie in (0, 1]"),
     (["--text-file", "/no/such.txt"], "--text-file '/no/such.txt' not found"),
+    (["--tasks", "suite", "--suite-lengths", "8180"], "--suite-lengths value 8180 plus 16 tokens"),
+    (["--tasks", "suite", "--suite-lengths", "100"], "--suite-lengths value 100 cannot hold a needle"),
+    (["--tasks", "suite", "--suite-sources", "pydoc,web"], "unknown suite source(s) web for --suite-sources"),
+    (["--tasks", "suite", "--suite-cases", "0"], "--suite-cases must be >= 1"),
 ])
 def test_eval_bad_input_exits_2_with_one_line(capsys, tmp_path, argv, message):
     code, out = run_cli(capsys, "eval", "--out", str(tmp_path / "o"), "--no-progress", *argv)
@@ -244,7 +248,7 @@ def test_eval_quick_smoke_and_resume(capsys, tmp_path):
     assert code == 0, out.err
     res = json.loads((out_dir / "results.json").read_text())
     cells = {c["id"]: c for c in res["cells"]}
-    assert len(cells) == 10 + 5 * 8  # fidelity: dense + 9 points; retrieval: 5 variants x 8 points
+    assert len(cells) == 10 + 5 * 8 + 6  # fidelity: dense + 9 points; retrieval: 5 variants x 8; suite: 6
     dense = cells["fidelity/2048/dense"]
     assert dense["mass_mean"] == pytest.approx(1.0) and dense["out_err_mean"] < 1e-5 and dense["kl"] < 1e-9
     from kvsieve.patterns import EMBEDDED_PATTERN, load_pattern, pattern_tag
@@ -260,12 +264,19 @@ def test_eval_quick_smoke_and_resume(capsys, tmp_path):
     assert tactic[0]["mass_mean"] < tactic[1]["mass_mean"] < tactic[2]["mass_mean"]
     assert cells["retrieval/passkey/1024/dense"]["score"] == 1.0
     assert cells["retrieval/passkey/1024/tactic P=0.9"]["score"] == 1.0
+    suite = {k.split("/")[2].split(" heads=")[0]: c for k, c in cells.items() if k.startswith("suite/1024/")}
+    assert set(suite) == {"dense", *(f"{m} default" for m in ("streaming", "quest", "lserve", "tactic", "hybrid"))}
+    assert suite["dense"]["dense_correct"] >= 4 and suite["dense"]["found_of_dense"] == 1.0  # 6 cases, all kinds
+    assert len(set(suite["dense"]["kinds"])) == 6 and suite["dense"]["kv_fraction"] == 1.0
+    assert suite["tactic default"]["kv_fraction"] < 0.6 and suite["streaming default"]["kv_fraction"] < 0.6
+    for c in suite.values():
+        assert c["found"] == sum(s == d == 1.0 for s, d in zip(c["scores"], suite["dense"]["scores"]))
     assert res["versions"]["torch"] == torch.__version__ and res["model_config"]["num_layers"] == 30
     report = (out_dir / "report.md").read_text()
-    assert "tactic P=0.9" in report and "Retrieval" in report
+    assert "tactic P=0.9" in report and "Retrieval" in report and "Retrieval suite" in report
     for png in ("fidelity-2048.png", "heatmaps-2048.png", "retrieval-passkey.png"):
         assert (out_dir / png).stat().st_size > 10_000
 
     code, out = run_cli(capsys, "eval", "--quick", "--out", str(out_dir), "--no-progress")
-    assert code == 0 and "50 cells resumed" in out.out
+    assert code == 0 and "56 cells resumed" in out.out
     assert json.loads((out_dir / "results.json").read_text())["cells"] == res["cells"]

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from .harness import TASKS, EvalPlan, quick_plan
+from .harness import SUITE_SOURCES, TASKS, EvalPlan, quick_plan
 from .needles import VARIANTS
 from .sweep import EVAL_METHODS
 
@@ -37,6 +37,14 @@ def register(sub) -> None:
     p.add_argument("--retrieval-lengths", help="retrieval prompt lengths in tokens")
     p.add_argument("--passkey-depths", help="needle depths of the passkey grid, in [0, 1]")
     p.add_argument("--needle-depths", help="needle depths of the RULER-style variants, in [0, 1]")
+    p.add_argument("--suite-lengths", help="retrieval-suite prompt lengths in tokens (default 1024 and the "
+                                           "fidelity lengths)")
+    p.add_argument("--suite-cases", type=int, help="retrieval-suite cases per length (default 50)")
+    p.add_argument("--suite-sources", help=f"filler texts of the suite, from: {', '.join(SUITE_SOURCES)} "
+                                           "(default pydoc,stdlib,generated; files: texts under /usr/share, "
+                                           "where the machine has them)")
+    p.add_argument("--suite-thresholds", help="extra tactic/hybrid thresholds in the suite (its defaults always run)")
+    p.add_argument("--suite-fractions", help="extra quest/lserve/streaming budgets in the suite, fractions of context")
     p.add_argument("--streaming-heads", metavar="FILE", help="pattern for lserve/hybrid from `kvsieve calibrate` "
                    "('none': no streaming head; default: the shipped pattern of the embedded model)")
     p.add_argument("--device", default="cpu")
@@ -57,8 +65,9 @@ def _list(text: str, flag: str, kind=float) -> tuple:
 
 def build_plan(args, max_positions: int) -> EvalPlan:
     """The preset (full or --quick) with every option the user gave applied on top."""
-    plan = quick_plan() if args.quick else EvalPlan(lengths=default_lengths(max_positions),
-                                                    retrieval_lengths=default_lengths(max_positions))
+    lengths = default_lengths(max_positions)
+    plan = quick_plan() if args.quick else EvalPlan(lengths=lengths, retrieval_lengths=lengths,
+                                                    suite_lengths=(1024,) + lengths)
     given = {
         "tasks": args.tasks and _list(args.tasks, "--tasks", str),
         "methods": args.methods and _list(args.methods, "--methods", str),
@@ -72,6 +81,11 @@ def build_plan(args, max_positions: int) -> EvalPlan:
         "retrieval_lengths": args.retrieval_lengths and _list(args.retrieval_lengths, "--retrieval-lengths", int),
         "passkey_depths": args.passkey_depths and _list(args.passkey_depths, "--passkey-depths"),
         "needle_depths": args.needle_depths and _list(args.needle_depths, "--needle-depths"),
+        "suite_lengths": args.suite_lengths and _list(args.suite_lengths, "--suite-lengths", int),
+        "suite_cases": args.suite_cases,
+        "suite_sources": args.suite_sources and _list(args.suite_sources, "--suite-sources", str),
+        "suite_thresholds": args.suite_thresholds and _list(args.suite_thresholds, "--suite-thresholds"),
+        "suite_fractions": args.suite_fractions and _list(args.suite_fractions, "--suite-fractions"),
     }
     plan = dataclasses.replace(plan, **{k: v for k, v in given.items() if v is not None})
     plan.validate(max_positions)
@@ -144,6 +158,13 @@ def cmd_eval(args) -> int:
         run_fidelity(model, text_ids, plan, store, progress, heads, special_prefix(tok))
     if "retrieval" in plan.tasks:
         run_retrieval(model, tok, plan, store, progress, heads)
+    if "suite" in plan.tasks:
+        from ..engine import LLMEngine
+        from .suite_task import run_suite
+
+        # every request attends with its own method (no crossover, no dense fallback)
+        engine = LLMEngine(model, tok, "dense", dense_below=0, max_num_seqs=64 if args.device.startswith("cuda") else 8)
+        run_suite(engine, tok, plan, store, progress, heads)
     if bar:
         bar.close()
     runs = store.log_run({"date": time.strftime("%Y-%m-%d %H:%M"), "command": "kvsieve " + " ".join(args.argv),

@@ -6,6 +6,10 @@ Tasks:
              agreement of the next-token distributions; every method at every knob value.
   retrieval  passkey and RULER-style needles at chosen depths, greedy answers scored
              exactly; dense plus one point per method (tactic at each threshold).
+  suite      the retrieval suite (eval/suite.py): needles of six kinds in real prose of
+             several sources, plain and chat prompts, 5-95% depths; every method at its
+             defaults (plus optional knob points) scored on the cases dense answers right;
+             run through LLMEngine (eval/suite_task.py).
 """
 from __future__ import annotations
 
@@ -22,7 +26,9 @@ from .store import ResultStore
 from ..patterns import STREAMING_METHODS, pattern_tag
 from .sweep import EVAL_METHODS, MethodPoint, headline_points, sweep_points
 
-TASKS = ("fidelity", "retrieval")
+TASKS = ("fidelity", "retrieval", "suite")
+SUITE_SOURCES = ("pydoc", "stdlib", "files", "generated")
+SUITE_ANSWER_TOKENS = 16  # the longest answer a suite case allows
 
 
 @dataclass
@@ -42,6 +48,11 @@ class EvalPlan:
     retrieval_lengths: Tuple[int, ...] = (2048, 4096, 7680)
     passkey_depths: Tuple[float, ...] = (0.1, 0.5, 0.9)
     needle_depths: Tuple[float, ...] = (0.5,)
+    suite_lengths: Tuple[int, ...] = (1024, 2048, 4096, 7680)
+    suite_cases: int = 50  # per length
+    suite_sources: Tuple[str, ...] = ("pydoc", "stdlib", "generated")
+    suite_thresholds: Tuple[float, ...] = ()  # extra knob points (the defaults always run)
+    suite_fractions: Tuple[float, ...] = ()
     seed: int = 0
 
     def validate(self, max_positions: int) -> None:
@@ -54,18 +65,27 @@ class EvalPlan:
         bad = [v for v in self.variants if v not in VARIANTS]
         if bad or not self.variants:
             raise ValueError(f"unknown retrieval variant(s) {', '.join(bad) or '(none)'}; choose from {', '.join(VARIANTS)}")
-        for name, vals in (("thresholds", self.thresholds + self.retrieval_thresholds),
-                           ("fractions", self.fractions + (self.retrieval_fraction,)),
+        bad = [v for v in self.suite_sources if v not in SUITE_SOURCES]
+        if bad or not self.suite_sources:
+            raise ValueError(f"unknown suite source(s) {', '.join(bad) or '(none)'} for --suite-sources; "
+                             f"choose from {', '.join(SUITE_SOURCES)}")
+        for name, vals in (("thresholds", self.thresholds + self.retrieval_thresholds + self.suite_thresholds),
+                           ("fractions", self.fractions + (self.retrieval_fraction,) + self.suite_fractions),
                            ("depths", self.passkey_depths + self.needle_depths)):
             if any(not (0 <= v <= 1) for v in vals) or (name != "depths" and any(v == 0 for v in vals)):
                 raise ValueError(f"--{name} must lie in (0, 1] (depths in [0, 1]), got {sorted(set(vals))}")
-        if self.samples < 1 or self.decode_tokens < 1:
-            raise ValueError(f"--samples and --decode-tokens must be >= 1, got {self.samples}, {self.decode_tokens}")
+        if self.samples < 1 or self.decode_tokens < 1 or self.suite_cases < 1:
+            raise ValueError(f"--samples, --decode-tokens and --suite-cases must be >= 1, got {self.samples}, "
+                             f"{self.decode_tokens}, {self.suite_cases}")
         longest_answer = max(MAX_NEW_TOKENS[v] for v in self.variants)
         for L in self.lengths if "fidelity" in self.tasks else ():
             _check_length(L, self.decode_tokens, max_positions, "--lengths", "--decode-tokens")
         for L in self.retrieval_lengths if "retrieval" in self.tasks else ():
             _check_length(L, longest_answer, max_positions, "--retrieval-lengths", "the answer")
+        for L in self.suite_lengths if "suite" in self.tasks else ():
+            if L < 256:
+                raise ValueError(f"--suite-lengths value {L} cannot hold a needle in prose; use >= 256 tokens")
+            _check_length(L, SUITE_ANSWER_TOKENS, max_positions, "--suite-lengths", "the answer")
 
 
 def _check_length(L: int, extra: int, limit: int, flag: str, what: str) -> None:
@@ -79,7 +99,8 @@ def _check_length(L: int, extra: int, limit: int, flag: str, what: str) -> None:
 def quick_plan() -> EvalPlan:
     """CI smoke preset (< 5 min on 2 CPU cores): every task, method and variant, small."""
     return EvalPlan(lengths=(2048,), samples=1, decode_tokens=8, thresholds=(0.8, 0.9, 0.95),
-                    fractions=(0.1,), retrieval_lengths=(1024,), passkey_depths=(0.5,), needle_depths=(0.5,))
+                    fractions=(0.1,), retrieval_lengths=(1024,), passkey_depths=(0.5,), needle_depths=(0.5,),
+                    suite_lengths=(1024,), suite_cases=6, suite_sources=("pydoc", "stdlib"))
 
 
 Progress = Callable[[str], None]  # called with a cell id after each cell, finished or resumed
@@ -98,6 +119,11 @@ def plan_cell_ids(plan: EvalPlan, heads=None) -> List[str]:
     if "retrieval" in plan.tasks:
         ids += [cell_id(("retrieval", v, L), p, heads) for v in plan.variants for L in plan.retrieval_lengths
                 for p in _retrieval_points(plan)]
+    if "suite" in plan.tasks:
+        from .suite_task import suite_points
+
+        ids += [cell_id(("suite", L), p, heads) for L in plan.suite_lengths
+                for p in suite_points(plan.methods, plan.suite_thresholds, plan.suite_fractions)]
     return ids
 
 

@@ -19,8 +19,9 @@ STREAMING_SINK = 64
 
 @dataclass(frozen=True)
 class MethodPoint:
-    """One method at one knob value (P for threshold methods, fraction of context otherwise);
-    fixed: further method options as (name, value) pairs, e.g. (("cluster_size", 16),)."""
+    """One method at one knob value (P for threshold methods, fraction of context otherwise;
+    None: the method's defaults); fixed: further method options as (name, value) pairs,
+    e.g. (("cluster_size", 16),)."""
 
     method: str
     knob: Optional[float] = None
@@ -30,7 +31,7 @@ class MethodPoint:
     def label(self) -> str:
         extra = "".join(f" {k}={v}" for k, v in self.fixed)
         if self.knob is None:
-            return self.method + extra
+            return self.method + (" default" if self.method != "dense" else "") + extra
         if self.method in THRESHOLD_METHODS:
             return f"{self.method} P={self.knob:g}{extra}"
         return f"{self.method} {self.knob:.0%}{extra}"
@@ -43,6 +44,8 @@ class MethodPoint:
         extra.update(self.fixed)
         if m == "dense":
             return dict(self.fixed)
+        if f is None:
+            return extra
         if m in THRESHOLD_METHODS:
             return {"threshold": f, **extra}
         if m == "quest":
