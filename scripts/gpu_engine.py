@@ -1,6 +1,7 @@
 """GPU check + benchmark of the engine on the embedded model (installs nothing).
 
     python3 scripts/gpu_engine.py --out OUT [--parts check,single,crossover,concurrent]
+                                  [--model gemma3-270m --lengths 8192,16384,32000]
 
 check:      graph replay == eager decode (greedy tokens) per method, seeds reproduce;
 single:     the built-in ~4K-token prompt at batch 1, every method, tokens/s through the engine
@@ -36,14 +37,17 @@ METHODS = {"dense": {}, "tactic": {}, "quest": {}, "lserve": {"streaming_heads":
 
 def opts_for(name, model):
     o = dict(METHODS[name])
-    if o.get("streaming_heads") == "shipped":
-        o["streaming_heads"] = load_pattern(EMBEDDED_PATTERN, model.cfg.num_layers, model.cfg.num_kv_heads)
+    if o.get("streaming_heads") == "shipped":  # the embedded model's pattern; other models run without one
+        try:
+            o["streaming_heads"] = load_pattern(EMBEDDED_PATTERN, model.cfg.num_layers, model.cfg.num_kv_heads)
+        except ValueError:
+            del o["streaming_heads"]
     return name.split("-")[0], o
 
 
 def doc_ids(tok, n):
     doc, _, _ = document_prompt(lambda s: len(tok.encode(s, add_special_tokens=False)), n)
-    return tok.encode(doc + DEFAULT_QUESTION, add_special_tokens=False)
+    return tok.encode(doc + DEFAULT_QUESTION, add_special_tokens=True)  # the model's BOS, if it has one
 
 
 def pct(xs, p):
@@ -86,9 +90,9 @@ def single(model, tok, log, new_tokens=128):
 
 def crossover(model, tok, log, lengths=(1024, 2048, 4096, 7600), new_tokens=64):
     rows = []
-    full = doc_ids(tok, 7700)
+    full = doc_ids(tok, max(lengths) + 100)
     for n in lengths:
-        ids = full[-n:]
+        ids = full[:1] + full[-(n - 1):] if full[0] == tok.bos_token_id else full[-n:]
         for name in ("dense", "tactic", "quest", "lserve", "tactic-2.5%"):
             method, o = opts_for(name, model)
             eng = LLMEngine(model, tok, method, kv_pages=(len(ids) + new_tokens) // 16 + 8, max_num_seqs=1,
@@ -208,10 +212,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", default="check,single,crossover,concurrent")
+    ap.add_argument("--model", help="model for the embedded-model parts (default: the embedded model)")
+    ap.add_argument("--lengths", help="crossover prompt lengths, comma-separated")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     embedded = any(p not in ("e2e8b", "cb8b") for p in args.parts.split(","))
-    model, tok, _ = load_model(None, dtype=torch.bfloat16, device="cuda") if embedded else (None, None, None)
+    model, tok, _ = load_model(args.model, dtype=torch.bfloat16, device="cuda") if embedded else (None, None, None)
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
               "torch": torch.__version__, "command": " ".join(sys.argv)}
 
@@ -220,7 +226,8 @@ def main():
 
     for part in args.parts.split(","):
         t0 = time.perf_counter()
-        result[part] = globals()[part](model, tok, log)
+        kw = {"lengths": tuple(int(x) for x in args.lengths.split(","))} if part == "crossover" and args.lengths else {}
+        result[part] = globals()[part](model, tok, log, **kw)
         print(f"## {part}: {time.perf_counter() - t0:.1f} s", flush=True)
         with open(os.path.join(args.out, f"engine-{args.parts.replace(',', '-')}.json"), "w") as f:
             json.dump(result, f, indent=1)
