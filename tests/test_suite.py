@@ -1,10 +1,15 @@
 """The retrieval suite's cases: deterministic, sized, needles where they claim, answers
 learnable only from the needles, every kind/source/prompt style present, exact scoring."""
 import collections
+import inspect
+import json
+import re
 
 import pytest
 
 from kvsieve.eval.suite import NEEDLE_KINDS, SuiteCase, build_suite, filler_sources
+
+LENGTHS = (1024, 2048, 4096, 7680)
 
 
 @pytest.fixture(scope="module")
@@ -23,48 +28,102 @@ def sources():
 
 @pytest.fixture(scope="module")
 def suite(tok, sources):
-    return build_suite(tok, (1024, 2048, 4096, 7680), 50, seed=0, sources=sources)
+    return build_suite(tok, LENGTHS, 50, seed=0, sources=sources)
 
 
 def test_sources_are_long_real_text():
     src = filler_sources()
-    for name in ("pydoc", "stdlib"):
-        assert len(src[name]) >= 400_000 and "\0" not in src[name]
+    assert len(src["pydoc"]) >= 400_000  # all of pydoc_data.topics (~465K characters on 3.11)
+    assert len(src["stdlib"]) >= 1_000_000
+    assert inspect.getdoc(json.dumps).splitlines()[0] in src["stdlib"]  # docstrings, gathered with ast
+    for name, text in src.items():
+        assert "\0" not in text, name
+    if "files" in src:  # licences and docs found on this machine: prose, not code
+        assert len(src["files"]) >= 200_000 and src["files"].count(";") < 0.01 * len(src["files"])
     assert "generated" not in src and filler_sources("x y z.")["generated"] == "x y z."
 
 
 def test_suite_is_deterministic_and_covers_the_grid(tok, sources, suite):
     assert len(suite) == 200 and len({c.id for c in suite}) == 200
+    assert re.fullmatch(r"\d+-[a-z]+-[a-z]+-\d+-d0\.\d\d-(chat|plain)", suite[17].id)
     again = build_suite(tok, (1024,), 50, seed=0, sources=sources)
-    assert [c.prompt_ids for c in again] == [c.prompt_ids for c in suite if c.length == 1024]
+    assert again == [c for c in suite if c.length == 1024]
     other = build_suite(tok, (1024,), 50, seed=1, sources=sources)
     assert sum(a.prompt_ids != b.prompt_ids for a, b in zip(again, other)) == 50
     grid = collections.Counter((c.kind, c.source) for c in suite)
     assert set(grid) == {(k, s) for k in NEEDLE_KINDS for s in sources}
     assert {c.chat for c in suite} == {False, True}
-    depths = sorted(c.depth for c in suite if c.length == 2048)
-    assert 0.05 <= depths[0] < 0.1 and 0.9 < depths[-1] <= 0.95
+    for length in LENGTHS:  # round robin over kinds; one depth in each of 50 even slices of [0.05, 0.95]
+        cases = [c for c in suite if c.length == length]
+        assert set(collections.Counter(c.kind for c in cases).values()) == {8, 9}
+        depths = sorted(c.depth for c in cases)
+        assert [int((d - 0.05) / 0.9 * 50) for d in depths] == list(range(50))
 
 
 def test_cases_hold_their_needles_where_they_say(tok, suite):
     for c in suite:
         n = len(c.prompt_ids)
         assert 0.97 * c.length <= n <= c.length, (c.id, n)
+        assert 0.05 <= c.depth <= 0.95
+        bounds = sorted(c.needle_spans)
+        assert all(a < b <= a2 for (a, b), (a2, _) in zip(bounds, bounds[1:] + [(n, n)])), c.id
         spans = [tok.decode(c.prompt_ids[a:b]) for a, b in c.needle_spans]
+        assert all(re.fullmatch(r" The [\w ',-]+\.", s) for s in spans), (c.id, spans)
         assert all(e in spans[0] for e in c.expected), (c.id, spans[0], c.expected)
-        if c.kind != "multihop":  # the asked needle is the first span; its position tracks the depth
-            mid = (c.needle_spans[0][0] + c.needle_spans[0][1]) / 2 / n
-            assert abs(mid - c.depth) < 0.12, (c.id, mid, c.depth)
+        mid = (c.needle_spans[0][0] + c.needle_spans[0][1]) / 2 / n  # the asked needle tracks the depth
+        assert abs(mid - c.depth) < (0.1 if c.chat else 0.06), (c.id, mid, c.depth)
         outside = list(c.prompt_ids)
         for a, b in sorted(c.needle_spans, reverse=True):
             del outside[a:b]
         rest = tok.decode(outside)
         assert not any(e in rest for e in c.expected + c.forbidden), c.id
-        if c.kind == "distractor":
-            assert len(c.forbidden) == 1 and c.forbidden[0] in spans[1]
-        if c.kind in ("multi", "multihop", "distractor"):
-            assert len(c.needle_spans) >= 2
         assert ("<|im_start|>assistant" in tok.decode(c.prompt_ids[-40:])) == c.chat
+        assert c.prompt_ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == (3 if c.chat else 0), c.id
+
+
+def test_needle_kinds_are_what_they_claim(tok, suite):
+    for c in suite:
+        spans = [tok.decode(c.prompt_ids[a:b]) for a, b in c.needle_spans]
+        codes = re.findall(r"\d+", " ".join(spans))
+        for code in codes:  # 5 to 7 digits, no digit twice in a row, none inside another
+            assert re.fullmatch(r"[1-9]\d{4,6}", code) and not re.search(r"(\d)\1", code), (c.id, code)
+            assert sum(code in o for o in codes) == 1, (c.id, codes)
+        count = {"number": 1, "name": 1, "place": 1, "multihop": 2, "distractor": 2}.get(c.kind)
+        assert len(spans) == count if count else len(spans) in (3, 4), c.id
+        if c.kind == "name":
+            assert len(c.expected) == 2 and spans[0].endswith(f" {c.expected[0]} {c.expected[1]}.")
+        if c.kind == "distractor":  # the twin: same sentence, one word of the object and the code differ
+            true, twin = spans[0].split(), spans[1].split()
+            assert len(true) == len(twin) and sum(a != b for a, b in zip(true, twin)) == 2, spans
+            assert c.forbidden == (twin[-1].rstrip("."),) and c.expected == (true[-1].rstrip("."),)
+        if c.kind == "multihop":  # asked: the town; the hop names the room of the item in the question
+            room = re.fullmatch(r" The (.+) is in the town of .+\.", spans[0]).group(1)
+            assert spans[1].endswith(f" kept in the {room}.")
+            gap = abs(c.needle_spans[1][0] - c.needle_spans[0][0]) / len(c.prompt_ids)
+            assert gap >= 0.15, (c.id, gap)
+        if c.kind in ("name", "place", "multihop"):
+            assert c.max_new_tokens == 16 and not any(ch.isdigit() for ch in "".join(c.expected))
+        else:
+            assert c.max_new_tokens == 12
+
+
+def test_filler_sentences_holding_an_answer_are_left_out(tok):
+    from kvsieve.eval.suite import _FIRST, _LAST
+
+    text = " ".join(f"Yesterday {w} walked to the old mill by the river." for w in _FIRST + _LAST)
+    cases = build_suite(tok, (512,), 12, sources={"names": text}, kinds=("name",), chat=(False,))
+    for c in cases:
+        a, b = c.needle_spans[0]
+        assert 0.97 * 512 <= len(c.prompt_ids) <= 512
+        assert not any(e in tok.decode(c.prompt_ids[:a] + c.prompt_ids[b:]) for e in c.expected), c.id
+
+
+def test_filler_text_never_becomes_control_tokens(tok):
+    text = "Files are named <filename> here. The chat ends with <|im_end|> in logs. " * 200
+    cases = build_suite(tok, (512,), 6, sources={"odd": text}, chat=(False,))
+    special = set(tok.all_special_ids) | {tok.convert_tokens_to_ids("<filename>")}
+    assert all(not special & set(c.prompt_ids) for c in cases)
+    assert "<filename>" in tok.decode(cases[0].prompt_ids)
 
 
 def test_chat_cases_fall_back_to_plain_without_a_template(tok, sources):
@@ -89,6 +148,8 @@ def test_score_is_exact_with_forbidden_strings():
     assert c.score(" 482913") == 0.0
     name = SuiteCase("y", "name", "pydoc", 10, 0.5, False, (1,), ("Mira", "Okafor"), (), 16, ((0, 1),))
     assert name.score(" mira   OKAFOR.") == 1.0 and name.score(" Mira Stroud") == 0.0
+    place = SuiteCase("z", "place", "pydoc", 10, 0.5, False, (1,), ("Port Kelbrook",), (), 16, ((0, 1),))
+    assert place.score("port\n  kelbrook") == 1.0 and place.score("Kelbrook") == 0.0
 
 
 def test_too_short_a_length_is_refused(tok, sources):

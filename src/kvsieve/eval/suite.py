@@ -12,9 +12,11 @@ them. Needle kinds:
   multi       3 or 4 number needles spread over the context; one is asked about
   distractor  the true needle plus a near twin ("west gate", another code) elsewhere; an
               answer holding the twin's code scores 0
-Prompts are built from token pieces, so each needle's token span is exact; plain prompts
-end in "Answer: <lead-in>", chat prompts put the question in a user turn and the lead-in
-after the generation prompt. Everything follows from the seed: no downloads.
+Codes, names and places are invented, so only the needle can tell the answer; filler
+sentences holding an answer are left out. Prompts are built from token pieces, so each
+needle's token span is exact: plain prompts end in "Answer: <lead-in>", chat prompts put
+the question in a user turn and the lead-in after the generation prompt. Everything
+follows from the seed: no downloads.
 """
 from __future__ import annotations
 
@@ -29,16 +31,25 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 NEEDLE_KINDS = ("number", "name", "place", "multihop", "multi", "distractor")
 MAX_NEW_TOKENS = {"number": 12, "multi": 12, "distractor": 12, "name": 16, "place": 16, "multihop": 16}
-HEAD = "Read the following document carefully. Some facts are stated in it; you will be asked about one of them.\n\n"
+HEAD = "Read the following document carefully. Some facts are stated in it; you will be asked about one of them."
+MAX_SENTENCE_CHARS = 600  # longer "sentences" are code blocks or tables: left out of the filler
 _TWINS = (("east gate", "west gate"), ("north tower", "south tower"), ("upper vault", "lower vault"),
           ("red archive", "blue archive"), ("old granary", "new granary"), ("inner harbor", "outer harbor"),
           ("first signal room", "second signal room"), ("river lock", "canal lock"), ("main depot", "rear depot"))
 _FIRST = ("Mira", "Tobias", "Anneke", "Rasmus", "Ilona", "Casimir", "Yevgenia", "Odalys", "Bertil", "Sunniva",
-          "Lucan", "Marisol", "Henrike", "Fionnuala", "Aurelio", "Kalinda", "Teodor", "Wilhelmina", "Joaquim", "Ysolde")
+          "Lucan", "Marisol", "Henrike", "Fionnuala", "Aurelio", "Kalinda", "Teodor", "Wilhelmina", "Joaquim", "Ysolde",
+          "Ottilie", "Bastian", "Eulalia", "Ignatius", "Perpetua", "Radomir", "Solveig", "Thaddeus", "Ulrika",
+          "Valentin", "Zofia", "Amadou", "Brigida", "Cyprian", "Dagny", "Evander", "Gisela", "Hesper", "Isidor",
+          "Jolanda")
 _LAST = ("Okafor", "Brenneke", "Vasquez-Lund", "Thorvaldsen", "Quillfeather", "Andrzejak", "Halloway", "Szabo",
-         "Mbeki-Hart", "Castellan", "Rautio", "Delacroix-Ng", "Pemberton", "Ivanova", "Stroud", "Kowalczyk")
-_SYL = ("Kel", "brook", "Dun", "mere", "Ast", "wick", "Hol", "ford", "Vel", "tor", "Bran", "ridge", "Ash", "combe",
-        "Lin", "stead", "Mar", "haven", "Thorn", "ley")
+         "Mbeki-Hart", "Castellan", "Rautio", "Delacroix-Ng", "Pemberton", "Ivanova", "Stroud", "Kowalczyk",
+         "Abernethy", "Bellweather", "Corvino", "Drummel", "Esterhazy", "Fairweather", "Gallardo", "Hinterberg",
+         "Ingersoll", "Jablonski", "Kettleby", "Lindgren", "Marchetti", "Nakamura-Reid", "Oyelaran", "Pashkov",
+         "Quenneville", "Rosenkrantz", "Sandoval", "Tremaine", "Underhill", "Vantongeren", "Whitcombe", "Zawadzki")
+_PLACE = (("Ald", "Brack", "Kel", "Dun", "Quen", "Orm", "Tav", "Wend", "Zel", "Harr", "Cor", "Esk", "Frel", "Gund",
+           "Lisk", "Morv"),
+          ("", "a", "en", "in", "o", "er"),
+          ("wick", "mere", "brook", "stead", "haven", "thorpe", "field", "wyn", "combe", "holt", "ness", "by"))
 _ROLES = (("engineer", "Halvard Bridge Project"), ("archivist", "Lindqvist Map Society"),
           ("treasurer", "Orchard Growers Union"), ("navigator", "Saltmarsh Rowing Club"),
           ("conductor", "Eastvale Youth Orchestra"), ("curator", "Museum of Clockwork"))
@@ -82,11 +93,11 @@ def _pydoc() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _stdlib_docstrings(limit: int = 3_000_000) -> str:
-    """Docstrings (>= 300 characters) of the running Python's standard library, file by file."""
+def _stdlib_docstrings(min_chars: int = 150) -> str:
+    """Docstrings (one-liners dropped) of the running Python's standard library, file by file."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "turtledemo", "ensurepip"}
-    out, size = [], 0
+    out = []
     for path in sorted(root.rglob("*.py")):
         if skip & set(path.relative_to(root).parts):
             continue
@@ -97,34 +108,37 @@ def _stdlib_docstrings(limit: int = 3_000_000) -> str:
         for node in ast.walk(tree):
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 doc = ast.get_docstring(node)
-                if doc and len(doc) >= 300:
+                if doc and len(doc) >= min_chars:
                     out.append(doc)
-                    size += len(doc)
-        if size >= limit:
-            break
     return "\n\n".join(out)
+
+
+def _is_prose(text: str) -> bool:
+    """Mostly letters and spaces, few code symbols: licences and READMEs, not sources or tables."""
+    symbols = sum(text.count(c) for c in "{}();=$<>#\\|[]*@_/")
+    letters = sum(c.isalpha() or c.isspace() for c in text)
+    return symbols < 0.04 * len(text) and letters > 0.85 * len(text)
 
 
 @functools.lru_cache(maxsize=1)
 def _machine_files(limit: int = 3_000_000) -> str:
-    """Plain-text licences and documentation under /usr/share, where the machine has them."""
+    """Plain-text licences and documentation under /usr/share (where the machine has them), in
+    sorted order: compressed, binary, short and non-prose files skipped."""
     out, size = [], 0
-    for base in (Path("/usr/share/common-licenses"), Path("/usr/share/doc")):
-        if not base.is_dir():
+    bases = [Path("/usr/share/common-licenses"), Path("/usr/share/doc")]
+    for path in (p for base in bases if base.is_dir() for p in sorted(base.rglob("*"))):
+        if size >= limit:
+            break
+        if path.is_symlink() or not path.is_file() or path.suffix in (".gz", ".bz2", ".xz", ".zip", ".html"):
             continue
-        for path in sorted(base.rglob("*")):
-            if not path.is_file() or path.suffix in (".gz", ".bz2", ".xz", ".html", ".png", ".svg") or path.is_symlink():
-                continue
-            try:
-                data = path.read_bytes()[:200_000]
-            except OSError:
-                continue
-            if b"\0" in data or len(data) < 2000:
-                continue
-            out.append(data.decode("utf-8", errors="replace"))
-            size += len(out[-1])
-            if size >= limit:
-                return "\n\n".join(out)
+        try:
+            data = path.read_bytes()[:200_000]
+        except OSError:
+            continue
+        text = data.decode("utf-8", errors="replace")
+        if b"\0" not in data and len(data) >= 2000 and _is_prose(text):
+            out.append(text)
+            size += len(text)
     return "\n\n".join(out)
 
 
@@ -142,40 +156,54 @@ def filler_sources(generated: Optional[str] = None) -> Dict[str, str]:
 
 @functools.lru_cache(maxsize=16)
 def _sentences(text: str) -> Tuple[str, ...]:
-    parts = re.split(r"(?<=[.!?])\s+|\n\s*\n", text)
-    return tuple(" ".join(p.split()) for p in parts if len(p.split()) >= 3)
+    """The sentences of `text` (3+ words, spacing collapsed), each led by its separator:
+    a blank line when it opens a paragraph, else a space."""
+    out = []
+    for para in re.split(r"\n\s*\n", text):
+        sents = [" ".join(s.split()) for s in re.split(r"(?<=[.!?])\s+", para)]
+        sents = [s for s in sents if len(s.split()) >= 3 and len(s) <= MAX_SENTENCE_CHARS]
+        out += [("\n\n" if i == 0 else " ") + s for i, s in enumerate(sents)]
+    return tuple(out)
 
 
 # ------------------------------------------------------------------ facts
-def _code(rng: random.Random) -> str:
-    while True:
-        c = str(rng.randint(10_000, 9_999_999))
-        if not re.search(r"(\d)\1\1", c):
-            return c
+def _plain_code(code: str) -> bool:
+    """No digit twice in a row and no run of three consecutive digits (123, 987)."""
+    steps = [int(b) - int(a) for a, b in zip(code, code[1:])]
+    return 0 not in steps and not any(s == t and abs(s) == 1 for s, t in zip(steps, steps[1:]))
+
+
+def _codes(rng: random.Random, n: int) -> List[str]:
+    """n codes of 5 to 7 digits without patterns, none inside another."""
+    codes: List[str] = []
+    while len(codes) < n:
+        c = str(rng.randint(1, 9)) + "".join(str(rng.randint(0, 9)) for _ in range(rng.randint(4, 6)))
+        if _plain_code(c) and not any(c in o or o in c for o in codes):
+            codes.append(c)
+    return codes
 
 
 def _place(rng: random.Random) -> str:
-    name = rng.choice(_SYL[0::2]) + rng.choice(_SYL[1::2])
-    return rng.choice(("Port ", "", "Upper ", "")) + name
+    return rng.choice(("Port ", "Upper ", "", "", "")) + "".join(rng.choice(p) for p in _PLACE)
 
 
 def _facts(kind: str, rng: random.Random, depth: float):
     """(needles [(depth, sentence)] answer-bearing first, question, lead-in, expected, forbidden)."""
-    other = lambda: depth + (0.3 if depth < 0.5 else -0.3) + rng.uniform(-0.08, 0.08)
+    other = depth + (0.3 if depth < 0.5 else -0.3) + rng.uniform(-0.08, 0.08)  # >= 0.22 away, inside [0.12, 0.88]
     if kind in ("number", "multi", "distractor"):
         pairs = rng.sample(_TWINS, 4)
-        obj, code = pairs[0][0], _code(rng)
-        needles = [(depth, f"The access code for the {obj} is {code}.")]
+        obj = pairs[0][0]
+        others = [o for o, _ in pairs[1:1 + rng.randint(2, 3)]] if kind == "multi" else []
+        codes = _codes(rng, 2 + len(others))
+        needles = [(depth, f"The access code for the {obj} is {codes[0]}.")]
+        needles += [((depth + 0.25 * (i + 1)) % 0.9 + 0.05, f"The access code for the {o} is {c}.")
+                    for i, (o, c) in enumerate(zip(others, codes[2:]))]
         forbidden: Tuple[str, ...] = ()
-        if kind == "multi":
-            for i, (o, _) in enumerate(pairs[1:1 + rng.randint(2, 3)]):
-                needles.append(((depth + 0.25 * (i + 1)) % 0.9 + 0.05, f"The access code for the {o} is {_code(rng)}."))
         if kind == "distractor":
-            twin = _code(rng)
-            needles.append((other(), f"The access code for the {pairs[0][1]} is {twin}."))
-            forbidden = (twin,)
+            needles.append((other, f"The access code for the {pairs[0][1]} is {codes[1]}."))
+            forbidden = (codes[1],)
         lead = f"The access code for the {obj} is"
-        return needles, f"What is the access code for the {obj}?", lead, (code,), forbidden
+        return needles, f"What is the access code for the {obj}?", lead, (codes[0],), forbidden
     if kind == "name":
         (role, org), first, last = rng.choice(_ROLES), rng.choice(_FIRST), rng.choice(_LAST)
         lead = f"The chief {role} of the {org} is"
@@ -184,36 +212,36 @@ def _facts(kind: str, rng: random.Random, depth: float):
         event, place = rng.choice(_EVENTS), _place(rng)
         lead = f"The annual {event} is held in"
         return [(depth, f"{lead} {place}.")], f"Where is the annual {event} held?", lead, (place,), ()
-    if kind == "multihop":
-        item, room, place = rng.choice(_ITEMS), rng.choice(_ROOMS), _place(rng)
-        needles = [(depth, f"The {room} is in the town of {place}."), (other(), f"The {item} is kept in the {room}.")]
-        return (needles, f"In which town is the {item} kept?", f"The {item} is kept in the town of", (place,), ())
-    raise ValueError(f"unknown needle kind {kind!r}; choose from {', '.join(NEEDLE_KINDS)}")
+    item, room, place = rng.choice(_ITEMS), rng.choice(_ROOMS), _place(rng)  # multihop
+    needles = [(depth, f"The {room} is in the town of {place}."), (other, f"The {item} is kept in the {room}.")]
+    return needles, f"In which town is the {item} kept?", f"The {item} is kept in the town of", (place,), ()
 
 
 # ------------------------------------------------------------------ prompts
 def _frame(tokenizer, question: str, lead: str, chat: bool) -> Tuple[List[int], List[int]]:
-    """Token ids before and after the document."""
+    """Token ids before and after the document (which opens with a blank line)."""
+    ask = f"\n\nQuestion: {question}"
     if chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": HEAD + "@@DOC@@" + f"\n\nQuestion: {question}"}],
+        text = tokenizer.apply_chat_template([{"role": "user", "content": HEAD + "@@DOC@@" + ask}],
                                              add_generation_prompt=True, tokenize=False)
         pre, post = text.split("@@DOC@@")
         return tokenizer.encode(pre, add_special_tokens=False), tokenizer.encode(post + lead, add_special_tokens=False)
     pre = list(tokenizer.encode("", add_special_tokens=True)) + tokenizer.encode(HEAD, add_special_tokens=False)
-    return pre, tokenizer.encode(f"\n\nQuestion: {question}\nAnswer: {lead}", add_special_tokens=False)
+    return pre, tokenizer.encode(f"{ask}\nAnswer: {lead}", add_special_tokens=False)
 
 
-def _filler(tokenizer, text: str, budget: int, start: int, banned: Sequence[str]) -> List[List[int]]:
-    """Consecutive sentences of `text` from sentence `start` (wrapping), encoded one by one
-    with a leading space, totalling at most `budget` tokens and at least budget - 16."""
-    sents = _sentences(text)
+def _filler(tokenizer, sents: Sequence[str], budget: int, start: int, banned: Sequence[str]) -> List[List[int]]:
+    """Consecutive sentences from sentence `start` on (wrapping), encoded one by one (text
+    that looks like a special token stays text), totalling at most `budget` tokens and at
+    least budget - 16. Sentences holding a banned string are skipped, and so, near the end,
+    are those that would overflow."""
     out, total, i, misses = [], 0, start, 0
     while total < budget - 16 and misses < 256:
         batch = [sents[(i + j) % len(sents)] for j in range(64)]
         i += 64
-        for s, ids in zip(batch, tokenizer([" " + s for s in batch], add_special_tokens=False)["input_ids"]):
-            if any(b.lower() in s.lower() for b in banned) or total + len(ids) > budget:
-                misses += total + len(ids) > budget
+        for s, ids in zip(batch, tokenizer(batch, add_special_tokens=False, split_special_tokens=True)["input_ids"]):
+            if total + len(ids) > budget or any(b.lower() in s.lower() for b in banned):
+                misses += 1
                 continue
             out.append(ids)
             total += len(ids)
@@ -227,28 +255,26 @@ def _case(tokenizer, index: int, kind: str, source: str, text: str, length: int,
     rng = random.Random(f"{seed}-{index}-{length}")
     needles, question, lead, expected, forbidden = _facts(kind, rng, depth)
     pre, post = _frame(tokenizer, question, lead, chat)
-    pieces = [(d, tokenizer.encode(" " + s, add_special_tokens=False)) for d, s in needles]
-    budget = length - len(pre) - len(post) - sum(len(p) for _, p in pieces)
+    pieces = [tokenizer.encode(" " + s, add_special_tokens=False) for _, s in needles]
+    budget = length - len(pre) - len(post) - sum(map(len, pieces))
     if budget < 64:
         raise ValueError(f"suite length {length} is too short: a {kind} case needs {length - budget + 64} tokens "
                          "or more; use longer lengths")
-    sents = _filler(tokenizer, text, budget, rng.randrange(len(_sentences(text))), expected + forbidden)
-    cum, pos = [0], []
-    for s in sents:
+    sents = _sentences(text)
+    starts = [j for j, s in enumerate(sents) if s.startswith("\n")] or [0]  # the window opens a paragraph
+    filler = _filler(tokenizer, sents, budget, rng.choice(starts), expected + forbidden)
+    cum = [0]
+    for s in filler:
         cum.append(cum[-1] + len(s))
-    for d, _ in pieces:  # insert after the sentence boundary nearest to each needle's depth
-        pos.append(min(range(len(cum)), key=lambda j: abs(cum[j] - d * cum[-1])))
-    order = sorted(range(len(pieces)), key=lambda n: (pos[n], n))
-    ids, spans, at = list(pre), [None] * len(pieces), 0
-    for n in order:
-        for s in sents[at:pos[n]]:
-            ids += s
-        at = max(at, pos[n])
-        spans[n] = (len(ids), len(ids) + len(pieces[n][1]))
-        ids += pieces[n][1]
-    for s in sents[at:]:
-        ids += s
-    ids += post
+    # each needle goes after the sentence boundary nearest its depth (never before the first sentence)
+    pos = [min(range(1, len(cum)), key=lambda j: abs(cum[j] - d * cum[-1])) for d, _ in needles]
+    ids, spans, at = list(pre), [(0, 0)] * len(pieces), 0
+    for n in sorted(range(len(pieces)), key=lambda n: (pos[n], n)):
+        ids += [t for s in filler[at:pos[n]] for t in s]
+        at = pos[n]
+        spans[n] = (len(ids), len(ids) + len(pieces[n]))
+        ids += pieces[n]
+    ids += [t for s in filler[at:] for t in s] + post
     cid = f"{index}-{kind}-{source}-{length}-d{depth:.2f}-{'chat' if chat else 'plain'}"
     return SuiteCase(cid, kind, source, length, round(depth, 4), chat, tuple(ids), expected, forbidden,
                      MAX_NEW_TOKENS[kind], tuple(spans))
@@ -260,6 +286,9 @@ def build_suite(tokenizer, lengths: Sequence[int], cases_per_length: int, seed: 
     """cases_per_length cases at every length: kinds, sources and plain/chat in round robin,
     depths evenly spread over [0.05, 0.95] (seeded jitter and order). Chat cases become
     plain ones when the tokenizer has no chat template. Same seed, same suite."""
+    unknown = [k for k in kinds if k not in NEEDLE_KINDS]
+    if unknown:
+        raise ValueError(f"unknown needle kind {unknown[0]!r}; choose from {', '.join(NEEDLE_KINDS)}")
     sources = sources or filler_sources()
     names = sorted(sources)
     chat = [c for c in chat if not c or getattr(tokenizer, "chat_template", None)] or [False]
@@ -272,6 +301,6 @@ def build_suite(tokenizer, lengths: Sequence[int], cases_per_length: int, seed: 
         for i in range(n):
             kind = kinds[i % len(kinds)]
             src = names[(i // len(kinds)) % len(names)]
-            c = chat[(i // (len(kinds) * len(names))) % len(chat)] if len(chat) > 1 else chat[0]
-            cases.append(_case(tokenizer, len(cases), kind, src, sources[src], length, depths[i], c, seed))
+            c = chat[(i // (len(kinds) * len(names))) % len(chat)]
+            cases.append(_case(tokenizer, i, kind, src, sources[src], length, depths[i], c, seed))
     return cases
