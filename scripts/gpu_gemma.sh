@@ -32,17 +32,17 @@ for step in "$@"; do
       python3 scripts/gpu_engine.py --out "$OUT/speed" --model gemma3-270m --parts crossover --lengths $G
       ;;
     fidelity)
-      $EVAL --model gemma3-270m --tasks fidelity --lengths $G --samples 2 --decode-tokens 32 \
-        --thresholds 0.5,0.8,0.9,0.95,0.98 --fractions 0.02,0.05,0.1,0.2 --out "$OUT/fidelity"
+      $EVAL --model gemma3-270m --tasks fidelity --methods dense,tactic,quest,lserve --lengths $G --samples 1 \
+        --decode-tokens 16 --thresholds 0.8,0.9,0.95 --fractions 0.05,0.1,0.2 --out "$OUT/fidelity"
       ;;
     gretrieval)
-      $EVAL --model gemma3-270m --dtype bfloat16 --tasks retrieval,suite --variants passkey,single,multikey \
-        --retrieval-lengths $G --passkey-depths 0.1,0.5,0.9 --suite-lengths $G --suite-cases 24 \
-        --suite-fractions 0.1 --out "$OUT/gretrieval"
+      $EVAL --model gemma3-270m --dtype bfloat16 --tasks retrieval,suite --methods dense,tactic,quest,lserve \
+        --variants passkey --retrieval-thresholds 0.9 --retrieval-lengths $G --passkey-depths 0.1,0.5,0.9 \
+        --suite-lengths $G --suite-cases 16 --out "$OUT/gretrieval"
       ;;
     ssuite)
-      $EVAL --dtype bfloat16 --tasks suite --suite-thresholds 0.8,0.95,0.98 --suite-fractions 0.05,0.1,0.2,0.4 \
-        --out "$OUT/ssuite"
+      mkdir -p "$OUT/ssuite" && cp .ss/* "$OUT/ssuite/" 2>/dev/null  # cells of an earlier, interrupted run
+      $EVAL --dtype bfloat16 --tasks suite --suite-lengths 2048,4096,7680 --out "$OUT/ssuite"
       ;;
     record)
       python3 scripts/record_attention.py --model gemma3-270m --length 32000 --out "$OUT/record"

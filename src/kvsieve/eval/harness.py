@@ -169,8 +169,8 @@ def run_fidelity(model, text_ids: Sequence[int], plan: EvalPlan, store: ResultSt
             continue
         windows = text_windows(text_ids, L, N + 1, plan.samples, prefix)
         batch = PrefilledBatch(model, [w[:L] for w in windows], N, streaming_heads)
-        fed = torch.tensor([w[L:L + N] for w in windows])
-        targets = torch.tensor([w[L + 1:L + N + 1] for w in windows])
+        fed = torch.tensor([w[L:L + N] for w in windows], device=model.device)
+        targets = torch.tensor([w[L + 1:L + N + 1] for w in windows], device=model.device)
         dense_lp = store.load_tensor(f"fidelity-{L}")
         for p in points:
             cid = ids[p]

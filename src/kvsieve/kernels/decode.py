@@ -169,6 +169,9 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
     else:  # H200 sweep at 128K x batch 8/32 (docs/benchmarks.md): 128-token blocks, 4 warps,
         # p rounded to the values' dtype for P.V (error within 1.3x of the bf16 reference's)
         cfg = {"block_n": 128, "num_warps": 4, "num_stages": 2, "target": 512, "lowp_pv": True}
+    if D > 128 and not interpreting():  # Gemma 3's 256: keep K/V tiles within shared memory
+        cfg.update(block_n=min(cfg["block_n"], 64 if q.dtype != torch.float32 else 32),
+                   num_stages=min(cfg["num_stages"], 2))
     cfg.update(_config or {})
     block_n = cfg["block_n"]
     split = choose_split(max(cap, 1), B * Hkv, block_n, cfg["target"])

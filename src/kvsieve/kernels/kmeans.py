@@ -55,6 +55,8 @@ def nearest_centroid(x: Tensor, centroids: Tensor, cluster_valid: Tensor, _confi
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(R, S, dtype=torch.int32, device=x.device)
     BM, BC, warps, stages = _config or ((64, 64, 4, 3) if interpreting() else (256, 64, 8, 3))  # H200 sweep
+    if _config is None and D > 128 and not interpreting() and not low:  # Gemma's 256 in fp32: fit shared memory
+        BM, BC, warps, stages = 64, 32, 4, 2
     _nearest_kernel[(R, triton.cdiv(S, BM))](
         x, c, cn, out, S, NC, x.stride(0), x.stride(1), c.stride(0), c.stride(1),
         D=D, BM=BM, BC=BC, UPCAST=interpreting(), num_warps=warps, num_stages=stages)

@@ -40,5 +40,6 @@ def record_decode_step(model: LlamaModel, prompt: Sequence[int]) -> RecordedStep
         w = model.cfg.layer_window(layer)
         return dense_attend(q, kk[:, :, -w:], vv[:, :, -w:])[0] if w else dense_attend(q, kk, vv)[0]
 
-    model.forward(torch.tensor(prompt[-1:]), torch.tensor([n]), capture)
+    dev = model.device
+    model.forward(torch.tensor(prompt[-1:], device=dev), torch.tensor([n], device=dev), capture)
     return rec
