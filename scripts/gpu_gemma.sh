@@ -8,7 +8,8 @@
 #   speed       Gemma at 8K/16K/32000 through the engine, every method forced on, batch 1
 #   fidelity    kvsieve eval --tasks fidelity on Gemma at 8192,16384,32000 (fp32)
 #   gretrieval  kvsieve eval --tasks retrieval,suite on Gemma at 8192,16384,32000
-#   ssuite      kvsieve eval --tasks suite on the embedded model (200 cases, knob sweep)
+#   gsuite      kvsieve eval --tasks suite on Gemma at 8192,16384,32000 (16 cases each)
+#   ssuite      kvsieve eval --tasks suite on the embedded model (200 cases, methods at defaults)
 #   record      scripts/record_attention.py on Gemma at 32000 tokens
 set -uo pipefail
 OUT=$1; shift
@@ -40,9 +41,12 @@ for step in "$@"; do
         --variants passkey --retrieval-thresholds 0.9 --retrieval-lengths $G --passkey-depths 0.1,0.5,0.9 \
         --suite-lengths $G --suite-cases 16 --out "$OUT/gretrieval"
       ;;
+    gsuite)
+      $EVAL --model gemma3-270m --dtype bfloat16 --tasks suite --methods dense,tactic,quest,lserve \
+        --suite-lengths $G --suite-cases 16 --out "$OUT/gsuite"
+      ;;
     ssuite)
-      mkdir -p "$OUT/ssuite" && cp .ss/* "$OUT/ssuite/" 2>/dev/null  # cells of an earlier, interrupted run
-      $EVAL --dtype bfloat16 --tasks suite --suite-lengths 2048,4096,7680 --out "$OUT/ssuite"
+      $EVAL --dtype bfloat16 --tasks suite --out "$OUT/ssuite"
       ;;
     record)
       python3 scripts/record_attention.py --model gemma3-270m --length 32000 --out "$OUT/record"
