@@ -184,3 +184,14 @@ def test_abort_forgets_the_request(tiny_model):
     for r in rids:
         eng.abort(r)
     assert not eng._track and not eng.runner.pending and eng.scheduler.used_pages == 0
+
+
+def test_generate_takes_one_sampling_params_per_prompt(tiny_model):
+    eng = LLMEngine(tiny_model, None, "dense")
+    ps = prompts(2, seed=12)
+    outs = eng.generate(ps, [SamplingParams(3, ignore_eos=True), SamplingParams(7, ignore_eos=True)])
+    assert [len(o.tokens) for o in outs] == [3, 7]
+    assert [o.tokens for o in outs] == [alone(tiny_model, "dense", {}, [p], SamplingParams(n, ignore_eos=True))[0]
+                                        for p, n in zip(ps, (3, 7))]
+    with pytest.raises(ValueError, match="got 1 SamplingParams for 2 prompts"):
+        eng.generate(ps, [SamplingParams(3)])

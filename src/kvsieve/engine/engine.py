@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 
@@ -241,12 +241,17 @@ class LLMEngine:
         return out
 
     # ------------------------------------------------------------------ conveniences
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: Union[SamplingParams, Sequence[SamplingParams]] = SamplingParams(),
                  method: Optional[str] = None, method_options: Optional[dict] = None) -> List[RequestOutput]:
-        """Run every prompt to completion (continuous batching); outputs in prompt order."""
+        """Run every prompt to completion (continuous batching); outputs in prompt order.
+        params: one SamplingParams for all, or one per prompt."""
         if not prompts:
             raise ValueError("no prompt given; pass at least one prompt")
-        ids = [self.add_request(p, params, method, method_options) for p in prompts]
+        per = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per) != len(prompts):
+            raise ValueError(f"got {len(per)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
+        ids = [self.add_request(p, sp, method, method_options) for p, sp in zip(prompts, per)]
         final: Dict[int, RequestOutput] = {}
         while len(final) < len(ids):
             for o in self.step():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from ..engine import LLMEngine, SamplingParams
 from .suite import SuiteCase, build_suite, filler_sources
@@ -45,20 +45,9 @@ def generated_text(engine: LLMEngine, tokenizer, tokens: int = GENERATED_TOKENS,
             prompts.append(tokenizer.encode(text, add_special_tokens=False))
         else:
             prompts.append(tokenizer.encode(f"{ask}\n\n", add_special_tokens=True))
-    outs = _generate_all(engine, prompts, lambda i: SamplingParams(per, temperature=0.8, top_p=0.95, seed=seed + i))
+    outs = engine.generate(prompts, [SamplingParams(per, temperature=0.8, top_p=0.95, seed=seed + i)
+                                     for i in range(len(prompts))], method="dense")
     return "\n\n".join(tokenizer.decode(o.tokens, skip_special_tokens=True).strip() for o in outs)
-
-
-def _generate_all(engine: LLMEngine, prompts, params: Callable[[int], SamplingParams], method: str = "dense",
-                  options: Optional[Dict] = None):
-    """Every prompt with its own sampling parameters, batched; outputs in prompt order."""
-    ids = [engine.add_request(p, params(i), method, options) for i, p in enumerate(prompts)]
-    done = {}
-    while len(done) < len(ids):
-        for o in engine.step():
-            if o.finished:
-                done[o.id] = o
-    return [done[i] for i in ids]
 
 
 def suite_sources(names: Sequence[str], engine: LLMEngine, tokenizer, cache_dir: Path, seed: int) -> Dict[str, str]:
@@ -109,8 +98,8 @@ def _run_point(engine: LLMEngine, cases: Sequence[SuiteCase], p: MethodPoint, L:
                dense_scores: Optional[List[float]]) -> Dict:
     t0 = time.perf_counter()
     opts = p.options(L, heads)
-    outs = _generate_all(engine, [c.prompt_ids for c in cases],
-                         lambda i: SamplingParams(cases[i].max_new_tokens), p.method, opts)
+    outs = engine.generate([c.prompt_ids for c in cases], [SamplingParams(c.max_new_tokens) for c in cases],
+                           p.method, opts)
     answers = [tokenizer.decode(o.tokens, skip_special_tokens=True) for o in outs]
     scores = [c.score(a) for c, a in zip(cases, answers)]
     dense_scores = scores if p.method == "dense" else dense_scores
