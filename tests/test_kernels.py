@@ -162,7 +162,8 @@ def test_summary_scores_group_only_low_precision_summaries(dtype):
     assert (b[fin].double() - b64[fin]).abs().max().item() < 1e-4 * D
     # small tiles: several tiles per program and several programs per row, a partial last tile
     a2, b2 = kselect.summary_scores(q, lo, None, nv, _config=(16, 3, 4, 2))
-    assert torch.equal(b2, b) if DEV == "cpu" else (b2[fin].double() - b64[fin]).abs().max().item() < 1e-4 * D
+    # tile shapes change the dot's summation order, so the bits may differ (they did on one CI CPU)
+    assert torch.equal(torch.isinf(b2), torch.isinf(b64)) and (b2[fin].double() - b64[fin]).abs().max().item() < 1e-4 * D
     fin2 = torch.isfinite(a2.double())
     assert torch.equal(a2.view(B, Hkv, G, N).amax(2)[fin], b2[fin]) and fin2.sum() == G * fin.sum()
 
@@ -345,6 +346,7 @@ def test_windowed_kmeans_is_per_window_and_kernels_agree():
     ("tactic", {"threshold": 0.99, "cluster_size": 8}), ("tactic", {"threshold": 1.0}),
     ("tactic", {"threshold": 0.3, "min_budget": 100}), ("tactic", {"max_budget": 50}),
     ("hybrid", {"threshold": 0.7, "streaming_heads": ((True, False),), "sink": 8, "local": 32}),
+    ("tactic", {"threshold": 0.3, "protect": 48}), ("tactic", {"protect": 0}),
 ])
 def test_plan_selects_exactly_the_reference_mask(name, opts, monkeypatch):
     """The fast path's token lists (kernels) hold exactly the tokens of select()'s mask
@@ -519,8 +521,9 @@ def test_rank_clusters_matches_stable_sort(G, C):
     assert torch.equal(csize[..., -1], sizes.sum(-1).repeat_interleave(G, 1).int())
 
 
+@pytest.mark.parametrize("with_extra", [False, True])
 @pytest.mark.parametrize("G,C", [(1, 1), (3, 54), (4, 97), (8, 2500)])
-def test_union_prefixes_matches_reference(G, C):
+def test_union_prefixes_matches_reference(G, C, with_extra):
     from kvsieve.kernels.rank import union_prefixes
     from kvsieve.ops.threshold import rank_clusters, union_prefixes as reference
 
@@ -530,9 +533,12 @@ def test_union_prefixes_matches_reference(G, C):
     rank = rank_clusters(torch.randn(B, Hkv * G, C, generator=g), sizes)[3]
     keep = torch.randint(0, C + 1, (B, Hkv * G), generator=g)
     keep[0, 0] = 0  # keeps nothing
-    want = reference(rank, keep, sizes)
-    got = union_prefixes(rank.to(DEV), keep.to(DEV), sizes.to(DEV))
+    extra = torch.rand(B, Hkv, C, generator=g) < 0.2 if with_extra else None
+    want = reference(rank, keep, sizes, extra)
+    got = union_prefixes(rank.to(DEV), keep.to(DEV), sizes.to(DEV), None if extra is None else extra.to(DEV))
     for w, o in zip(want, got):
         assert o.dtype == w.dtype and torch.equal(o.cpu(), w)
     chosen = want[0]
     assert torch.equal(want[2], (sizes * chosen).sum(-1).int())  # the union's size, from the mask
+    union = (rank < keep[..., None]).view(B, Hkv, G, C).any(2)
+    assert torch.equal(chosen, union | extra if with_extra else union)

@@ -92,7 +92,7 @@ def test_tactic_budget_grows_with_threshold():
 
 def test_tactic_selection_is_whole_clusters_and_respects_floor_and_cap():
     q, k, v = clustered_qkv(1, 2, 1, 2048, 64, sharpness=6.0, seed=2)
-    m = make_method("tactic", threshold=0.9, max_budget=300, min_budget=100, local=0, sink=0)
+    m = make_method("tactic", threshold=0.9, max_budget=300, min_budget=100, local=0, sink=0, protect=0)
     lengths = torch.tensor([2048])
     st = m.prepare(k, lengths)
     sel = m.select(q, k, lengths, st)
@@ -108,7 +108,7 @@ def test_tactic_selection_is_whole_clusters_and_respects_floor_and_cap():
 
 def test_tactic_prefix_follows_centroid_ranking():
     q, k, v = clustered_qkv(1, 1, 1, 1024, 64, sharpness=5.0, seed=4)
-    m = make_method("tactic", local=0)
+    m = make_method("tactic", local=0, protect=0)
     lengths = torch.tensor([1024])
     st = m.prepare(k, lengths)
     sel = m.select(q, k, lengths, st)

@@ -256,7 +256,7 @@ def test_per_request_kvsieve_settings_are_honoured_and_reported(live, engine, cl
     for threshold in (0.95, 0.3):
         r = client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0, extra_body={
             "ignore_eos": True, "kvsieve": {"method": "tactic", "threshold": threshold, "local": 8,
-                                            "cluster_size": 8}})
+                                            "cluster_size": 8, "protect": 0}})
         kv = r.usage.model_extra["kvsieve"]
         assert kv["method"] == "tactic" and r.usage.prompt_tokens < 100
         fractions[threshold] = kv["kv_fraction"]

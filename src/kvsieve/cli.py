@@ -16,6 +16,8 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="tactic", help=f"one of: {', '.join(METHOD_NAMES)} (default tactic)")
     p.add_argument("--threshold", type=float, help="tactic/hybrid: attention-mass threshold P in (0, 1] (0.9)")
     p.add_argument("--cluster-size", type=int, help="tactic/hybrid: average tokens per cluster (32)")
+    p.add_argument("--protect", type=int, help="tactic/hybrid threshold mode: tokens of clusters whose members "
+                                               "could score highest, taken before the mass threshold (256; 0: off)")
     p.add_argument("--budget", type=int, help="quest/lserve: token budget of selected pages; tactic: fixed "
                                               "per-KV-head token budget instead of the threshold (GPU fast path)")
     p.add_argument("--page-size", type=int, help="quest/lserve: logical page size in tokens")
@@ -31,7 +33,7 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
 
 def method_options(args: argparse.Namespace) -> dict:
     """The method options the user actually gave (unset ones keep the method's defaults)."""
-    names = {"threshold": "threshold", "cluster_size": "cluster_size", "budget": "budget",
+    names = {"threshold": "threshold", "cluster_size": "cluster_size", "protect": "protect", "budget": "budget",
              "page_size": "page_size", "sink": "sink", "local": "local", "prefill_local": "prefill_local",
              "sparse_prefill": "sparse_prefill"}
     return {dst: getattr(args, src) for src, dst in names.items() if getattr(args, src, None) is not None}

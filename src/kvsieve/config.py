@@ -173,6 +173,14 @@ class TacticConfig(MethodConfig):
         (cost linear in the context instead of quadratic; clusters are still ranked
         globally). [ours] 16384: full-context K-means at 128K costs ~6-10% of dense
         prefill, over the 5% target (docs/benchmarks.md). None: one K-means per head.
+    protect: threshold mode also takes, per KV head, the clusters whose members could
+        score highest: ranked by the group's max of the bound q.c + |q| r (r: the
+        cluster's radius, so no member's q.k exceeds it) and taken while their total
+        stays <= protect tokens (the best one at least). [ours] 256; 0 disables. Ranking
+        by q.c alone hides a needle whose key sits far from its centroid in a wide,
+        low-ranked cluster: on the retrieval suite (SmolLM2, 2K tokens, 28 cases dense
+        answers) tactic found 20/28 reading 21.5% of the KV; with protect=256 27/28 at
+        28.8% (docs/accuracy.md). Not used with a fixed `budget`.
     """
 
     threshold: float = 0.9
@@ -190,6 +198,7 @@ class TacticConfig(MethodConfig):
     local: int = 32
     budget: Optional[int] = None
     cluster_window: Optional[int] = 16384
+    protect: int = 256
 
     def __post_init__(self):
         _fraction("threshold", self.threshold)
@@ -224,3 +233,4 @@ class TacticConfig(MethodConfig):
                 f"max_budget ({self.max_budget}) must be >= min_budget ({self.min_budget})"
             )
         _non_negative_int("fold_every", self.fold_every)
+        _non_negative_int("protect", self.protect)

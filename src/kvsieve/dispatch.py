@@ -42,13 +42,13 @@ def rank_clusters(scores, sizes):
     return impl(scores, sizes)
 
 
-def union_prefixes(rank, keep, sizes):
+def union_prefixes(rank, keep, sizes, extra=None):
     """See ops.threshold.union_prefixes."""
     if use_triton(rank):
         from .kernels.rank import union_prefixes as impl
     else:
         from .ops.threshold import union_prefixes as impl
-    return impl(rank, keep, sizes)
+    return impl(rank, keep, sizes, extra)
 
 
 def keep_clusters(read, positions, always, layout, n, csize, head_w, threshold, min_budget=0, max_budget=None):

@@ -5,7 +5,7 @@ They replace two scans, a scatter, two gathers and ~8 elementwise launches per s
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -52,9 +52,10 @@ def rank_clusters(scores: Tensor, sizes: Tensor) -> Tuple[Tensor, Tensor, Tensor
 
 
 @triton.jit
-def _union_kernel(RANK, KEEP, Z, CHOSEN, OFF, TOT, C, G, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _union_kernel(RANK, KEEP, Z, EXTRA, CHOSEN, OFF, TOT, C, G, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr,
+                  PDL: tl.constexpr):
     """One program per (request, KV head): a cluster is chosen when any query head of the
-    group ranks it inside its kept prefix; offsets run over the chosen sizes."""
+    group ranks it inside its kept prefix (or EXTRA marks it); offsets run over the chosen sizes."""
     start_after_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -66,6 +67,8 @@ def _union_kernel(RANK, KEEP, Z, CHOSEN, OFF, TOT, C, G, BLOCK: tl.constexpr, PD
             keep = tl.load(KEEP + row * G + g)
             r = tl.load(RANK + (row * G + g) * C + c0 + offs, mask=inb, other=2147483647)
             chosen = chosen | (r < keep)
+        if HAS_EXTRA:
+            chosen = chosen | (tl.load(EXTRA + row * C + c0 + offs, mask=inb, other=0) != 0)
         z = tl.where(chosen, tl.load(Z + row * C + c0 + offs, mask=inb, other=0), 0)
         tl.store(CHOSEN + row * C + c0 + offs, chosen.to(tl.int8), mask=inb)
         tl.store(OFF + row * C + c0 + offs, carry + tl.cumsum(z, 0) - z, mask=inb)
@@ -73,7 +76,8 @@ def _union_kernel(RANK, KEEP, Z, CHOSEN, OFF, TOT, C, G, BLOCK: tl.constexpr, PD
     tl.store(TOT + row, carry)
 
 
-def union_prefixes(rank: Tensor, keep: Tensor, sizes: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+def union_prefixes(rank: Tensor, keep: Tensor, sizes: Tensor,
+                   extra: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Triton twin of ops.threshold.union_prefixes."""
     B, Hq, C = rank.shape
     Hkv = sizes.shape[1]
@@ -83,7 +87,8 @@ def union_prefixes(rank: Tensor, keep: Tensor, sizes: Tensor) -> Tuple[Tensor, T
     chosen = torch.empty(B, Hkv, C, dtype=torch.int8, device=r.device)
     off = torch.empty(B, Hkv, C, dtype=torch.int32, device=r.device)
     tot = torch.empty(B, Hkv, dtype=torch.int32, device=r.device)
+    x = chosen if extra is None else extra.contiguous().view(torch.int8)
     if B * Hkv:
-        _union_kernel[(B * Hkv,)](r, k, z, chosen, off, tot, C, Hq // Hkv, BLOCK=min(2048, max(16, next_pow2(C))),
-                                  num_warps=4, **launch_args(r))
+        _union_kernel[(B * Hkv,)](r, k, z, x, chosen, off, tot, C, Hq // Hkv, HAS_EXTRA=extra is not None,
+                                  BLOCK=min(2048, max(16, next_pow2(C))), num_warps=4, **launch_args(r))
     return chosen.view(torch.bool), off, tot

@@ -13,7 +13,7 @@ from ..ops.fit import FitLayout, estimate_budget, fit_layout
 from ..ops.paged import PagedKeys, row_table
 from ..ops.threshold import read_positions, read_widths
 from ..ops.kmeans import nearest_centroid
-from ..ops.select import select_by_budget, summary_scores
+from ..ops.select import cluster_radius, radius_bound, select_by_budget, summary_scores
 from .base import Selection, SparseMethod, TokenPlan, capacity_bucket
 
 
@@ -29,6 +29,9 @@ class ClusterIndex:
     num_indexed [B]: tokens [sink, num_indexed) are indexed, [num_indexed, length) are
     not; num_clusters [B]: clusters [0, num_clusters) are in use;
     iters: K-means updates performed at prepare.
+    radius [B, Hkv, C] float32 (float64 for float64 keys): an upper bound of the distance
+    from each centroid to its members (exact at prepare; a fold adds how far the centroid
+    moved), for the protected clusters (TacticConfig.protect).
     members/entry_start/sizes32: the same index as CSR for the paged fast path (token
     ids grouped by cluster [B, Hkv, S] int32, first member of each cluster and cluster
     sizes [B, Hkv, C] int32); built on first use, dropped when the index changes.
@@ -47,6 +50,7 @@ class ClusterIndex:
     max_size: int = 0
     host_indexed: Optional[List[int]] = None  # num_indexed mirrored on the host: no sync per step
     consts: Optional[dict] = None
+    radius: Optional[Tensor] = None
 
     def build_csr(self) -> None:
         B, Hkv, S = self.assign.shape
@@ -63,7 +67,8 @@ class ClusterIndex:
 class Tactic(SparseMethod):
     """Tactic: rank clusters by q.centroid, fit a/x + b to the sorted exp-scores, keep the
     smallest whole-cluster prefix whose estimated mass reaches `threshold`, union over the
-    GQA group; tokens not yet in the index are always attended."""
+    GQA group, plus up to `protect` tokens of the clusters with the highest q.k upper bound;
+    tokens not yet in the index are always attended."""
 
     config: TacticConfig = TacticConfig()
     name = "tactic"
@@ -77,16 +82,19 @@ class Tactic(SparseMethod):
             return ClusterIndex(k.new_zeros(B, Hkv, 1, D, dtype=torch.float32),
                                 torch.zeros(B, Hkv, 1, dtype=torch.long, device=k.device),
                                 torch.full((B, Hkv, S), -1, dtype=torch.long, device=k.device),
-                                lengths.clone(), torch.zeros_like(lengths), host_indexed=lengths.tolist())
+                                lengths.clone(), torch.zeros_like(lengths), host_indexed=lengths.tolist(),
+                                radius=k.new_zeros(B, Hkv, 1, dtype=torch.float32))
         rows = (indexed_end - sink).repeat_interleave(Hkv)
-        res = dispatch.kmeans(k[:, :, sink:].reshape(B * Hkv, S - sink, D), rows, cfg.cluster_size,
-                              cfg.max_iters, cfg.seed + 7919 * layer, row_period=Hkv, window=cfg.cluster_window)
+        x = k[:, :, sink:].reshape(B * Hkv, S - sink, D)
+        res = dispatch.kmeans(x, rows, cfg.cluster_size, cfg.max_iters, cfg.seed + 7919 * layer,
+                              row_period=Hkv, window=cfg.cluster_window)
         C = res.centroids.shape[1]
         assign = torch.nn.functional.pad(res.assign.view(B, Hkv, S - sink), (sink, 0), value=-1)
         cent = res.centroids.to(k.dtype) if k.dtype in (torch.float16, torch.bfloat16) else res.centroids
         return ClusterIndex(
             cent.view(B, Hkv, C, D), res.sizes.view(B, Hkv, C), assign, indexed_end.clone(),
             res.num_clusters.view(B, Hkv)[:, 0].clone(), res.iters, host_indexed=indexed_end.tolist(),
+            radius=cluster_radius(x, res.assign, cent).view(B, Hkv, C),
         )
 
     def append(self, state: ClusterIndex, k, lengths):
@@ -118,7 +126,10 @@ class Tactic(SparseMethod):
         cnt = torch.zeros_like(st.sizes[b]).scatter_add_(1, a, torch.ones_like(a))
         old = st.sizes[b].to(cent.dtype)[..., None]
         new_total = (old + cnt[..., None]).clamp(min=1)
-        st.centroids[b] = torch.where(cnt[..., None] > 0, (cent * old + add) / new_total, cent).to(st.centroids.dtype)
+        new_cent = torch.where(cnt[..., None] > 0, (cent * old + add) / new_total, cent).to(st.centroids.dtype)
+        moved = (new_cent.to(cent.dtype) - cent).norm(dim=-1)  # old members are at most this much farther
+        st.radius[b] = torch.maximum(st.radius[b] + moved, cluster_radius(x, a, new_cent)).to(st.radius.dtype)
+        st.centroids[b] = new_cent  # cent may alias st.centroids[b]: written last
         st.sizes[b] += cnt
         st.assign[b, :, start:end] = a
         st.num_indexed[b] = end
@@ -179,9 +190,14 @@ class Tactic(SparseMethod):
             keep = torch.minimum(keep, (csize <= cfg.max_budget).sum(-1).clamp(min=1))
         sel_q = (tok_rank < keep[..., None]) & indexed  # [B, Hq, S]
 
-        # 5. GQA union + tokens attended regardless
-        mask = sel_q.view(B, Hkv, G, S).any(2) | always_kv
-        return Selection(mask, {"head_budget": sel_q.sum(-1), "head_mask": sel_q | always.view(B, Hq, S)})
+        # 5. GQA union + protected clusters + tokens attended regardless
+        head_mask = sel_q | always.view(B, Hq, S)
+        if cfg.protect:  # attended by every head of the group
+            bound = radius_bound(cscore, q, st.radius)
+            protected, _, _ = select_by_budget(bound, st.sizes, torch.full_like(st.sizes[..., 0], cfg.protect))
+            head_mask |= (protected.gather(-1, st.assign[..., :S].clamp(min=0)) & in_list_kv).repeat_interleave(G, 1)
+        mask = head_mask.view(B, Hkv, G, S).any(2)
+        return Selection(mask, {"head_budget": sel_q.sum(-1), "head_mask": head_mask})
 
     def _select_budget(self, q, st: ClusterIndex, always_kv, in_list_kv, G):
         B, Hkv = st.sizes.shape[:2]
@@ -241,7 +257,8 @@ class Tactic(SparseMethod):
             torch.cat([F.pad(s.assign, (0, S - s.assign.shape[-1]), value=-1) for s in states]),
             torch.cat([s.num_indexed for s in states]), torch.cat([s.num_clusters for s in states]),
             max(s.iters for s in states),
-            host_indexed=[i for s in states for i in (s.host_indexed or s.num_indexed.tolist())])
+            host_indexed=[i for s in states for i in (s.host_indexed or s.num_indexed.tolist())],
+            radius=torch.cat([F.pad(s.radius, (0, C - s.radius.shape[2])) for s in states]))
 
     def take_states(self, state: ClusterIndex, rows: List[int]) -> ClusterIndex:
         r = torch.tensor(rows, device=state.sizes.device)
@@ -249,7 +266,7 @@ class Tactic(SparseMethod):
         host = state.host_indexed or state.num_indexed.tolist()
         return ClusterIndex(pick(state.centroids), pick(state.sizes), pick(state.assign), pick(state.num_indexed),
                             pick(state.num_clusters), state.iters, pick(state.members), pick(state.entry_start),
-                            pick(state.sizes32), state.max_size, [host[i] for i in rows])
+                            pick(state.sizes32), state.max_size, [host[i] for i in rows], radius=pick(state.radius))
 
     def plan_capacity(self, state: ClusterIndex, host_lengths: List[int]) -> int:
         """Largest list a step can produce. Fixed budget: the budget (or the best cluster
@@ -295,7 +312,8 @@ class Tactic(SparseMethod):
             c = state.consts = {
                 "key": key,
                 "budget": torch.full((B, Hkv), cfg.budget or 0, dtype=torch.int32, device=q.device),
-                "sink": torch.full((1, 1), cfg.sink, dtype=torch.int32, device=q.device)}
+                "sink": torch.full((1, 1), cfg.sink, dtype=torch.int32, device=q.device),
+                "protect": torch.full((B, Hkv), cfg.protect, dtype=torch.int32, device=q.device)}
         if cfg.budget is None:
             indexed = state.host_indexed or list(host_lengths)
             tail = self._tail_width(state, host_lengths)
@@ -345,7 +363,10 @@ class Tactic(SparseMethod):
         keep = dispatch.keep_clusters(read.view(B * Hq, W), c["positions"], always.view(B * Hq, -1), c["layout"],
                                       c["n"], csize.view(B * Hq, C), c["head_w"], cfg.threshold, cfg.min_budget,
                                       cfg.max_budget).view(B, Hq)
-        return dispatch.union_prefixes(rank, keep, st.sizes32)
+        protected = None
+        if cfg.protect:
+            protected, _, _ = dispatch.select_by_budget(radius_bound(scores, q, st.radius), st.sizes32, c["protect"])
+        return dispatch.union_prefixes(rank, keep, st.sizes32, protected)
 
     @staticmethod
     def _read_positions(layout, n: Tensor, S: int) -> Tensor:

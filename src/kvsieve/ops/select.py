@@ -42,6 +42,38 @@ def summary_scores(q: Tensor, lo: Tensor, hi: Optional[Tensor] = None,
     return None if group_only else s.reshape(B, Hq, N), s.amax(2)
 
 
+def cluster_radius(x: Tensor, assign: Tensor, centroids: Tensor, chunk: int = 8192) -> Tensor:
+    """Largest distance from each centroid to one of its members.
+
+    x [N, S, D] keys; assign [N, S] cluster id (-1: not in the index); centroids [N, C, D]
+    as the index stores them. Returns radius [N, C] float32 (float64 for float64
+    centroids), 0 for empty clusters. Reads the keys in chunks of `chunk` tokens."""
+    ct = torch.float64 if centroids.dtype == torch.float64 else torch.float32
+    N, C, D = centroids.shape
+    cent = centroids.to(ct)
+    radius = torch.zeros(N, C, dtype=ct, device=centroids.device)
+    for s in range(0, x.shape[1], chunk):
+        a = assign[:, s:s + chunk]
+        idx = a.clamp(min=0)
+        d = (x[:, s:s + chunk].to(ct) - cent.gather(1, idx[..., None].expand(-1, -1, D))).norm(dim=-1)
+        radius = radius.scatter_reduce(1, idx, d.masked_fill(a < 0, 0), "amax")
+    return radius
+
+
+def radius_bound(per_head: Tensor, q: Tensor, radius: Tensor) -> Tensor:
+    """Upper bound of q.k over each cluster's members, max over each KV head's group.
+
+    per_head [B, Hq, C] q.centroid (summary_scores' first output; -inf for unused
+    clusters); q [B, Hq, D]; radius [B, Hkv, C] (cluster_radius). Every member k of a
+    cluster with centroid c and radius r has q.k = q.c + q.(k - c) <= q.c + |q| r.
+    Returns [B, Hkv, C] float32 (float64 for float64 q), unscaled like per_head."""
+    B, Hq, C = per_head.shape
+    Hkv = radius.shape[1]
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qn = q.to(ct).norm(dim=-1).view(B, Hkv, Hq // Hkv, 1)
+    return (per_head.to(ct).view(B, Hkv, Hq // Hkv, C) + qn * radius.to(ct)[:, :, None]).amax(2)
+
+
 def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """Take entries in descending score order while their total size stays <= budget.
 

@@ -107,16 +107,20 @@ def rank_clusters(scores: Tensor, sizes: Tensor) -> Tuple[Tensor, Tensor, Tensor
     return order.int(), ranked, ranked.cumsum(-1, dtype=torch.int32), rank.int()
 
 
-def union_prefixes(rank: Tensor, keep: Tensor, sizes: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+def union_prefixes(rank: Tensor, keep: Tensor, sizes: Tensor,
+                   extra: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """GQA union of the query heads' cluster prefixes, in select_by_budget's output form.
 
     rank [B, Hq, C] each cluster's rank per query head; keep [B, Hq] clusters each query
-    head keeps (its first keep ranks); sizes [B, Hkv, C]. Returns chosen [B, Hkv, C] bool
-    (kept by any head of the group), offsets [B, Hkv, C] int32 (exclusive running sum of
-    chosen sizes) and total [B, Hkv] int32."""
+    head keeps (its first keep ranks); sizes [B, Hkv, C]; extra [B, Hkv, C] bool clusters
+    chosen regardless (Tactic's protected clusters) or None. Returns chosen [B, Hkv, C]
+    bool (kept by any head of the group, or extra), offsets [B, Hkv, C] int32 (exclusive
+    running sum of chosen sizes) and total [B, Hkv] int32."""
     B, Hq, C = rank.shape
     Hkv = sizes.shape[1]
     chosen = (rank < keep[..., None]).view(B, Hkv, Hq // Hkv, C).any(2)
+    if extra is not None:
+        chosen = chosen | extra
     chosen_sizes = sizes.int() * chosen
     offsets = chosen_sizes.cumsum(-1, dtype=torch.int32) - chosen_sizes
     return chosen, offsets, chosen_sizes.sum(-1, dtype=torch.int32)

@@ -1,0 +1,120 @@
+"""Tactic's protected clusters: cluster radii, the q.k upper bound, and the needle they recover."""
+import pytest
+import torch
+
+from kvsieve import make_method, sparse_decode
+from kvsieve.ops.select import cluster_radius, radius_bound, summary_scores
+
+from conftest import clustered_qkv, oracle, rel_err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("S,C,D", [(1, 1, 64), (54, 7, 128), (97, 13, 64)])
+def test_cluster_radius_matches_float64_oracle(S, C, D, dtype):
+    g = torch.Generator().manual_seed(S + C + D)
+    x = torch.randn(3, S, D, generator=g).to(dtype)
+    cent = torch.randn(3, C, D, generator=g).to(dtype)
+    assign = torch.randint(-1, C, (3, S), generator=g)
+    assign[1] = assign[1].clamp(max=C - 2) if C > 1 else -1  # cluster C-1 empty in row 1 (all -1 if C == 1)
+    got = cluster_radius(x, assign, cent, chunk=13)  # chunks that do not divide S
+    want = torch.zeros(3, C, dtype=torch.float64)
+    for n in range(3):
+        for s in range(S):
+            a = int(assign[n, s])
+            if a >= 0:
+                want[n, a] = max(want[n, a], (x[n, s].double() - cent[n, a].double()).norm())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert want[1, -1] == 0 and got[1, -1] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("G", [1, 3, 4, 8])
+@pytest.mark.parametrize("S,D", [(54, 64), (97, 128), (600, 64)])
+def test_radius_bound_holds_for_every_member(S, D, G, dtype):
+    q, k, _ = clustered_qkv(2, 2 * G, 2, S, D, sharpness=4.0, seed=S + G + D, dtype=dtype)
+    lengths = torch.tensor([S, max(1, S - 20)])
+    m = make_method("tactic", cluster_size=8, sink=2, local=4)
+    st = m.prepare(k, lengths)
+    per_head, _ = summary_scores(q, st.centroids, None, st.num_clusters[:, None].expand(2, 2))
+    bound = radius_bound(per_head, q, st.radius)  # [B, Hkv, C]
+    qk = torch.einsum("bhgd,bhsd->bhgs", q.double().view(2, 2, G, D), k.double()).amax(2)  # [B, Hkv, S]
+    a = st.assign
+    for b in range(2):
+        for h in range(2):
+            for c in a[b, h][a[b, h] >= 0].unique().tolist():
+                top = qk[b, h][a[b, h] == c].max()
+                assert bound[b, h, c] >= top - 1e-4 * top.abs().clamp(min=1), (b, h, c)
+
+
+def test_fold_keeps_radius_an_upper_bound():
+    q, k, _ = clustered_qkv(1, 4, 2, 900, 64, sharpness=6.0, seed=5, dtype=torch.float32)
+    m = make_method("tactic", fold_every=100, local=32, cluster_size=16)
+    st = m.prepare(k, torch.tensor([500]))
+    for n in (600, 700, 900):
+        st = m.append(st, k, torch.tensor([n]))
+        a = st.assign[0, :, :n]
+        idx = a.clamp(min=0)
+        d = (k[0, :, :n].double() - st.centroids[0].double().gather(1, idx[..., None].expand(-1, -1, 64))).norm(dim=-1)
+        r = st.radius[0].double().gather(1, idx)
+        assert ((d <= r + 1e-5) | (a < 0)).all(), n
+    assert int(st.num_indexed[0]) == 868  # the folds happened
+
+
+def _plant_needle(q, k, m, lengths):
+    """Move one member of the lowest-ranked multi-token cluster of (request 0, KV head 0)
+    onto the query direction: a key that q scores highest although its cluster ranks low.
+    Returns the index (radius refreshed for the moved key) and the needle's position."""
+    st = m.prepare(k, lengths)
+    D = k.shape[-1]
+    G = q.shape[1] // k.shape[1]
+    score = torch.einsum("gd,cd->gc", q[0, :G].double(), st.centroids[0, 0].double()).amax(0)
+    big = st.sizes[0, 0] >= 4
+    c = int(torch.where(big, score, torch.tensor(float("inf"), dtype=torch.float64)).argmin())
+    t = int(torch.nonzero(st.assign[0, 0] == c)[0])
+    q0 = q[0, 0].double()
+    top = (k[0, 0].double() @ q0).max()  # the needle outscores every key for query head 0: e^5 x (scaled)
+    k[0, 0, t] = ((top + 5 * k.shape[-1] ** 0.5) * q0 / q0.norm() ** 2).to(k.dtype)
+    st.radius = cluster_radius(k.flatten(0, 1), st.assign.flatten(0, 1), st.centroids.flatten(0, 1)).view_as(st.radius)
+    return st, t
+
+
+@pytest.mark.parametrize("G", [1, 4])
+def test_protect_recovers_a_needle_hidden_in_a_low_ranked_cluster(G):
+    q, k, v = clustered_qkv(1, 2 * G, 2, 1500, 64, sharpness=3.0, seed=21 + G, dtype=torch.float32)
+    lengths = torch.tensor([1500])
+    off = make_method("tactic", threshold=0.5, protect=0)
+    on = make_method("tactic", threshold=0.5, protect=64)
+    st, t = _plant_needle(q, k, off, lengths)
+    miss = off.select(q, k, lengths, st)
+    hit = on.select(q, k, lengths, st)
+    assert not miss.mask[0, 0, t] and hit.mask[0, 0, t]
+    assert (hit.mask | ~miss.mask).all()  # protect only adds tokens
+    assert hit.mask[0].sum(-1).max() - miss.mask[0].sum(-1).max() <= 64 + st.sizes.max()
+    dense, _ = oracle(q, k, v)
+    err_off = rel_err(oracle(q, k, v, mask=miss.mask)[0][0, 0], dense[0, 0])  # query head 0: the needle's
+    err_on = rel_err(oracle(q, k, v, mask=hit.mask)[0][0, 0], dense[0, 0])
+    assert err_on < 0.5 * err_off, (err_on, err_off)
+
+
+def test_protect_is_reported_and_zero_disables_it():
+    q, k, v = clustered_qkv(1, 4, 1, 800, 64, sharpness=6.0, seed=3, dtype=torch.float32)
+    r0 = sparse_decode(q, k, v, method="tactic", threshold=0.3, protect=0)
+    r1 = sparse_decode(q, k, v, method="tactic", threshold=0.3, protect=200)
+    assert r1.mask.sum() > r0.mask.sum() and (r1.mask | ~r0.mask).all()
+    assert torch.equal(r1.mask, r1.stats["head_mask"].view(1, 1, 4, -1).any(2))
+    with pytest.raises(ValueError, match="protect"):
+        make_method("tactic", protect=-1)
+
+
+def test_merge_and_take_states_carry_radius():
+    _, k, _ = clustered_qkv(2, 2, 2, 300, 64, seed=8, dtype=torch.float32)
+    m = make_method("tactic", cluster_size=16)
+    a = m.prepare(k[:1, :, :120], torch.tensor([120]))
+    b = m.prepare(k[1:], torch.tensor([300]))
+    merged = m.merge_states([a, b])
+    assert merged.radius.shape == merged.sizes.shape
+    back = m.take_states(merged, [1, 0])
+    assert torch.equal(back.radius[0], b.radius[0])
+    Ca = a.radius.shape[-1]
+    assert torch.equal(back.radius[1, :, :Ca], a.radius[0]) and (back.radius[1, :, Ca:] == 0).all()
