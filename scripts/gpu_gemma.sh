@@ -9,7 +9,9 @@
 #   fidelity    kvsieve eval --tasks fidelity on Gemma at 8192,16384,32000 (fp32)
 #   gretrieval  kvsieve eval --tasks retrieval,suite on Gemma at 8192,16384,32000
 #   gsuite      kvsieve eval --tasks suite on Gemma at 8192,16384,32000 (16 cases each)
-#   ssuite      kvsieve eval --tasks suite on the embedded model (200 cases, methods at defaults)
+#   ssuite      kvsieve eval --tasks suite on the embedded model (200 cases, methods at defaults;
+#               $SUITE_ARGS adds options, e.g. "--methods dense,tactic --out /tmp/ssuite" to resume
+#               a run across calls: the out folder keeps finished cells)
 #   record      scripts/record_attention.py on Gemma at 32000 tokens
 set -uo pipefail
 OUT=$1; shift
@@ -46,7 +48,7 @@ for step in "$@"; do
         --suite-lengths $G --suite-cases 16 --out "$OUT/gsuite"
       ;;
     ssuite)
-      $EVAL --dtype bfloat16 --tasks suite --out "$OUT/ssuite"
+      $EVAL --dtype bfloat16 --tasks suite --out "$OUT/ssuite" ${SUITE_ARGS:-}
       ;;
     record)
       python3 scripts/record_attention.py --model gemma3-270m --length 32000 --out "$OUT/record"

@@ -56,7 +56,10 @@ def test_pattern_for_methods_and_the_shipped_default(tmp_path):
     assert default_pattern(tmp_path / "other-model") is None
     if EMBEDDED_PATTERN.is_file():  # shipped once calibrated for the embedded model
         assert default_pattern(tmp_path / "smollm2-135m-instruct") == EMBEDDED_PATTERN
-        assert sum(map(sum, load_pattern(EMBEDDED_PATTERN, 30, 3))) == 45  # ratio 0.5 of 90 KV heads
+        doc = json.loads(EMBEDDED_PATTERN.read_text())
+        shipped = load_pattern(EMBEDDED_PATTERN, 30, 3)
+        assert sum(map(sum, shipped)) == round(doc["ratio"] * 90)
+        assert shipped == choose_streaming(doc["score"], doc["ratio"])  # the file's own scores and ratio
 
 
 def test_lambda_mass_matches_the_float64_oracle():
