@@ -274,9 +274,35 @@ def test_eval_quick_smoke_and_resume(capsys, tmp_path):
     assert res["versions"]["torch"] == torch.__version__ and res["model_config"]["num_layers"] == 30
     report = (out_dir / "report.md").read_text()
     assert "tactic P=0.9" in report and "Retrieval" in report and "Retrieval suite" in report
-    for png in ("fidelity-2048.png", "heatmaps-2048.png", "retrieval-passkey.png"):
+    for png in ("fidelity-2048.png", "heatmaps-2048.png", "retrieval-passkey.png", "suite-curve.png"):
         assert (out_dir / png).stat().st_size > 10_000
 
     code, out = run_cli(capsys, "eval", "--quick", "--out", str(out_dir), "--no-progress")
     assert code == 0 and "56 cells resumed" in out.out
     assert json.loads((out_dir / "results.json").read_text())["cells"] == res["cells"]
+
+
+def test_suite_summary_counts_only_what_dense_answers(tmp_path):
+    """found per length, per kind and overall are over dense's correct cases only; KV read
+    overall is the mean over lengths; the table and the curve come from the same numbers."""
+    from kvsieve.eval.plots import suite_curve
+    from kvsieve.eval.report import suite_section, suite_summary
+
+    def cell(L, method, label, scores, kv, kinds=("number", "name", "number")):
+        return {"task": "suite", "length": L, "method": method, "label": label, "scores": scores,
+                "kinds": list(kinds), "kv_fraction": kv}
+    cells = [cell(1024, "dense", "dense", [1.0, 1.0, 0.0], 1.0), cell(2048, "dense", "dense", [1.0, 0.0, 1.0], 1.0),
+             cell(1024, "tactic", "tactic default", [1.0, 0.0, 1.0], 0.3),
+             cell(2048, "tactic", "tactic default", [1.0, 1.0, 0.0], 0.1),
+             cell(1024, "tactic", "tactic P=0.8", [0.0, 0.0, 0.0], 0.2),
+             cell(2048, "tactic", "tactic P=0.8", [1.0, 1.0, 1.0], 0.05)]
+    rows = {r["label"]: r for r in suite_summary({"cells": cells})}
+    t = rows["tactic default"]
+    # dense right: 1024 cases 0, 1 (a number, a name); 2048 cases 0, 2 (two numbers)
+    assert t["found"] == {"all": (2, 4), 1024: (1, 2), 2048: (1, 2), "number": (2, 3), "name": (0, 1)}
+    assert t["kv"] == {1024: 0.3, 2048: 0.1, "all": pytest.approx(0.2)}
+    assert rows["tactic P=0.8"]["found"]["all"] == (2, 4) and rows["dense"]["found"]["all"] == (4, 4)
+    table = suite_section({"cells": cells})
+    assert "| tactic default | 20.0% | 50% (2/4) | 50% (1/2) | 50% (1/2) | 67% (2/3) | 0% (0/1) | 30.0% | 10.0% |" in table
+    assert suite_curve({"cells": cells, "model": "m"}, tmp_path / "c.png") == "c.png"
+    assert (tmp_path / "c.png").stat().st_size > 10_000

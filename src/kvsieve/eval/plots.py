@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import NullFormatter, PercentFormatter  # noqa: E402
 
-from .report import COMPARED, fidelity_cells  # noqa: E402
+from .report import COMPARED, fidelity_cells, suite_summary  # noqa: E402
 
 HEATMAP_PREFERENCE = ("tactic P=0.9", "hybrid P=0.9", "quest 10%", "lserve 10%")
 STYLE = {"tactic": ("o", "-"), "hybrid": ("x", "--"), "quest": ("s", "-"), "lserve": ("^", "-."),
@@ -27,6 +27,8 @@ def make_all(results: Dict, out_dir: Path) -> List[str]:
     variants = sorted({c["variant"] for c in results["cells"] if c["task"] == "retrieval"})
     for v in variants:
         names.append(retrieval_grid(results, v, out_dir / f"retrieval-{v}.png"))
+    if any(c["task"] == "suite" for c in results["cells"]):
+        names.append(suite_curve(results, out_dir / "suite-curve.png"))
     return [n for n in names if n]
 
 
@@ -115,6 +117,40 @@ def retrieval_grid(results: Dict, variant: str, path: Path) -> str:
     for row in axes:
         row[0].set_ylabel("needle depth")
     fig.suptitle(f"{variant}: score by depth x length", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def suite_curve(results: Dict, path: Path) -> str:
+    """Retrieval (share of dense's correct cases found) against KV read, one panel for all
+    lengths and one per length; every point of a method joined in order of KV read, its
+    default point ringed; the dotted line is the 99% target."""
+    rows = [r for r in suite_summary(results) if r["method"] != "dense"]
+    lengths = sorted({k for r in rows for k in r["kv"] if k != "all"})
+    keys = ["all", *lengths]
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for m in dict.fromkeys(r["method"] for r in rows):
+            pts = sorted((r["kv"][key], r["found"][key][0] / r["found"][key][1], r["label"].endswith("default"))
+                         for r in rows if r["method"] == m and r["found"].get(key, (0, 0))[1])
+            if not pts:
+                continue
+            marker, ls = STYLE.get(m, ("o", "-"))
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, ls=ls, label=m)
+            ax.scatter([p[0] for p in pts if p[2]], [p[1] for p in pts if p[2]], s=160, facecolors="none",
+                       edgecolors=line.get_color(), linewidths=1.5, zorder=5)
+        ax.axhline(0.99, color="k", ls=":", lw=1)
+        ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+        ax.set_xlabel("fraction of KV read")
+        ax.set_title("all lengths" if key == "all" else f"{key} tokens", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("found (of dense's correct cases)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{Path(results['model']).name}: retrieval suite, found vs KV read (ringed: default; dotted: 99%)",
+                 fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -98,9 +98,32 @@ def retrieval_section(results: Dict) -> str:
                       _table(["method", "KV read", *variants], rows)])
 
 
+def suite_summary(results: Dict) -> List[Dict]:
+    """Per suite point (label): its method, mean KV read and found/total over dense's correct
+    cases, overall ("all"), per length and per needle kind. found counts exact-match answers."""
+    cells = [c for c in results["cells"] if c["task"] == "suite"]
+    dense = {c["length"]: c for c in cells if c["method"] == "dense"}
+    out = []
+    for lab in dict.fromkeys(c["label"] for c in cells):
+        mine = [c for c in cells if c["label"] == lab]
+        row = {"label": lab, "method": mine[0]["method"], "kv": {}, "found": {}}
+        for c in mine:
+            d = dense.get(c["length"])
+            right = [i for i, s in enumerate(d["scores"] if d else ()) if s == 1.0]
+            groups = [("all", None), (c["length"], None)] + [(k, k) for k in dict.fromkeys(c["kinds"])]
+            for key, kind in groups:
+                idx = [i for i in right if kind is None or c["kinds"][i] == kind]
+                hit, tot = row["found"].get(key, (0, 0))
+                row["found"][key] = (hit + sum(c["scores"][i] == 1.0 for i in idx), tot + len(idx))
+            row["kv"][c["length"]] = c["kv_fraction"]
+        row["kv"]["all"] = float(np.mean(list(row["kv"].values())))
+        out.append(row)
+    return out
+
+
 def suite_section(results: Dict) -> str:
     """Retrieval-suite table: per point, the share of dense's correct cases it also answers
-    right (overall, per length, per kind), with the KV fraction it read."""
+    right (overall, per length, per kind), with the KV fraction it read (overall, per length)."""
     cells = [c for c in results["cells"] if c["task"] == "suite"]
     if not cells:
         return ""
@@ -108,31 +131,22 @@ def suite_section(results: Dict) -> str:
     kinds = list(dict.fromkeys(k for c in cells for k in c["kinds"]))
     dense = {c["length"]: c for c in cells if c["method"] == "dense"}
 
-    def found(mine, keep=lambda c, i: True) -> str:
-        hit = tot = 0
-        for c in mine:
-            d = dense.get(c["length"])
-            for i, s in enumerate(d["scores"] if d else ()):
-                if s == 1.0 and keep(c, i):
-                    tot += 1
-                    hit += c["scores"][i] == 1.0
+    def found(row, key) -> str:
+        hit, tot = row["found"].get(key, (0, 0))
         return f"{hit / tot:.0%} ({hit}/{tot})" if tot else "—"
 
-    rows = []
-    for lab in dict.fromkeys(c["label"] for c in cells):
-        mine = [c for c in cells if c["label"] == lab]
-        kv = np.mean([c["kv_fraction"] for c in mine])
-        rows.append([lab, _fmt(kv, ".1%"), found(mine)]
-                    + [found([c for c in mine if c["length"] == L]) for L in lengths]
-                    + [found(mine, lambda c, i, k=k: c["kinds"][i] == k) for k in kinds])
+    rows = [[r["label"], _fmt(r["kv"]["all"], ".1%"), found(r, "all")] + [found(r, L) for L in lengths]
+            + [found(r, k) for k in kinds] + [_fmt(r["kv"].get(L), ".1%") for L in lengths]
+            for r in suite_summary(results)]
     n = sum(len(c["scores"]) for c in dense.values())
     right = sum(s == 1.0 for c in dense.values() for s in c["scores"])
     return "\n".join(["## Retrieval suite", "",
                       f"{n} cases (needle kinds {', '.join(kinds)}; lengths {', '.join(map(str, lengths))}). Dense "
                       f"answers {right} right: found = the share of those a method also answers right (exact "
                       f"match); the {n - right} cases dense misses are not counted. KV read: mean fraction of the "
-                      "cache read per decode step.", "",
-                      _table(["method", "KV read", "found", *map(str, lengths), *kinds], rows)])
+                      "cache read per decode step (overall: the mean over lengths).", "",
+                      _table(["method", "KV read", "found", *map(str, lengths), *kinds,
+                              *(f"KV {L}" for L in lengths)], rows)])
 
 
 def _window_note(results: Dict) -> List[str]:
@@ -165,15 +179,17 @@ def write_report(results: Dict, out_dir) -> Report:
                  "none: no pattern for this model, so lserve = hierarchical page selection on every head and "
                  "hybrid = tactic" if results["streaming_heads"] is None else
                  "{streaming} of {kv_heads} KV heads stream ({file}, tag {tag})".format(**results["streaming_heads"])),
-             f"- fidelity text: {results['text']} ({results['text_tokens']} tokens)",
+             *([f"- fidelity text: {results['text']} ({results['text_tokens']} tokens)"] if lengths else []),
              *_window_note(results),
-             f"- versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()), "",
-             "## Attention and next-token fidelity", "",
-             "mass: dense softmax mass on the tokens read; out err: ||o - o_dense|| / ||o_dense|| per head, "
-             "dense in float64 on the same q, k, v; ppl of the true next tokens; KL(dense || method) of the "
-             "next-token distribution in nats; top-1 = dense: same argmax token as dense."]
-    parts += ["\n" + fidelity_section(results, L) for L in lengths]
-    parts += ["", threshold_section(results), "", retrieval_section(results), "", suite_section(results), ""]
+             f"- versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items())]
+    if lengths:
+        parts += ["", "## Attention and next-token fidelity", "",
+                  "mass: dense softmax mass on the tokens read; out err: ||o - o_dense|| / ||o_dense|| per head, "
+                  "dense in float64 on the same q, k, v; ppl of the true next tokens; KL(dense || method) of the "
+                  "next-token distribution in nats; top-1 = dense: same argmax token as dense."]
+        parts += ["\n" + fidelity_section(results, L) for L in lengths]
+    parts += [x for s in (threshold_section(results), retrieval_section(results), suite_section(results)) if s
+              for x in ("", s)] + [""]
     parts += [f"![{p}]({p})" for p in plots]
     text = "\n".join(parts) + "\n"
     (out_dir / "report.md").write_text(text)
