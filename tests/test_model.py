@@ -153,6 +153,14 @@ def test_generate_json_contract(capsys):
                 "kv_fraction", "kv_bytes"):
         assert key in rep
     assert rep["method"] == "quest" and rep["generated_tokens"] <= 3 and rep["kv_bytes"] > 0
+    assert rep["attended"] == ["quest"] and rep["dense_below"] == 0  # the CPU never falls back below a crossover
+    rc, out, err = run_cli(capsys, "generate", "--prompt", "Name a color.", "--max-new-tokens", "3",
+                           "--method", "quest", "--budget", "64", "--dense-below", "1000", "--json")
+    rep = json.loads(out)
+    assert rc == 0 and rep["attended"] == ["dense"] and rep["kv_fraction"] == 1.0 and rep["dense_below"] == 1000
+    rc, _, err = run_cli(capsys, "generate", "--prompt", "Name a color.", "--max-new-tokens", "3",
+                         "--method", "quest", "--budget", "64", "--dense-below", "1000")
+    assert rc == 0 and "quest (dense attention)" in err and "pass --dense-below 0 to force quest" in err
 
 
 @pytest.mark.parametrize("argv,message", [

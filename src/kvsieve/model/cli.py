@@ -109,7 +109,8 @@ def cmd_generate(args) -> int:
         "warmup_s": round(warm, 3),
         "kv_fraction": round(frac, 5),
         "kv_fraction_per_request": [round(o.kv_fraction, 5) for o in res],
-        "attended": [o.method for o in res],
+        "attended": ["dense" if o.attended_densely else o.method for o in res],
+        "dense_below": eng.dense_below,
         "kv_bytes": eng.runner.cache.page_bytes * sum(-(-(len(p) + len(o.tokens)) // 16) for p, o in zip(prompts, res)),
         "ttft_s": [round(o.ttft_s, 4) for o in res],
         "builtin_prompt": builtin,
@@ -130,6 +131,10 @@ def cmd_generate(args) -> int:
         print(f"--- agreement with dense: {report['agreement']:.0%} of generated tokens")
     if warm:
         print(f"--- warm-up (kernel compilation, step-graph capture): {warm:.1f} s", file=sys.stderr)
+    if args.method != "dense" and "dense" in report["attended"]:
+        print(f"--- attended densely: the prompt is below this device's dense/sparse crossover of "
+              f"{eng.dense_below} tokens, or {args.method}'s plans read most of the cache; pass --dense-below 0 "
+              f"to force {args.method}", file=sys.stderr)
     attended = ", ".join(sorted(set(report["attended"])))
     print(f"--- {args.method} ({attended} attention) on {device} {report['dtype']}: prompt {report['prompt_tokens']} "
           f"tokens, {gen} generated, KV read {frac:.1%}, prefill {st.prefill_s:.2f} s, "
