@@ -195,3 +195,19 @@ def test_generate_takes_one_sampling_params_per_prompt(tiny_model):
                                         for p, n in zip(ps, (3, 7))]
     with pytest.raises(ValueError, match="got 1 SamplingParams for 2 prompts"):
         eng.generate(ps, [SamplingParams(3)])
+
+
+def test_warmup_runs_at_the_asked_length_and_leaves_the_engine_as_new(tiny_model):
+    eng = LLMEngine(tiny_model, None, "tactic", cluster_size=8, kv_pages=40, page_size=16)
+    seen = []
+    add = eng.scheduler.add
+    eng.scheduler.add = lambda ids, *a, **k: seen.append(len(ids)) or add(ids, *a, **k)
+    assert eng.warmup(prompt_tokens=300, decode_tokens=3) > 0
+    assert seen and set(seen) == {300}  # once per method the engine holds (its own and dense)
+    assert eng.warmup(prompt_tokens=10**6, decode_tokens=3) > 0  # clamped to the pool, not an error
+    assert seen[-1] == 40 * 16 - 3 - 1
+    assert eng.scheduler.used_pages == 0 and not eng.has_unfinished
+    eng.scheduler.add = add
+    ps, params = prompts(3, seed=5), SamplingParams(max_new_tokens=6, ignore_eos=True)
+    fresh = LLMEngine(tiny_model, None, "tactic", cluster_size=8, kv_pages=40, page_size=16).generate(ps, params)
+    assert [o.tokens for o in eng.generate(ps, params)] == [o.tokens for o in fresh]

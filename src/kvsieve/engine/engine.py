@@ -276,8 +276,11 @@ class LLMEngine:
 
     def warmup(self, prompt_tokens: int = 1100, decode_tokens: int = 6) -> float:
         """Compile every kernel the default method uses (prefill, index, plan, attention,
-        step-graph capture) on a dummy request, outside any user request. Returns seconds.
-        Triton keeps compiled kernels in its on-disk cache, so later runs start faster."""
+        step-graph capture) on a dummy request of `prompt_tokens` tokens (clamped to the model
+        and the pool), outside any user request. Returns seconds. Kernel variants follow the
+        context's size buckets, so a caller that knows its requests warms at their length
+        (`kvsieve generate` does). Triton keeps compiled kernels in its on-disk cache, so
+        later runs start faster."""
         t0 = time.perf_counter()
         n = max(1, min(prompt_tokens, self.model.cfg.max_positions - decode_tokens - 1,
                        self.scheduler.num_pages * self.scheduler.page_size - decode_tokens - 1))

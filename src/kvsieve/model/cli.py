@@ -87,7 +87,8 @@ def cmd_generate(args) -> int:
     pages = args.kv_pages or sum(-(-(len(p) + args.max_new_tokens) // 16) for p in prompts)
     eng = LLMEngine(model, tok, args.method, kv_pages=pages, max_num_seqs=max(len(prompts), 1),
                     dense_below=args.dense_below, **opts)
-    warm = 0.0 if args.no_warmup or device.type != "cuda" else eng.warmup()
+    # at the longest prompt's length: kernels specialised on the context's size bucket compile here, not in the request
+    warm = 0.0 if args.no_warmup or device.type != "cuda" else eng.warmup(prompt_tokens=max(map(len, prompts)))
     stream = not args.json and not args.no_progress and len(prompts) == 1
     res = run_requests(eng, tok, prompts, params, None, stream)
     texts = [tok.decode(o.tokens, skip_special_tokens=True) for o in res]
@@ -111,7 +112,8 @@ def cmd_generate(args) -> int:
         "kv_fraction_per_request": [round(o.kv_fraction, 5) for o in res],
         "attended": ["dense" if o.attended_densely else o.method for o in res],
         "dense_below": eng.dense_below,
-        "kv_bytes": eng.runner.cache.page_bytes * sum(-(-(len(p) + len(o.tokens)) // 16) for p, o in zip(prompts, res)),
+        "kv_bytes": eng.runner.cache.page_bytes * sum(-(-(len(p) + len(o.tokens)) // eng.scheduler.page_size)
+                                                 for p, o in zip(prompts, res)),
         "ttft_s": [round(o.ttft_s, 4) for o in res],
         "builtin_prompt": builtin,
     }
