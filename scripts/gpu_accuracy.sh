@@ -14,9 +14,8 @@
 # stopped (while the machine stays warm); `pack` tars it to OUT/ssuite.tgz.
 set -uo pipefail
 OUT=$1; shift
-cd "$(dirname "$0")/.."
-export PYTHONPATH=/tmp/site:$PWD/src KVSIEVE_CACHE_DIR=/tmp/kvc PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-mkdir -p "$OUT" /tmp/kvc
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+source "$(dirname "$0")/gpu_env.sh"
 EVAL="python3 -m kvsieve eval --no-progress --device cuda --dtype bfloat16 --tasks suite --out /tmp/ssuite"
 for step in "$@"; do
   echo "=== $step $(date +%T)"

@@ -9,15 +9,11 @@
 #   fidelity    kvsieve eval --tasks fidelity on Gemma at 8192,16384,32000 (fp32)
 #   gretrieval  kvsieve eval --tasks retrieval,suite on Gemma at 8192,16384,32000
 #   gsuite      kvsieve eval --tasks suite on Gemma at 8192,16384,32000 (16 cases each)
-#   ssuite      kvsieve eval --tasks suite on the embedded model (200 cases, methods at defaults;
-#               $SUITE_ARGS adds options, e.g. "--methods dense,tactic --out /tmp/ssuite" to resume
-#               a run across calls: the out folder keeps finished cells)
 #   record      scripts/record_attention.py on Gemma at 32000 tokens
 set -uo pipefail
 OUT=$1; shift
-cd "$(dirname "$0")/.."
-export PYTHONPATH=/tmp/site:$PWD/src KVSIEVE_CACHE_DIR=/tmp/kvc PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-mkdir -p "$OUT" /tmp/kvc
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+source "$(dirname "$0")/gpu_env.sh"
 EVAL="python3 -m kvsieve eval --no-progress --device cuda"
 G=8192,16384,32000
 for step in "$@"; do
@@ -46,9 +42,6 @@ for step in "$@"; do
     gsuite)
       $EVAL --model gemma3-270m --dtype bfloat16 --tasks suite --methods dense,tactic,quest,lserve \
         --suite-lengths $G --suite-cases 16 --out "$OUT/gsuite"
-      ;;
-    ssuite)
-      $EVAL --dtype bfloat16 --tasks suite --out "$OUT/ssuite" ${SUITE_ARGS:-}
       ;;
     record)
       python3 scripts/record_attention.py --model gemma3-270m --length 32000 --out "$OUT/record"
