@@ -67,6 +67,16 @@ def summary_scores(q, lo, hi=None, n_valid=None, group_only=False):
     return _select_ref.summary_scores(q, lo, hi, n_valid, group_only)
 
 
+def physical_page_scores(q, kmin, kmax, lengths, always_end, always_start, page_size, physical_page_size,
+                         gqa_reduce="max", skip=None):
+    """See ops.pages.physical_page_scores."""
+    if use_triton(q):
+        from .kernels.pages import physical_page_scores as impl
+    else:
+        from .ops.pages import physical_page_scores as impl
+    return impl(q, kmin, kmax, lengths, always_end, always_start, page_size, physical_page_size, gqa_reduce, skip)
+
+
 def select_by_budget(scores, sizes, budget):
     if use_triton(scores):
         from .kernels.select import select_by_budget as kernel

@@ -34,6 +34,7 @@ class PageSelect(SparseMethod):
 
     config: PageSelectConfig = PageSelectConfig()
     name = "pages"
+    plan_skips_heads = True
 
     def prepare(self, k, lengths, layer=0):
         kmin, kmax = page_summaries(k, lengths, self.config.page_size)
@@ -158,7 +159,10 @@ class PageSelect(SparseMethod):
         pp = cfg.physical_page_size
         return max(1, cfg.budget // pp) * pp + -(-cfg.sink // pp) * pp + cfg.local + 2 * pp + cfg.reuse_steps
 
-    def plan(self, q, state: PageState, lengths, host_lengths, keys=None):
+    def plan(self, q, state: PageState, lengths, host_lengths, keys=None, skip=None):
+        """skip: optional [Hkv] or [B, Hkv] bool, heads whose lists the caller replaces
+        (a hybrid's streaming heads): a fresh selection scores none of their pages, so
+        their lists hold only the sink and local tokens."""
         cfg = self.config
         pp = cfg.physical_page_size
         cap = self.plan_capacity()
@@ -168,7 +172,7 @@ class PageSelect(SparseMethod):
         else:
             fresh = state.fresh or state.last_plan is None
         if fresh:
-            new = self._choose(q, state, lengths)
+            new = self._choose(q, state, lengths, skip)
             if state.last_plan is None or any(a.shape != b.shape for a, b in zip(state.last_plan, new)):
                 state.last_plan = new
             else:  # in place: a captured reuse step reads these buffers
@@ -180,28 +184,21 @@ class PageSelect(SparseMethod):
                                               always_end, always_start, lengths, cap, table, page)
         return TokenPlan(idx, counts, cap, table is not None)
 
-    def _choose(self, q, state: PageState, lengths):
+    def _choose(self, q, state: PageState, lengths, skip=None):
         """Top physical pages between the sink pages and the local pages (the same pages as
-        _fresh, as token ranges instead of a mask)."""
+        _fresh, as token ranges instead of a mask): one fused scoring pass over the
+        summaries (non-candidate pages and skipped rows score -inf), then the budget."""
         cfg = self.config
         pp = cfg.physical_page_size
-        B, Hq, _ = q.shape
-        Hkv, P = state.kmin.shape[1], state.kmin.shape[2]
-        n_valid = (-(-lengths // cfg.page_size))[:, None].expand(B, Hkv)
-        per_head, group_max = dispatch.summary_scores(q, state.kmin, state.kmax, n_valid)
-        s = group_max if cfg.gqa_reduce == "max" else per_head.view(B, Hkv, Hq // Hkv, P).sum(2)
-        r = pp // cfg.page_size
-        s = torch.nn.functional.pad(s, (0, (-P) % r), value=float("-inf"))
-        s = s.view(B, Hkv, -1, r).amax(-1)
-        Pp = s.shape[-1]
+        B, Hkv = q.shape[0], state.kmin.shape[1]
         L = lengths[:, None]
         always_end = (-(-cfg.sink // pp) * pp + torch.zeros_like(L)).clamp(max=L)
         always_start = torch.maximum(((L - cfg.local).clamp(min=0) // pp) * pp, always_end)
-        start = torch.arange(Pp, device=q.device)[None, :] * pp
-        cand = (start >= always_end) & (start + pp <= always_start)  # [B, Pp]
-        sizes = (cand * pp)[:, None, :].expand(B, Hkv, Pp)
-        s = s.masked_fill(~cand[:, None, :], float("-inf"))
+        s = dispatch.physical_page_scores(q, state.kmin, state.kmax, lengths, always_end, always_start,
+                                          cfg.page_size, pp, cfg.gqa_reduce, skip)
+        Pp = s.shape[-1]
         kpages = min(max(1, cfg.budget // pp), Pp)
-        budget = torch.full((B, Hkv), kpages * pp, dtype=torch.int32, device=q.device)
-        chosen, offsets, total = dispatch.select_by_budget(s, sizes, budget)
+        sizes = torch.full((1, 1, Pp), pp, dtype=torch.int32, device=q.device)  # candidates: finite scores
+        budget = torch.full((1, 1), kpages * pp, dtype=torch.int32, device=q.device)
+        chosen, offsets, total = dispatch.select_by_budget(s, sizes.expand(B, Hkv, Pp), budget.expand(B, Hkv))
         return chosen, offsets, total, always_end.expand(B, Hkv).contiguous(), always_start.expand(B, Hkv).contiguous()

@@ -1,7 +1,8 @@
-"""Page summaries (channel-wise key min/max per page) and Quest/LServe page scores."""
+"""Page summaries (channel-wise key min/max per page) and Quest/LServe page scores
+(physical_page_scores: twin of kvsieve.kernels.pages)."""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -40,3 +41,35 @@ def page_scores(q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
     s = torch.maximum(qg * hi, qg * lo).sum(-1)  # [B, Hkv, G, P]
     s = s.masked_fill(empty[:, :, None, :], float("-inf"))
     return s.reshape(B, Hq, P)
+
+
+def physical_page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, lengths: Tensor, always_end: Tensor,
+                         always_start: Tensor, page_size: int, physical_page_size: int,
+                         gqa_reduce: str = "max", skip: Optional[Tensor] = None) -> Tensor:
+    """Candidate score of every physical page, the input of a budgeted page selection.
+
+    q [B, Hq, D]; kmin, kmax [B, Hkv, P, D] per logical page of `page_size` tokens; a
+    physical page j holds logical pages [j r, (j + 1) r), r = physical_page_size /
+    page_size; lengths [B]; always_end, always_start: int tensors broadcastable to
+    [B, Hkv] (tokens [0, always_end) and [always_start, length) are attended anyway);
+    skip: optional bool broadcastable to [B, Hkv] (rows whose selection is not needed).
+    A physical page is a candidate when it lies wholly in [always_end, min(always_start,
+    length)) and its row is not skipped. Its score is the max over its logical pages of
+    the query group's upper bounds sum_d max(q_d kmax_d, q_d kmin_d), combined over the
+    group by max (or sum, gqa_reduce="sum"); every other page scores -inf.
+    Returns [B, Hkv, Pp] float32 (float64 for float64 q), Pp = ceil(P / r)."""
+    B, Hq, D = q.shape
+    Hkv, P = kmin.shape[1], kmin.shape[2]
+    r = physical_page_size // page_size
+    Pp = -(-P // r)
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qg = q.to(ct).view(B, Hkv, Hq // Hkv, 1, D)
+    s = torch.maximum(qg * kmax.to(ct)[:, :, None], qg * kmin.to(ct)[:, :, None]).sum(-1)  # [B, Hkv, G, P]
+    s = s.amax(2) if gqa_reduce == "max" else s.sum(2)
+    s = torch.nn.functional.pad(s, (0, Pp * r - P), value=float("-inf")).view(B, Hkv, Pp, r).amax(-1)
+    first = torch.arange(Pp, device=q.device) * physical_page_size
+    a_start = torch.minimum(always_start.expand(B, Hkv), lengths[:, None])[..., None]
+    cand = (first >= always_end.expand(B, Hkv)[..., None]) & (first + physical_page_size <= a_start)
+    if skip is not None:
+        cand &= ~skip.expand(B, Hkv)[..., None]
+    return s.masked_fill(~cand, float("-inf"))

@@ -1,0 +1,215 @@
+"""Fused Quest/LServe page scoring (kernels.pages.physical_page_scores): the kernel against
+its torch twin and a float64 oracle at awkward sizes, and the page plans it feeds
+(PageSelect, LServe's hybrid with streaming heads skipped) against the selection path it
+replaced (per-head scores, then torch reductions and masking)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from kvsieve import dispatch  # noqa: E402
+from kvsieve.kernels import pages as kpages  # noqa: E402
+from kvsieve.methods import make_method  # noqa: E402
+from kvsieve.methods.pages import PageSelect  # noqa: E402
+from kvsieve.ops import pages as rpages  # noqa: E402
+from kvsieve.ops.paged import plan_positions  # noqa: E402
+
+from conftest import clustered_qkv  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+LENGTHS = [1, 54, 97, 1000]
+
+
+def case(G, D, dtype, ps, pp, seed, lengths=LENGTHS, Hkv=2, extra_pages=5):
+    """Summaries of random keys (capacity past the longest row, as PageSelect grows it) and
+    random always-attended windows per (request, KV head): always_end a whole number of
+    physical pages (possibly past the length), always_start within two physical pages below
+    the length to one past it (not below always_end)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(lengths)
+    B, S = len(lengths), int(lengths.max())
+    k = torch.randn(B, Hkv, S, D, generator=g)
+    kmin, kmax = rpages.page_summaries(k, lengths, ps)
+    kmin = F.pad(kmin, (0, 0, 0, extra_pages), value=float("inf")).to(dtype)
+    kmax = F.pad(kmax, (0, 0, 0, extra_pages), value=float("-inf")).to(dtype)
+    q = (torch.randn(B, Hkv * G, D, generator=g) * 2).to(dtype)
+    L = lengths[:, None]
+    a_end = torch.randint(0, 3, (B, Hkv), generator=g) * pp
+    a_start = torch.maximum(L + torch.randint(-2 * pp, pp + 1, (B, Hkv), generator=g), a_end)
+    return q, kmin, kmax, lengths, a_end, a_start
+
+
+def oracle(q, kmin, kmax, lengths, a_end, a_start, ps, pp, reduce, skip):
+    """float64: sum_d q+_d kmax_d + q-_d kmin_d per logical page (the bound written as two
+    dot products), group max/sum, max over each physical page's logical pages; candidates
+    decided page by page."""
+    B, Hq, D = q.shape
+    Hkv, P = kmin.shape[1], kmin.shape[2]
+    r = pp // ps
+    qg = q.double().view(B, Hkv, Hq // Hkv, D)
+    lo = torch.where(torch.isfinite(kmin), kmin, 0).double()
+    hi = torch.where(torch.isfinite(kmax), kmax, 0).double()
+    s = torch.einsum("bhgd,bhpd->bhgp", qg.clamp(min=0), hi) + torch.einsum("bhgd,bhpd->bhgp", qg.clamp(max=0), lo)
+    s = s.amax(2) if reduce == "max" else s.sum(2)
+    out = torch.full((B, Hkv, -(-P // r)), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hkv):
+            if skip is not None and skip.expand(B, Hkv)[b, h]:
+                continue
+            end = min(int(a_start[b, h]), int(lengths[b]))
+            for j in range(int(a_end[b, h]) // pp, end // pp):
+                out[b, h, j] = s[b, h, j * r:(j + 1) * r].max()
+    return out
+
+
+@pytest.mark.parametrize("G,D,dtype,reduce,r,skip,config", [
+    (1, 64, torch.float32, "max", 1, None, None),
+    (3, 128, torch.float16, "sum", 4, "head", None),
+    (4, 64, torch.bfloat16, "max", 4, "row", (2, 4)),
+    (8, 128, torch.float32, "sum", 1, "row", (16, 4)),
+    (4, 128, torch.bfloat16, "sum", 1, None, None),
+    (3, 64, torch.float32, "max", 4, None, (4, 2)),
+    (8, 64, torch.float16, "max", 4, "head", None),
+])
+def test_kernel_matches_twin_and_oracle(G, D, dtype, reduce, r, skip, config):
+    """Lengths 1/54/97/1000, capacity past the longest row, windows per (request, head),
+    skip flags per head ([Hkv]) or per row ([B, Hkv]), several programs per row (config)."""
+    ps = 16
+    pp = ps * r
+    q, kmin, kmax, lengths, a_end, a_start = case(G, D, dtype, ps, pp, seed=G * D + r)
+    B, Hkv = a_end.shape
+    flags = {None: None, "head": torch.tensor([True, False]),
+             "row": torch.tensor([[False, True], [True, False], [False, False], [True, False]])}[skip]
+    want = oracle(q, kmin, kmax, lengths, a_end, a_start, ps, pp, reduce, flags)
+    twin = rpages.physical_page_scores(q, kmin, kmax, lengths, a_end, a_start, ps, pp, reduce, flags)
+    dev = [t.to(DEV) for t in (q, kmin, kmax, lengths, a_end, a_start)]
+    got = kpages.physical_page_scores(*dev, ps, pp, reduce, None if flags is None else flags.to(DEV),
+                                      _config=config).cpu()
+    fin = torch.isfinite(want)
+    assert got.dtype == torch.float32 and got.shape == want.shape == (B, Hkv, -(-kmin.shape[2] // r))
+    assert fin.sum() >= 8  # the comparison below is not vacuous
+    for t in (got, twin):
+        assert torch.equal(t == float("-inf"), ~fin)
+        assert torch.allclose(t[fin].double(), want[fin], rtol=1e-5, atol=1e-4 * D ** 0.5)
+    assert torch.allclose(got[fin], twin[fin], rtol=1e-5, atol=1e-5 * D)
+    if flags is not None:
+        assert (got[flags.expand(B, Hkv)] == float("-inf")).all()
+
+
+def old_choose(self, q, state, lengths, skip=None):
+    """PageSelect._choose before the fused kernel (per-head scores, torch reductions and
+    candidate masking, sizes per page); it had no skip."""
+    cfg = self.config
+    pp = cfg.physical_page_size
+    B, Hq, _ = q.shape
+    Hkv, P = state.kmin.shape[1], state.kmin.shape[2]
+    n_valid = (-(-lengths // cfg.page_size))[:, None].expand(B, Hkv)
+    per_head, group_max = dispatch.summary_scores(q, state.kmin, state.kmax, n_valid)
+    s = group_max if cfg.gqa_reduce == "max" else per_head.view(B, Hkv, Hq // Hkv, P).sum(2)
+    r = pp // cfg.page_size
+    s = F.pad(s, (0, (-P) % r), value=float("-inf"))
+    s = s.view(B, Hkv, -1, r).amax(-1)
+    Pp = s.shape[-1]
+    L = lengths[:, None]
+    always_end = (-(-cfg.sink // pp) * pp + torch.zeros_like(L)).clamp(max=L)
+    always_start = torch.maximum(((L - cfg.local).clamp(min=0) // pp) * pp, always_end)
+    start = torch.arange(Pp, device=q.device)[None, :] * pp
+    cand = (start >= always_end) & (start + pp <= always_start)
+    sizes = (cand * pp)[:, None, :].expand(B, Hkv, Pp)
+    s = s.masked_fill(~cand[:, None, :], float("-inf"))
+    kpages = min(max(1, cfg.budget // pp), Pp)
+    budget = torch.full((B, Hkv), kpages * pp, dtype=torch.int32, device=q.device)
+    chosen, offsets, total = dispatch.select_by_budget(s, sizes, budget)
+    return chosen, offsets, total, always_end.expand(B, Hkv).contiguous(), always_start.expand(B, Hkv).contiguous()
+
+
+def tied_case(G, D, dtype, seed):
+    """Keys whose 64-token blocks come in identical pairs (exact score ties between physical
+    pages, so the budget boundary falls inside tie groups), lengths 1/54/97/1000."""
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv, S = 4, 2, 1000
+    blocks = torch.randn(B, Hkv, 8, 64, D, generator=g).repeat_interleave(2, dim=2)
+    k = blocks.reshape(B, Hkv, -1, D)[:, :, :S].to(dtype)
+    q = clustered_qkv(B, Hkv * G, Hkv, 8, D, seed=seed)[0].to(dtype)
+    return q, k, torch.tensor(LENGTHS)
+
+
+def plans_equal(a, b):
+    pa, va = plan_positions(a.indices, a.counts, a.cap)
+    pb, vb = plan_positions(b.indices, b.counts, b.cap)
+    return a.cap == b.cap and torch.equal(a.counts, b.counts) and torch.equal(va, vb) and torch.equal(pa[va], pb[vb])
+
+
+@pytest.mark.parametrize("kernels", ["reference", "auto"])
+@pytest.mark.parametrize("G,D,dtype,opts", [
+    (4, 64, torch.float32, {"budget": 130}),
+    (3, 128, torch.bfloat16, {"budget": 192, "gqa_reduce": "sum", "sink": 20, "local": 100}),
+    (1, 64, torch.float16, {"budget": 48, "physical_page_size": 16, "sink": 0, "local": 0}),
+    (8, 64, torch.float32, {"budget": 64, "physical_page_size": 16, "gqa_reduce": "sum", "sink": 16}),
+])
+def test_fresh_selection_is_unchanged(kernels, G, D, dtype, opts, monkeypatch):
+    """Chosen pages, offsets, totals and windows equal the old path's bit for bit (torch
+    references, and the kernels under the interpreter/CUDA), ties included; so do the plans."""
+    monkeypatch.setenv("KVSIEVE_KERNELS", kernels)
+    q, k, lengths = tied_case(G, D, dtype, seed=G + D)
+    m = make_method("pages", reuse_steps=1, **opts)
+    st = m.prepare(k, lengths)
+    q, lengths = q.to(DEV), lengths.to(DEV)
+    st.kmin, st.kmax, st.lengths = st.kmin.to(DEV), st.kmax.to(DEV), lengths
+    new, old = m._choose(q, st, lengths), old_choose(m, q, st, lengths)
+    for a, b in zip(new, old):
+        assert torch.equal(a, b)
+    assert (0 < new[2][3]).all() and (new[2][3] < new[4][3] - new[3][3]).all()  # a real choice (row 3)
+    cfg = m.config
+    s = dispatch.physical_page_scores(q, st.kmin, st.kmax, lengths, new[3], new[4], cfg.page_size,
+                                      cfg.physical_page_size, cfg.gqa_reduce)
+    fin = s[torch.isfinite(s)]
+    assert fin.numel() > torch.unique(fin).numel()  # tied candidates
+    plan = m.plan(q, st, lengths, LENGTHS)
+    monkeypatch.setattr(PageSelect, "_choose", old_choose)
+    assert plans_equal(plan, m.plan(q, st, lengths, LENGTHS))
+
+
+@pytest.mark.parametrize("kernels", ["reference", "auto"])
+def test_lserve_skips_streaming_heads_and_plans_the_same(kernels, monkeypatch):
+    """The dynamic selector chooses no page for streaming heads (it never scores them), and
+    the hybrid's lists equal those of the old path, which selected for every head."""
+    monkeypatch.setenv("KVSIEVE_KERNELS", kernels)
+    q, k, lengths = tied_case(4, 64, torch.float32, seed=3)
+    Hkv = k.shape[1]
+    flags = ((True, False), (False, True))
+    m = make_method("lserve", budget=128, sink=8, local=24, streaming_heads=flags, reuse_steps=1)
+    q, lengths = q.to(DEV), lengths.to(DEV)
+    for layer in range(2):
+        st = m.prepare(k.to(DEV), lengths, layer)
+        plan = m.plan(q, st, lengths, LENGTHS)
+        chosen_tokens = st.dynamic.last_plan[2]  # [B, Hkv]
+        streaming = torch.tensor(flags[layer], device=DEV)
+        assert (chosen_tokens[:, streaming] == 0).all() and (chosen_tokens[3, ~streaming] > 0).all()
+        with monkeypatch.context() as mp:
+            mp.setattr(PageSelect, "_choose", old_choose)
+            old = m.plan(q, st, lengths, LENGTHS)
+            assert (st.dynamic.last_plan[2][3, streaming] > 0).all()  # the old path chose pages there
+        assert plans_equal(plan, old)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [None, (8, 4), (64, 8)])
+def test_kernel_matches_twin_on_cuda(dtype, config):
+    """32K-token rows (2,048 logical pages), Llama-8B's heads, LServe's pages, half the
+    heads skipped: kernel vs twin, and the same candidates as the old path's kernel."""
+    B, Hkv, G, D, ps, pp = 3, 8, 4, 128, 16, 64
+    lengths = [32768, 20001, 777]
+    q, kmin, kmax, L, a_end, a_start = case(G, D, dtype, ps, pp, seed=1, lengths=lengths, Hkv=Hkv, extra_pages=64)
+    a_end, a_start = torch.full_like(a_end, 128), (L[:, None] - 256).clamp(min=128).expand(B, Hkv) // pp * pp
+    args = [t.cuda() for t in (q, kmin, kmax, L, a_end, a_start)]
+    skip = (torch.arange(Hkv) % 2 == 0).cuda()
+    for reduce in ("max", "sum"):
+        got = kpages.physical_page_scores(*args, ps, pp, reduce, skip, _config=config)
+        want = rpages.physical_page_scores(*args, ps, pp, reduce, skip)
+        fin = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(got), fin) and fin.sum() > 1000
+        assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-5 * D)
