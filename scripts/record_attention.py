@@ -3,13 +3,9 @@ them: what a realistic synthetic generator has to reproduce (issue: realistic be
 
     python3 scripts/record_attention.py --model gemma3-270m --length 32000 --out OUT [--save-layers 5,11]
 
-Per layer and query head, from the post-RoPE q, k, v the layer's attention sees:
-  budget_P      fraction of the context holding the top-P dense attention mass (P = 0.5 .. 0.99)
-  sink          mass on the first 4 tokens; local: mass on the last 256 tokens
-  page_budget   fraction of 16-token pages, ranked by their true mass, needed for 0.9
-                (how positionally clustered the mass is: equal to budget_0.9 when heavy
-                tokens share pages, up to 16x more when they are scattered)
-  key_locality  mean cosine similarity of each key to the key d positions later, d = 1, 16, 256, 4096
+Per layer and query head, from the post-RoPE q, k, v the layer's attention sees, the
+statistics of kvsieve.bench.attention_stats (top-P budgets, sink and local mass, page
+budget, GQA union, key locality).
 Layers with a sliding window (Gemma's local layers) are summarised over their window.
 Writes OUT/attention-stats.json, OUT/attention-curves.png and, for --save-layers,
 OUT/qkv-layer<N>.safetensors (fp16: q [Hq, D], k and v [Hkv, S, D]).
@@ -26,36 +22,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+from kvsieve.bench.attention_stats import head_stats  # noqa: E402
 from kvsieve.eval.cli import read_text  # noqa: E402
 from kvsieve.eval.harness import special_prefix  # noqa: E402
 from kvsieve.model.loader import load_model  # noqa: E402
 from kvsieve.model.record import record_decode_step  # noqa: E402
-
-MASSES = (0.5, 0.8, 0.9, 0.95, 0.99)
-DISTANCES = (1, 16, 256, 4096)
-
-
-def head_stats(q, k, v, window=None):
-    """q [Hq, D], k/v [Hkv, S, D] (float) -> dict of per-query-head lists."""
-    if window is not None:
-        k, v = k[:, -window:], v[:, -window:]
-    Hq, D = q.shape
-    Hkv, S, _ = k.shape
-    kk = k.repeat_interleave(Hq // Hkv, 0)
-    p = torch.softmax((kk @ q[:, :, None]).squeeze(-1).double() / D ** 0.5, -1)  # [Hq, S]
-    srt = p.sort(-1, descending=True).values.cumsum(-1)
-    out = {f"budget_{m}": ((srt < m).sum(-1) + 1).div(S).tolist() for m in MASSES}
-    out["sink"] = p[:, :4].sum(-1).tolist()
-    out["local"] = p[:, -256:].sum(-1).tolist()
-    pages = torch.nn.functional.pad(p, (0, (-S) % 16)).view(Hq, -1, 16).sum(-1)
-    pc = pages.sort(-1, descending=True).values.cumsum(-1)
-    out["page_budget_0.9"] = (((pc < 0.9).sum(-1) + 1) * 16 / S).clamp(max=1).tolist()
-    kn = torch.nn.functional.normalize(k.double(), dim=-1)
-    out["key_locality"] = {str(d): (kn[:, :-d] * kn[:, d:]).sum(-1).mean().item() for d in DISTANCES if d < S}
-    idx = torch.unique(torch.logspace(0, torch.log10(torch.tensor(float(S))).item(), 64).long().clamp(1, S) - 1)
-    out["curve_x"] = ((idx + 1) / S).tolist()  # fraction of the context, log-spaced
-    out["curve"] = [srt[h, idx].tolist() for h in range(Hq)]  # sorted cumulative mass at curve_x
-    return out
 
 
 def main() -> int:

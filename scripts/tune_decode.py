@@ -12,7 +12,8 @@ import json
 import torch
 
 from kvsieve import dispatch
-from kvsieve.bench.kernels import aimed_queries, prepare_per_request, synthetic_kv, to_paged
+from kvsieve.bench.data import aimed_queries, clustered_kv
+from kvsieve.bench.kernels import prepare_per_request, to_paged
 from kvsieve.bench.timing import capture, median_ms
 from kvsieve.kernels import decode as kdecode, kmeans as kkmeans, select as kselect
 from kvsieve.methods import make_method
@@ -38,7 +39,7 @@ def budget_case(S: int, B: int, frac: float):
     """Llama-3.1-8B shapes at a fixed tactic budget: keys k, v [B, 8, S, 128], q, the paged
     pools, the method, its index, a logical plan and the same lists as pool rows."""
     Hq, Hkv, D = 32, 8, 128
-    k, v = synthetic_kv(B, Hkv, S, D, torch.bfloat16, seed=S + B)
+    k, v = clustered_kv(B, Hkv, S, D, torch.bfloat16, seed=S + B)
     q = (torch.randn(B, Hq, D, device="cuda") * 1.5).to(torch.bfloat16)
     lengths = torch.full((B,), S, device="cuda", dtype=torch.long)
     pk, pv, bt = to_paged(k, v, 16)
@@ -112,7 +113,7 @@ def threshold_cell(S: int, B: int, P: float):
     from kvsieve.ops.paged import PagedKeys
 
     Hq, Hkv, D = 32, 8, 128
-    k, v = synthetic_kv(B, Hkv, S, D, torch.bfloat16, seed=S + B)
+    k, v = clustered_kv(B, Hkv, S, D, torch.bfloat16, seed=S + B)
     q = aimed_queries(k, Hq, seed=S + B)
     lengths = torch.full((B,), S, device="cuda", dtype=torch.long)
     host = [S] * B
@@ -240,7 +241,7 @@ def rel(a, b):
 
 def kmeans_parts(S: int):
     Hkv, D = 8, 128
-    k, _ = synthetic_kv(1, Hkv, S, D, torch.bfloat16, seed=7)
+    k, _ = clustered_kv(1, Hkv, S, D, torch.bfloat16, seed=7)
     win = 16384
     x = k[0, :, : S // win * win].reshape(-1, win, D).float().contiguous()
     R = x.shape[0]

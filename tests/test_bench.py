@@ -1,7 +1,11 @@
-"""The benchmark's helpers that do not need a GPU."""
+"""The benchmark's helpers that do not need a GPU: relocated plans, the calibrated bench
+data, fidelity beside every row."""
 import pytest
 import torch
 
+from kvsieve.bench.attention_stats import LOCAL, SINK, head_stats, softmax_probs
+from kvsieve.bench.data import Profile, calibrated_qkv, load_profile, make_qkv
+from kvsieve.bench.fidelity import dense_reference, matched_fidelity, plan_token_mask, read_mass
 from kvsieve.bench.kernels import relocated_plans
 from kvsieve.methods.base import TokenPlan
 from kvsieve.ops.paged import paged_decode_reference, to_pool_rows
@@ -35,3 +39,108 @@ def test_relocated_plan_reads_the_moved_pages_exactly(pool_rows):
         if pool_rows:
             valid = torch.arange(cap)[None, None, :] < counts[..., None]
             assert (idx_l[valid] != idx[valid]).float().mean() > 0.9
+
+
+
+
+def test_calibrated_heads_hit_their_targets():
+    """Each query head's middle top-0.9 budget, sink mass and local mass are the profile
+    head's, measured independently in float64 on the generated (float32) q, k."""
+    S = 1500
+    heads = [(0.05, 0.3, 0.2), (0.2, 0.02, 0.5), (0.01, 0.6, 0.05)]  # a sink below what tokens 1-3 hold is not reachable
+    prof = Profile(heads, reference_length=S, exponent=0.5)
+    q, k, v = calibrated_qkv(2, 6, 2, S, 32, torch.float32, seed=3, device="cpu", profile=prof)
+    assert q.shape == (2, 6, 32) and k.shape == v.shape == (2, 2, S, 32)
+    n_mid = S - SINK - LOCAL
+    for b in range(2):
+        st = head_stats(q[b], k[b], curve=False)
+        for h in range(6):
+            p = softmax_probs(q[b], k[b])[h]
+            # which profile head it drew: the one whose sink/local it reproduces
+            got = (st["middle_0.9"][h], st["sink"][h], st["local"][h])
+            want = min(heads, key=lambda t: abs(t[1] - got[1]) + abs(t[2] - got[2]))
+            assert abs(got[1] - want[1]) < 2e-3 and abs(got[2] - want[2]) < 2e-3, (got, want)
+            assert abs(got[0] * n_mid - want[0] * n_mid) <= max(2, 0.02 * want[0] * n_mid), (got, want)
+            assert abs(float(p.sum()) - 1) < 1e-9
+
+
+def test_calibrated_budget_follows_the_power_law():
+    prof = Profile([(0.08, 0.1, 0.3)], reference_length=2048, exponent=0.5)
+    long = 4 * (2048 - SINK - LOCAL) + SINK + LOCAL
+    want = 0.08 * 4 ** -0.5
+    assert abs(float(prof.middle_target(torch.tensor(0.08, dtype=torch.float64), long)) - want) < 1e-12
+    q, k, _ = calibrated_qkv(1, 2, 1, long, 32, torch.float32, seed=0, device="cpu", profile=prof)
+    got = head_stats(q[0], k[0], curve=False)["middle_0.9"]
+    assert all(abs(g - want) < 0.02 * want + 2 / (long - SINK - LOCAL) for g in got), (got, want)
+
+
+def test_shipped_profile_and_bad_data_requests():
+    prof = load_profile()
+    assert len(prof.heads) >= 100 and 0 < prof.exponent < 2
+    assert all(0 < m <= 1 and 0 <= s <= 1 and 0 <= loc <= 1 for m, s, loc in prof.heads)
+    with pytest.raises(ValueError, match="bench data must be one of"):
+        make_qkv("uniform", 1, 2, 1, 2048, 16, device="cpu")
+    with pytest.raises(ValueError, match="at least"):
+        calibrated_qkv(1, 2, 1, 100, 16, device="cpu")
+
+
+def test_dense_reference_and_read_mass_against_float64():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(2, 6, 16, generator=g), torch.randn(2, 2, 97, 16, generator=g), torch.randn(2, 2, 97, 16, generator=g)
+    probs, out = dense_reference(q, k, v)
+    kk, vv = k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1)
+    p64 = torch.softmax(torch.einsum("bhd,bhsd->bhs", q.double(), kk) / 4, -1)
+    assert torch.allclose(probs.double(), p64, atol=1e-6)
+    assert torch.allclose(out.double(), torch.einsum("bhs,bhsd->bhd", p64, vv), atol=1e-5)
+    mask = torch.rand(2, 2, 97, generator=g) < 0.3
+    want = (p64 * mask.repeat_interleave(3, 1)).sum(-1)
+    assert torch.allclose(read_mass(probs, mask).double(), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("pool_rows", [False, True])
+def test_plan_token_mask_reads_back_the_planned_tokens(pool_rows):
+    B, Hkv, S, page = 2, 3, 54, 16
+    per = -(-S // page)
+    bt = torch.randperm(B * per, generator=torch.Generator().manual_seed(0)).view(B, per).int()
+    g = torch.Generator().manual_seed(2)
+    want = torch.rand(B, Hkv, S, generator=g) < 0.4
+    counts = want.sum(-1).int()
+    cap = int(counts.max()) + 3
+    idx = torch.full((B, Hkv, cap), 7, dtype=torch.int32)  # junk past the counts must be ignored
+    for b in range(B):
+        for h in range(Hkv):
+            tok = want[b, h].nonzero()[:, 0]
+            rows = bt[b, tok // page].long() * page + tok % page if pool_rows else tok
+            idx[b, h, :len(tok)] = rows[torch.randperm(len(tok), generator=g)].int()
+    assert torch.equal(plan_token_mask(idx, counts, pool_rows, bt, page, S), want)
+    dense = plan_token_mask(None, torch.full((B, Hkv), 20, dtype=torch.int32), False, bt, page, S)
+    assert dense[..., :20].all() and not dense[..., 20:].any()
+
+
+def test_matched_fidelity_takes_the_fastest_setting_within_each_bound():
+    def row(method, setting, speedup, err):
+        return {"context": 8192, "batch": 1, "method": method, "setting": setting, "speedup": speedup,
+                "rel_err_vs_dense": err, "kv_fraction": 0.1, "attn_mass": 0.9}
+    rows = [row("sdpa_cudnn", "dense", 1.0, 0.001), row("quest", "budget 1%", 5.0, 0.3),
+            row("quest", "budget 5%", 3.0, 0.08), row("quest", "budget 10%", 2.0, 0.04),
+            row("tactic", "P=0.9", 2.5, 0.03), row("tactic", "budget 1%", 9.0, 0.2)]
+    got = {m["method"]: m for m in matched_fidelity(rows)}
+    assert set(got) == {"quest", "tactic P", "tactic budget"}
+    assert got["quest"]["err<=0.1"]["setting"] == "budget 5%" and got["quest"]["err<=0.05"]["setting"] == "budget 10%"
+    assert got["tactic P"]["err<=0.05"]["speedup"] == 2.5
+    assert got["tactic budget"]["err<=0.1"] is None
+
+
+def test_bench_table_prints_fidelity_and_the_matched_table():
+    from kvsieve.bench.cli import format_table
+    from kvsieve.bench.kernels import Row
+    from dataclasses import asdict
+
+    rows = [asdict(Row(131072, 8, "sdpa_cudnn", "dense", 0.96, attn_ms=0.96, speedup=1.0, rel_err_vs_dense=0.003,
+                       attn_mass=1.0, attn_mass_min=1.0)),
+            asdict(Row(131072, 8, "tactic", "P=0.9", 0.40, 0.3, 0.1, 0.05, speedup=2.4, rel_err_vs_dense=0.043,
+                       attn_mass=0.93, attn_mass_min=0.71))]
+    text = format_table({"device": "GPU", "copy_bandwidth_gbs": 4000.0, "data": "calibrated", "rows": rows,
+                         "matched": matched_fidelity(rows)})
+    assert "data: calibrated" in text and "0.930" in text and "0.710" in text
+    assert "P=0.9 2.40x 5.0% 0.043" in text

@@ -18,6 +18,9 @@ def register(sub) -> None:
     p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--budgets", default="0.01,0.025,0.05", help="token budgets as fractions of the context")
     p.add_argument("--thresholds", default="0.9", help="tactic thresholds P (fitted budget; '' to skip)")
+    p.add_argument("--data", default="calibrated", choices=("calibrated", "clustered"),
+                   help="decode-step inputs: attention calibrated to recorded real attention (default), or "
+                        "the clustered stress case (keys scattered in position, queries aimed at two keys)")
     p.add_argument("--cluster-context", type=int, default=131072, help="context for clustering vs prefill (0: skip)")
     p.add_argument("--e2e-contexts", default="32768,131072", help="end-to-end contexts ('' to skip)")
     p.add_argument("--e2e-batches", default="1,8")
@@ -82,7 +85,7 @@ def cmd_bench(args) -> int:
 
     t0 = time.time()
     result = kernels.run(contexts, batches, budgets, thresholds, log,
-                         cluster_context=args.cluster_context or None)
+                         cluster_context=args.cluster_context or None, data=args.data)
     result["e2e"] = e2e.run(e2e_contexts, e2e_batches, log=log) if e2e_contexts else []
     result["prefill"] = prefill.run(prefill_contexts, prefill_e2e, log=log)
     result.update({"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "seconds": time.time() - t0,
@@ -103,9 +106,11 @@ def _f(x, fmt):
 
 
 def format_table(result) -> str:
-    lines = [f"device: {result['device']}   copy bandwidth: {result['copy_bandwidth_gbs']:.0f} GB/s",
+    lines = [f"device: {result['device']}   copy bandwidth: {result['copy_bandwidth_gbs']:.0f} GB/s   "
+             f"data: {result.get('data', '-')}",
              f"{'ctx':>7} {'B':>3} {'method':<13} {'setting':<36} {'step ms':>8} {'sel ms':>7} {'attn ms':>8} "
-             f"{'KV read':>8} {'attn GB/s':>9} {'%copy':>6} {'%c stk':>6} {'speedup':>8} {'clean L2':>8} {'err':>8}"]
+             f"{'KV read':>8} {'attn GB/s':>9} {'%copy':>6} {'%c stk':>6} {'speedup':>8} {'clean L2':>8} {'err':>8} "
+             f"{'mass':>6} {'min':>6}"]
     for r in result["rows"]:
         lines.append(f"{r['context']:>7} {r['batch']:>3} {r['method']:<13} {r['setting'][:36]:<36} "
                      f"{_f(r['step_ms'], '.4f'):>8} {_f(r['select_ms'], '.4f'):>7} {_f(r['attn_ms'], '.4f'):>8} "
@@ -113,7 +118,9 @@ def format_table(result) -> str:
                      f"{_f(r['attn_bw_fraction'], '.0%'):>6} {_f(r.get('attn_stack_bw_fraction'), '.0%'):>6} "
                      f"{_f(r['speedup'], '.2f'):>8} "
                      f"{_f(r.get('speedup_clean'), '.2f'):>8} "
-                     f"{_f(r['rel_err_vs_dense'], '.1e'):>8} {r['note'][:40]}")
+                     f"{_f(r['rel_err_vs_dense'], '.1e'):>8} {_f(r.get('attn_mass'), '.3f'):>6} "
+                     f"{_f(r.get('attn_mass_min'), '.3f'):>6} {r['note'][:40]}")
+    lines += format_matched(result.get("matched", []))
     c = result.get("clustering")
     if c:
         lines.append(f"clustering at {c['context']} (1 layer, 8 KV heads): windowed {c['cluster_windowed_ms']:.1f} ms "
@@ -138,6 +145,24 @@ def format_table(result) -> str:
                      f"{_f(r.get('tokens_per_s'), '8.0f')} tok/s  speedup {_f(r.get('speedup'), '.2f')}  "
                      f"{r.get('note', '')}")
     return "\n".join(lines)
+
+
+def format_matched(matched) -> list:
+    """The matched-fidelity table: per cell and method, the fastest setting under each error bound."""
+    if not matched:
+        return []
+    bounds = [k for k in matched[0] if k.startswith("err<=")]
+    lines = ["matched fidelity: fastest setting whose output error vs dense is within the bound (speedup vs the "
+             "best dense kernel; KV read; error)",
+             f"{'ctx':>7} {'B':>3} {'method':<14} " + " ".join(f"{b:<40}" for b in bounds)]
+    for m in matched:
+        cells = []
+        for b in bounds:
+            e = m[b]
+            cells.append("none" if e is None else
+                         f"{e['setting'][:14]} {e['speedup']:.2f}x {e['kv_fraction']:.1%} {e['rel_err']:.3f}")
+        lines.append(f"{m['context']:>7} {m['batch']:>3} {m['method']:<14} " + " ".join(f"{c:<40}" for c in cells))
+    return lines
 
 
 def plot(result, path) -> None:

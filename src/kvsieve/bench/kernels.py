@@ -1,10 +1,13 @@
 """Kernel-level decode-step benchmark at Llama-3.1-8B attention shapes.
 
-Per (context, batch) cell: dense baselines (torch SDPA flash and cuDNN on contiguous
-K/V, our Triton paged dense decode), then quest and tactic at fixed budgets (fractions
-of the context) on a paged cache (16-token pages in shuffled order), and tactic at
-thresholds (fitted budget: exact scores of the fit's read positions). Each decode step
-(selection + attention) is captured in a CUDA graph and timed with the L2 flushed.
+Per (context, batch) cell, on one set of inputs (bench.data: calibrated to real attention
+by default, or the clustered stress case): dense baselines (torch SDPA flash and cuDNN on
+contiguous K/V, our Triton paged dense decode), then quest, lserve and tactic at fixed
+budgets (fractions of the context) on a paged cache (16-token pages in shuffled order),
+and tactic at thresholds (fitted budget: exact scores of the fit's read positions). Each
+decode step (selection + attention) is captured in a CUDA graph and timed with the L2
+flushed. Every row carries its fidelity on the same inputs: the dense attention mass on
+the tokens it read and its output's relative error against float32 dense attention.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import torch.nn.functional as F
 from .. import dispatch
 from ..methods import make_method
 from ..ops.paged import PagedKeys
+from .data import make_qkv
+from .fidelity import dense_reference, matched_fidelity, plan_token_mask, read_mass, rel_err
 from .timing import capture, median_ms
 
 
@@ -46,6 +51,9 @@ class Row:
     speedup_clean: Optional[float] = None
     attn_stack_ms: Optional[float] = None  # per layer, STACK_LAYERS launches in one graph (stacked_attention_ms)
     attn_stack_bw_fraction: Optional[float] = None
+    attn_mass: Optional[float] = None  # dense attention mass on the tokens read, mean over (request, query head)
+    attn_mass_min: Optional[float] = None  # ... the least of them
+    select_floor_ms: Optional[float] = None  # page selection: its min/max summaries read once at copy bandwidth
 
 
 @dataclass
@@ -55,38 +63,6 @@ class Shapes:
     head_dim: int = 128
     page_size: int = 16
     dtype: torch.dtype = torch.bfloat16
-
-
-def synthetic_kv(B: int, H: int, S: int, D: int, dtype, seed: int = 0, centers: int = 256):
-    """Keys around `centers` random directions per head (clusterable, like real keys),
-    Gaussian values; generated on the GPU in chunks."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    k = torch.empty(B, H, S, D, dtype=dtype, device="cuda")
-    v = torch.empty(B, H, S, D, dtype=dtype, device="cuda")
-    mu = torch.randn(B, H, centers, D, generator=g, device="cuda")
-    for s0 in range(0, S, 16384):
-        n = min(16384, S - s0)
-        c = torch.randint(0, centers, (B, H, n), generator=g, device="cuda")
-        x = torch.gather(mu, 2, c[..., None].expand(B, H, n, D)) + 0.6 * torch.randn(B, H, n, D, generator=g,
-                                                                                      device="cuda")
-        k[:, :, s0:s0 + n] = x.to(dtype)
-        v[:, :, s0:s0 + n] = torch.randn(B, H, n, D, generator=g, device="cuda").to(dtype)
-    return k, v
-
-
-def aimed_queries(k, num_heads: int, seed: int = 0, aim: float = 0.7):
-    """q [B, Hq, D]: noise (1.5 z, its own per query head) plus `aim` x (k_a + 0.5 k_b) for
-    two random keys a, b of the KV head, shared by its query group, so attention
-    concentrates on those keys' clusters as a real head's does on a few topics (measured
-    on these keys at 128K: the dense top 5.8% of tokens (median; mean 8%) hold 90% of the
-    mass; with a random q it takes about a third of the cache)."""
-    B, H, S, D = k.shape
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    pick = torch.randint(0, S, (B, H, 2), generator=g, device="cuda")
-    targets = k[torch.arange(B, device="cuda")[:, None, None], torch.arange(H, device="cuda")[None, :, None], pick]
-    targets = targets.float().repeat_interleave(num_heads // H, 1)  # [B, Hq, 2, D]
-    q = 1.5 * torch.randn(B, num_heads, D, generator=g, device="cuda") + aim * (targets[:, :, 0] + 0.5 * targets[:, :, 1])
-    return q.to(k.dtype)
 
 
 def to_paged(k, v, page: int, seed: int = 0):
@@ -123,21 +99,17 @@ def prepare_per_request(method, k, lengths, layer: int = 0):
     return first
 
 
-def rel_err(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
-
-
-def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: float, log) -> List[Row]:
+def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: float, log,
+               data: str = "calibrated") -> List[Row]:
     Hq, Hkv, D, page = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim, shapes.page_size
-    k, v = synthetic_kv(B, Hkv, S, D, shapes.dtype, seed=S + B)
-    q = aimed_queries(k, Hq, seed=S + B)
+    q, k, v = make_qkv(data, B, Hq, Hkv, S, D, shapes.dtype, seed=S + B)
+    probs, ref_out = dense_reference(q, k, v)
     lengths = torch.full((B,), S, device="cuda", dtype=torch.long)
     host = [S] * B
     rows: List[Row] = []
     dense_bytes = 2 * B * Hkv * S * D * k.element_size()
 
     q4 = q[:, :, None, :]
-    ref_out = None
     from torch.nn.attention import SDPBackend, sdpa_kernel
     for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
         try:
@@ -145,11 +117,11 @@ def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: fl
                 with sdpa_kernel(backend):
                     return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
             out = run()
-            ref_out = out[:, :, 0] if ref_out is None else ref_out
             graph = capture(run)
             ms = median_ms(graph)
             rows.append(Row(S, B, name, "dense", ms, attn_ms=ms, attn_gbs=dense_bytes / ms / 1e6,
-                            attn_bw_fraction=dense_bytes / ms / 1e6 / copy_gbs,
+                            attn_bw_fraction=dense_bytes / ms / 1e6 / copy_gbs, attn_mass=1.0, attn_mass_min=1.0,
+                            rel_err_vs_dense=rel_err(out[:, :, 0], ref_out),
                             step_clean_ms=median_ms(graph, l2="clean")))
         except Exception as e:  # a backend may not support these shapes
             rows.append(Row(S, B, name, "dense", float("nan"), note=f"unavailable: {type(e).__name__}: {e}"[:160]))
@@ -198,10 +170,12 @@ def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: fl
         nbytes = read * dense_bytes + (0 if p0.indices is None else 4 * float(p0.counts.sum()))
         gbs = nbytes / t_attn / 1e6
         t_stack = None if p0.indices is None else stacked_attention_ms(q, pk, pv, bt, p0)
+        mass = read_mass(probs, plan_token_mask(p0.indices, p0.counts, p0.pool_rows, bt, page, S))
         rows.append(Row(S, B, label, setting, t_step, t_sel, t_attn, read, gbs, gbs / copy_gbs,
-                        rel_err_vs_dense=rel_err(out, ref_out) if ref_out is not None else None,
-                        step_clean_ms=t_clean, attn_stack_ms=t_stack,
-                        attn_stack_bw_fraction=None if t_stack is None else nbytes / t_stack / 1e6 / copy_gbs))
+                        rel_err_vs_dense=rel_err(out, ref_out), step_clean_ms=t_clean, attn_stack_ms=t_stack,
+                        attn_stack_bw_fraction=None if t_stack is None else nbytes / t_stack / 1e6 / copy_gbs,
+                        attn_mass=float(mass.mean()), attn_mass_min=float(mass.min()),
+                        select_floor_ms=_select_floor_ms(label, opts, st, copy_gbs)))
         log(rows[-1])
         if label == "lserve":  # LServe reuses a page selection for 4 steps: amortized step
             t_reuse = _reused_step_ms(opts, st, q, lengths, host, pk, pv, bt, keys)
@@ -218,9 +192,22 @@ def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: fl
     for r in rows:
         r.speedup = best / r.step_ms if r.step_ms == r.step_ms else None
         r.speedup_clean = best_clean / r.step_clean_ms if r.step_clean_ms else None
-    del k, pk, pv, keys
+    del k, pk, pv, keys, probs, ref_out
     torch.cuda.empty_cache()
     return rows
+
+
+def _select_floor_ms(label, opts, state, copy_gbs) -> Optional[float]:
+    """A fresh page selection's floor: the min/max summaries (PageState.kmin/kmax) of its
+    dynamic KV heads (streaming heads have none to read) read once at copy bandwidth."""
+    if label not in ("quest", "lserve"):
+        return None
+    pages = getattr(state, "dynamic", state)
+    Hkv = pages.kmin.shape[1]
+    streaming = opts.get("streaming_heads")
+    dynamic = Hkv - (sum(streaming[0]) if streaming else 0)
+    nbytes = 2 * pages.kmin.numel() * pages.kmin.element_size() * dynamic / Hkv
+    return nbytes / copy_gbs / 1e6
 
 
 STACK_LAYERS = 8
@@ -275,7 +262,7 @@ def _reused_step_ms(opts, st, q, lengths, host, pk, pv, bt, keys) -> float:
 def bench_clustering(S: int, shapes: Shapes, log) -> Dict[str, float]:
     """One layer at batch 1: K-means over its KV heads vs dense causal prefill attention."""
     Hq, Hkv, D = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim
-    k, v = synthetic_kv(1, Hkv, S, D, shapes.dtype, seed=7)
+    _, k, v = make_qkv("clustered", 1, Hkv, Hkv, S, D, shapes.dtype, seed=7)
     q = torch.randn(1, Hq, S, D, device="cuda", dtype=shapes.dtype)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -306,7 +293,7 @@ def _wall_ms(fn, reps: int) -> float:
 
 
 def run(contexts, batches, budgets, thresholds, log=print,
-        shapes: Shapes = Shapes(), cluster_context: Optional[int] = None) -> dict:
+        shapes: Shapes = Shapes(), cluster_context: Optional[int] = None, data: str = "calibrated") -> dict:
     from .timing import copy_bandwidth_gbs
 
     copy = copy_bandwidth_gbs()
@@ -315,12 +302,13 @@ def run(contexts, batches, budgets, thresholds, log=print,
     for S in contexts:
         for B in batches:
             try:
-                rows += bench_cell(S, B, budgets, thresholds, shapes, copy, log)
+                rows += bench_cell(S, B, budgets, thresholds, shapes, copy, log, data)
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 rows.append(Row(S, B, "all", "-", float("nan"), note="out of GPU memory: skipped"))
                 log(rows[-1])
     clustering = bench_clustering(cluster_context, shapes, log) if cluster_context else None
-    return {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": copy,
+    rows = [asdict(r) for r in rows]
+    return {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": copy, "data": data,
             "shapes": {k: str(v) for k, v in asdict(shapes).items()},
-            "rows": [asdict(r) for r in rows], "clustering": clustering}
+            "rows": rows, "matched": matched_fidelity(rows), "clustering": clustering}
