@@ -206,6 +206,11 @@ def test_warmup_runs_at_the_asked_length_and_leaves_the_engine_as_new(tiny_model
     assert seen and set(seen) == {300}  # once per method the engine holds (its own and dense)
     assert eng.warmup(prompt_tokens=10**6, decode_tokens=3) > 0  # clamped to the pool, not an error
     assert seen[-1] == 40 * 16 - 3 - 1
+    seen.clear()
+    assert eng.warmup([100, 300], decode_tokens=3) > 0
+    assert seen == [100, 100, 300, 300]
+    top = tiny_model.cfg.max_positions
+    assert eng.warmup_lengths(least=64) == [64 << i for i in range(12) if 64 << i < top] + [top]
     assert eng.scheduler.used_pages == 0 and not eng.has_unfinished
     eng.scheduler.add = add
     ps, params = prompts(3, seed=5), SamplingParams(max_new_tokens=6, ignore_eos=True)

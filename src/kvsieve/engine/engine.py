@@ -274,16 +274,32 @@ class LLMEngine:
             if rid in self.scheduler.requests:
                 self.abort(rid)
 
-    def warmup(self, prompt_tokens: int = 1100, decode_tokens: int = 6) -> float:
+    def warmup(self, prompt_tokens=1100, decode_tokens: int = 6) -> float:
         """Compile every kernel the default method uses (prefill, index, plan, attention,
-        step-graph capture) on a dummy request of `prompt_tokens` tokens (clamped to the model
-        and the pool), outside any user request. Returns seconds. Kernel variants follow the
-        context's size buckets, so a caller that knows its requests warms at their length
-        (`kvsieve generate` does). Triton keeps compiled kernels in its on-disk cache, so
-        later runs start faster."""
+        step-graph capture) on a dummy request of `prompt_tokens` tokens (an int, or a list of
+        lengths run one after another; each clamped to the model and the pool), outside any
+        user request. Returns seconds. Kernel variants follow the context's size buckets, so
+        a caller that knows its requests warms at their length (`kvsieve generate` does) and
+        one that does not warms every bucket (`kvsieve serve`: warmup_lengths). Triton keeps
+        compiled kernels in its on-disk cache, so later runs start faster."""
         t0 = time.perf_counter()
-        n = max(1, min(prompt_tokens, self.model.cfg.max_positions - decode_tokens - 1,
-                       self.scheduler.num_pages * self.scheduler.page_size - decode_tokens - 1))
+        cap = min(self.model.cfg.max_positions - decode_tokens - 1,
+                  self.scheduler.num_pages * self.scheduler.page_size - decode_tokens - 1)
+        for n in ([prompt_tokens] if isinstance(prompt_tokens, int) else prompt_tokens):
+            self._warm_one(max(1, min(n, cap)), decode_tokens)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        self.stats = EngineStats(warmup_s=time.perf_counter() - t0)
+        return self.stats.warmup_s
+
+    def warmup_lengths(self, least: int = 1024) -> List[int]:
+        """Prompt lengths that reach every plan-capacity bucket a request can fall in:
+        powers of two from `least` up to the model's limit, and the limit itself."""
+        top = self.model.cfg.max_positions
+        lengths = [n for n in (least << i for i in range(32)) if n < top]
+        return lengths + [top]
+
+    def _warm_one(self, n: int, decode_tokens: int) -> None:
         keys = ["default"] + (["dense"] if "dense" in self.runner.methods else [])
         for key in keys:
             vocab = self.model.cfg.vocab_size
@@ -292,10 +308,6 @@ class LLMEngine:
             self._track[req.id] = _Track(self._method_names[key], time.perf_counter())
             while not req.finished:
                 self.step()
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)
-        self.stats = EngineStats(warmup_s=time.perf_counter() - t0)
-        return self.stats.warmup_s
 
 
 def resolve_device(device: Optional[str], dtype: Optional[str]):

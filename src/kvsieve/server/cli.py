@@ -113,7 +113,9 @@ def cmd_serve(args) -> int:
                     max_waiting=args.max_waiting, dense_below=args.dense_below,
                     gpu_memory_fraction=args.gpu_memory_fraction, **opts)
     if device.type == "cuda" and not args.no_warmup:
-        print(f"kvsieve serve: warm-up {eng.warmup():.1f} s", file=sys.stderr)
+        lengths = eng.warmup_lengths()  # requests of any length find their kernels compiled
+        print(f"kvsieve serve: warm-up at {', '.join(map(str, lengths))} tokens: {eng.warmup(lengths):.1f} s",
+              file=sys.stderr)
     name = args.served_model_name or model_dir.name
     app = create_app(eng, name, streaming_heads=shipped, max_method_configs=args.max_method_configs,
                      retry_after_s=args.retry_after)  # uvicorn lets requests finish, then the rest abort
