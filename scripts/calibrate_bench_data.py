@@ -3,6 +3,7 @@
     python3 scripts/record_attention.py --device cpu --length L --save-layers 0,...,29 --out REC/sL   # per length
     python3 scripts/calibrate_bench_data.py REC/s1024 REC/s2048 REC/s4096 REC/s8000 --out OUT \
         [--write-profile] [--extra-stats docs/accuracy/gemma-2026-11-22/attention-stats.json]
+    python3 scripts/calibrate_bench_data.py REC/g8192 REC/g32000 --shipped --longer '' --out OUT2   # another model
 
 From the recordings (qkv-layer*.safetensors of every layer, one decode step each): the
 per-head (middle top-0.9 budget, sink mass, local mass) of the longest recording and the
@@ -27,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from kvsieve.bench.attention_stats import LOCAL, SINK, head_stats, summarise  # noqa: E402
-from kvsieve.bench.data import PROFILE_PATH, Profile, Structure, calibrated_qkv  # noqa: E402
+from kvsieve.bench.data import PROFILE_PATH, Profile, Structure, calibrated_qkv, load_profile  # noqa: E402
 from kvsieve.methods import make_method  # noqa: E402
 
 ROWS = ("budget_0.5", "budget_0.9", "budget_0.99", "middle_0.9", "page_budget_0.9", "sink", "local", "union_0.9")
@@ -101,6 +102,9 @@ def main() -> int:
     ap.add_argument("--longer", default="16384,32000", help="synthetic-only lengths (extrapolation)")
     ap.add_argument("--extra-stats", default="", help="attention-stats.json of another model to plot beside")
     ap.add_argument("--no-tactic", action="store_true")
+    ap.add_argument("--shipped", action="store_true",
+                    help="draw the synthetic steps from the shipped profile instead of one fitted to these recordings "
+                         "(to check it against another model's recordings)")
     ap.add_argument("--longer-steps", type=int, default=8, help="synthetic steps at each longer length")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -112,8 +116,8 @@ def main() -> int:
         recs[meta["length"]] = {"steps": steps, "layers": layers, "summary": summ, "model": os.path.basename(meta["model"])}
         print(f"real {meta['length']}: " + ", ".join(f"{k} {v.get('median', v['mean']):.4f}" for k, v in summ.items()),
               flush=True)
-    profile = fit_profile(recs, Structure())
-    if args.write_profile:
+    profile = load_profile() if args.shipped else fit_profile(recs, Structure())
+    if args.write_profile and not args.shipped:
         d = profile.to_json()
         heads = ",\n".join(json.dumps(list(h)) for h in d.pop("heads"))
         with open(PROFILE_PATH, "w") as f:  # one head per line

@@ -55,7 +55,7 @@ def main() -> int:
     rec_s = time.time() - t0
     layers = []
     for i in range(cfg.num_layers):
-        s = head_stats(rec.q[i][0].float(), rec.k[i][0].float(), rec.v[i][0].float(), cfg.layer_window(i))
+        s = head_stats(rec.q[i][0].float(), rec.k[i][0].float(), cfg.layer_window(i))
         layers.append({"layer": i, "window": cfg.layer_window(i), **s})
     save = [int(x) for x in args.save_layers.split(",") if x.strip()]
     if save:
