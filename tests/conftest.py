@@ -74,11 +74,13 @@ def tiny_model(tmp_path_factory):
     return load_weights(d)
 
 
-def fit_case(seed, R, C, max_size, decay, always_w, dtype=torch.float64):
+def fit_case(seed, R, C, max_size, decay, always_w, dtype=torch.float64, segment_samples=0, head_max_tokens=None):
     """Random ranked-cluster lists for the threshold fit: cluster sizes [R, C] (row 0 empty,
-    row 1 short enough to be exact), logits along each list decaying as -decay*log(x) (steep
-    decay drives b < 0), always-attended logits, and the fit's read positions and scores.
-    Returns a dict of everything keep_clusters takes, plus the full `logits` [R, L]."""
+    row 1 short enough to be exact; empty clusters anywhere else), logits along each list
+    decaying as -decay*log(x) (steep decay drives b < 0), always-attended logits, and the
+    fit's read positions and scores (segments sampled / head capped as TacticConfig's
+    segment_samples / head_max_tokens). Returns a dict of everything keep_clusters takes,
+    plus the full `logits` [R, L]."""
     from types import SimpleNamespace
 
     from kvsieve.ops.fit import fit_layout
@@ -96,7 +98,8 @@ def fit_case(seed, R, C, max_size, decay, always_w, dtype=torch.float64):
     always[::3, 3:] = float("-inf")
     cfg = SimpleNamespace(head_fraction=0.02, segment_centers=(0.1, 0.6), segment_fraction=0.01,
                           min_segment_tokens=16)
-    layout = fit_layout(n, cfg.head_fraction, cfg.segment_centers, cfg.segment_fraction, cfg.min_segment_tokens)
+    layout = fit_layout(n, cfg.head_fraction, cfg.segment_centers, cfg.segment_fraction, cfg.min_segment_tokens,
+                        segment_samples, head_max_tokens)
     head_w, seg_w = read_widths(layout, n)
     pos = read_positions(layout, n, head_w, seg_w)
     read = logits.gather(1, pos.clamp(min=0)).masked_fill(pos < 0, float("-inf"))

@@ -347,6 +347,7 @@ def test_windowed_kmeans_is_per_window_and_kernels_agree():
     ("tactic", {"threshold": 0.3, "min_budget": 100}), ("tactic", {"max_budget": 50}),
     ("hybrid", {"threshold": 0.7, "streaming_heads": ((True, False),), "sink": 8, "local": 32}),
     ("tactic", {"threshold": 0.3, "protect": 48}), ("tactic", {"protect": 0}),
+    ("tactic", {"segment_samples": 3, "head_max_tokens": 4, "protect": 0}),
 ])
 def test_plan_selects_exactly_the_reference_mask(name, opts, monkeypatch):
     """The fast path's token lists (kernels) hold exactly the tokens of select()'s mask
@@ -392,9 +393,11 @@ def paged_keys(k, page=16, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("opts", [{"threshold": 0.8}, {"threshold": 0.95, "cluster_size": 16}])
+@pytest.mark.parametrize("opts", [{"threshold": 0.8}, {"threshold": 0.95, "cluster_size": 16},
+                                  {"threshold": 0.9, "segment_samples": 9, "head_max_tokens": 40}])
 def test_threshold_plan_on_longer_lists(dtype, opts):
-    """3,000-token lists (fitted rows, not exact ones), G = 2, D = 128, three dtypes."""
+    """3,000-token lists (fitted rows, not exact ones), G = 2, D = 128, three dtypes; whole
+    and sampled segments (31 wide, 9 read), uncapped and capped heads."""
     q, k, v = clustered_qkv(2, 8, 4, 3001, 128, sharpness=8.0, seed=5, dtype=dtype)
     lengths = torch.tensor([3001, 1777])
     m = make_method("tactic", **opts)
@@ -463,11 +466,41 @@ def test_keep_clusters_kernel_matches_twin(threshold, min_budget, max_budget, de
                                                                      "csize", "head_w"))
     want = keep_clusters(read, pos, always, layout, n, csize, head_w, threshold, min_budget, max_budget)
     lay_dev = type(layout)(*(t.to(DEV) if torch.is_tensor(t) else tuple(u.to(DEV) for u in t)
-                             for t in (layout.head_len, layout.seg_len, layout.seg_start, layout.exact)))
+                             for t in (layout.head_len, layout.seg_len, layout.seg_start, layout.exact,
+                                       layout.seg_reads)))
     got = kkeep(read.to(DEV), pos.to(DEV), always.to(DEV), lay_dev, n.to(DEV), csize.to(DEV), head_w,
                 threshold, min_budget, max_budget).cpu()
     assert torch.equal(got, want)
     assert 0 < want.float().mean() < C  # neither nothing nor everything
+
+
+@pytest.mark.parametrize("C,max_size,samples,head_cap,threshold,min_budget,max_budget", [
+    (1, 97, 0, None, 0.9, 0, None),  # one cluster per row: one search round of one probe
+    (256, 9, 5, 11, 0.99, 0, None),  # exactly one round of 256 probes
+    (257, 9, 0, None, 0.9, 200, 700),  # two rounds
+    (700, 12, 5, 30, 0.7, 0, 1500),  # sampled segments, capped head, two rounds
+])
+def test_keep_clusters_kernel_search_edge_cases(C, max_size, samples, head_cap, threshold, min_budget, max_budget):
+    """The kernel searches the cluster boundaries (BLOCK-wide rounds) for the first whose
+    estimated mass reaches the target; the twin tests every boundary: equal at search
+    sizes around one and two rounds, with empty clusters (repeated running sizes)."""
+    from kvsieve.kernels.fit import keep_clusters as kkeep
+    from kvsieve.ops.threshold import keep_clusters
+
+    case = fit_case(C + samples, 10, C, max_size, 1.0, 5, torch.float32, samples, head_cap)
+    read, pos, always, layout, n, csize, head_w = (case[k] for k in ("read", "positions", "always", "layout", "n",
+                                                                     "csize", "head_w"))
+    want = keep_clusters(read, pos, always, layout, n, csize, head_w, threshold, min_budget, max_budget)
+    lay_dev = type(layout)(*(t.to(DEV) if torch.is_tensor(t) else tuple(u.to(DEV) for u in t)
+                             for t in (layout.head_len, layout.seg_len, layout.seg_start, layout.exact,
+                                       layout.seg_reads)))
+    got = kkeep(read.to(DEV), pos.to(DEV), always.to(DEV), lay_dev, n.to(DEV), csize.to(DEV), head_w,
+                threshold, min_budget, max_budget).cpu()
+    assert torch.equal(got, want)
+    live = n > 0
+    assert (want[~live] == 0).all() and (want[live] >= 1).all() and (want <= C).all()
+    if C > 1:
+        assert 1 < want[live].float().mean() < C - 1  # the answer is inside the list, not at an end
 
 
 @triton.jit

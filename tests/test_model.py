@@ -11,7 +11,6 @@ from kvsieve.model.record import record_decode_step
 from kvsieve.model.runner import Engine, SamplingConfig
 from kvsieve.prompts import passkey_prompt
 
-from conftest import oracle
 
 transformers = pytest.importorskip("transformers")
 
@@ -123,19 +122,26 @@ def test_sampling_is_seeded(embedded):
 
 
 def test_tactic_mass_on_recorded_real_attention(embedded):
+    """Every layer of a real decode step reaches ~P with the mass each query head attends
+    (its group's union), with whole fitting segments and with sampled ones (8 of 20
+    positions, a sparser sample than segment_samples takes of 128K lists): over the 30
+    layers the mass moves by 0.004 on average (moving the segments by 0.5% of the list
+    moves it by 0.005) and its mean by < 0.005."""
     model, tok, _ = embedded
     rec = record_decode_step(model, real_text_ids(tok, 2000))
-    from kvsieve import sparse_decode
+    from kvsieve.eval.fit_fidelity import compare
 
-    per_layer = []
+    per_layer, sampled = [], []
     for q, k, v in zip(rec.q, rec.k, rec.v):
-        r = sparse_decode(q, k, v, method="tactic", threshold=0.9)
-        _, p = oracle(q, k, v)
-        G = q.shape[1] // k.shape[1]
-        attended = r.mask.repeat_interleave(G, 1)  # each query head attends its group's union
-        per_layer.append((p * attended).sum(-1).mean().item())
-        assert r.kv_fraction < 0.9
-    assert min(per_layer) >= 0.9 - 0.02, per_layer
+        full, samp = compare(q, k, v, torch.tensor([k.shape[2]]), [("full", {"segment_samples": 0}),
+                                                                   ("sampled", {"segment_samples": 8})],
+                             {"threshold": 0.9})
+        per_layer.append(full["union_mass"].mean().item())
+        sampled.append(samp["union_mass"].mean().item())
+        assert full["kv_fraction"] < 0.9 and (samp["reads"] < full["reads"]).all()
+    assert min(per_layer) >= 0.9 - 0.02 and min(sampled) >= 0.9 - 0.02, (per_layer, sampled)
+    moved = [abs(a - b) for a, b in zip(per_layer, sampled)]
+    assert sum(moved) / len(moved) <= 0.01 and abs(sum(per_layer) - sum(sampled)) / len(moved) <= 0.005, moved
 
 
 def run_cli(capsys, *argv):

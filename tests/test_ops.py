@@ -119,14 +119,17 @@ def test_nearest_centroid_ignores_invalid_clusters():
 
 # ---------------------------------------------------------------- fit and budget
 
+@pytest.mark.parametrize("samples", [0, 7])
 @pytest.mark.parametrize("a,b", [(50.0, 0.1), (3.0, 0.0), (200.0, 2.5)])
-def test_fit_recovers_a_and_b_on_exact_curves(a, b):
+def test_fit_recovers_a_and_b_on_exact_curves(a, b, samples):
+    """Exact a/x + b data is fitted exactly, whether the segments are read whole or sampled."""
     n = torch.tensor([4096, 1000, 200])
     L = 4096
     x = torch.arange(1, L + 1, dtype=torch.float64)
     y = (a / x + b).expand(3, L) * (torch.arange(L)[None] < n[:, None])
-    layout = fit_layout(n, 0.02, (0.1, 0.6), 0.01, 16)
+    layout = fit_layout(n, 0.02, (0.1, 0.6), 0.01, 16, samples)
     assert not layout.exact.any()
+    assert layout.seg_reads.tolist() == ([41, 16, 16] if samples == 0 else [7, 7, 7])
     _, curve = estimate_budget(y, n, layout, 0.9)
     assert torch.allclose(curve, y, rtol=1e-9, atol=1e-12)
     # and directly
@@ -193,12 +196,16 @@ def test_page_summaries_are_channelwise_min_max():
 @pytest.mark.parametrize("threshold,min_budget,max_budget", [(0.9, 0, None), (0.5, 0, None), (0.99, 0, None),
                                                             (1.0, 0, None), (0.3, 300, None), (0.9, 0, 400)])
 @pytest.mark.parametrize("decay", [0.0, 1.0, 3.0])
-def test_threshold_keep_from_read_positions_equals_full_list_budget(threshold, min_budget, max_budget, decay):
+@pytest.mark.parametrize("samples,head_cap", [(0, None), (5, 7)])
+def test_threshold_keep_from_read_positions_equals_full_list_budget(threshold, min_budget, max_budget, decay,
+                                                                    samples, head_cap):
     """ops.threshold (cluster boundaries, closed-form fitted tail, only the read positions)
-    keeps exactly the clusters that estimate_budget over the whole list implies (float64)."""
+    keeps exactly the clusters that estimate_budget over the whole list implies (float64),
+    with whole or sampled segments and an uncapped or capped head."""
     from kvsieve.ops.threshold import keep_clusters
 
-    case = fit_case(int(10 * threshold + decay), 24, 60, 50, decay, 5)
+    case = fit_case(int(10 * threshold + decay), 24, 60, 50, decay, 5, segment_samples=samples,
+                    head_max_tokens=head_cap)
     logits, pos, always, layout, n, csize = (case[k] for k in ("logits", "positions", "always", "layout", "n", "csize"))
     R, L = logits.shape
     got = keep_clusters(case["read"], pos, always, layout, n, csize, case["head_w"], threshold, min_budget, max_budget)
@@ -222,3 +229,40 @@ def test_harmonic_numbers():
     n = torch.tensor([0, 1, 2, 10, 1000, 123457], dtype=torch.float64)
     want = torch.tensor([sum(1.0 / x for x in range(1, int(m) + 1)) for m in n.tolist()], dtype=torch.float64)
     assert torch.allclose(harmonic(n), want, rtol=1e-13, atol=1e-14)
+
+
+def test_sampled_segments_are_evenly_strided_inside_the_segment():
+    """segment_samples: a segment wider than the sample count is read at that many distinct,
+    evenly strided positions inside it; narrower ones (lists up to 6.4K tokens at 1% / 64)
+    exactly as without sampling; head_max_tokens caps the exact head."""
+    from kvsieve.ops.fit import segment_positions
+    from kvsieve.ops.threshold import read_positions, read_widths
+
+    n = torch.tensor([1, 54, 97, 3001, 6400, 6401, 65536, 131036])
+    full = fit_layout(n, 0.02, (0.1, 0.6), 0.01, 16)
+    lay = fit_layout(n, 0.02, (0.1, 0.6), 0.01, 16, 64)
+    assert torch.equal(lay.seg_reads, full.seg_len.clamp(max=64)) and torch.equal(full.seg_reads, full.seg_len)
+    short = n <= 6400
+    w_full, w = read_widths(full, n), read_widths(lay, n)
+    pf, ps = read_positions(full, n, *w_full), read_positions(lay, n, *w)
+    assert w == (w_full[0], 64) and w_full[1] == 1311
+    # short lists: the same table (up to the narrower padding)
+    hw = w[0]
+    for j in range(2):
+        a = pf[short, hw + j * w_full[1]: hw + j * w_full[1] + 64]
+        assert torch.equal(a, ps[short, hw + j * 64: hw + (j + 1) * 64])
+        assert (pf[short, hw + j * w_full[1] + 64: hw + (j + 1) * w_full[1]] == -1).all()
+    for j in range(2):
+        p = segment_positions(lay, j, 64)
+        for r in range(len(n)):
+            if lay.exact[r]:
+                continue
+            got = p[r][p[r] >= 0]
+            s0, L = int(lay.seg_start[j][r]), int(lay.seg_len[r])
+            assert len(got) == min(L, 64) and got.min() >= s0 and got.max() < s0 + L
+            d = got.diff()
+            assert (d > 0).all() and int(d.max()) - int(d.min()) <= 1  # distinct, even stride
+            if L > 64:  # the samples span the segment: first and last stride centres
+                assert int(got[0]) - s0 == L // 128 and s0 + L - 1 - int(got[-1]) <= L // 64
+    cap = fit_layout(n, 0.02, (0.1, 0.6), 0.01, 16, 64, head_max_tokens=100)
+    assert torch.equal(cap.head_len, full.head_len.clamp(max=100)) and int(cap.head_len[-1]) == 100

@@ -2,8 +2,10 @@
 
 One program per query head: the max-shift over the scores read, the exact head's prefix
 sums (kept in a small float64 scratch row for random access), the two segment means, the
-a/x + b fit, then one pass over the ranked clusters' running sizes counting those whose
-estimated mass stays below threshold x total. Replaces ~40 small torch launches per step.
+a/x + b fit, then a search over the ranked clusters' running sizes for the first whose
+estimated mass reaches threshold x total (the mass is monotone in the size: BLOCK-wide
+rounds, 2 for 4,096 clusters, instead of the mass at every boundary). Replaces ~40 small
+torch launches per step.
 """
 from __future__ import annotations
 
@@ -15,36 +17,49 @@ import triton.language as tl
 from torch import Tensor
 
 from . import int32_contiguous
+from .search import FAN_BITS, count_at_most, search_rounds
 from ..ops.fit import FitLayout
 from ..ops.threshold import EULER_GAMMA
 
-_PARAMS: dict = {}  # (device, threshold) -> float64 [threshold, Euler's gamma] (fp32 scalars would round them)
-HARMONIC_SERIES_FROM = 16  # below: summed exactly; from here: asymptotic series (error < 1e-12)
+_PARAMS: dict = {}  # (device, threshold) -> float64 PARAMS (fp32 scalars would round them)
+HARMONIC_SERIES_FROM = 16  # below: a table of H(0..15); from here: asymptotic series (error < 1e-12)
+BLOCK = 256  # lanes of a program: scores per pass, probes per search round (H200 sweep at 128K x 8/32:
+NUM_WARPS = 4  # 256/4 and 512/4 best, 29-31 us / 58-62 us; 1024/8 33 / 97 us, 2048/8 79 / 230 us)
+
+
+def _params(threshold: float, device) -> Tensor:
+    """float64 [threshold, Euler's gamma, H(0), ..., H(HARMONIC_SERIES_FROM - 1)], made once per
+    (device, threshold) outside any CUDA-graph capture (capture warms up first)."""
+    key = (device, float(threshold))
+    if key not in _PARAMS:
+        table = [0.0]
+        for i in range(1, HARMONIC_SERIES_FROM):
+            table.append(table[-1] + 1.0 / i)
+        _PARAMS[key] = torch.tensor([float(threshold), EULER_GAMMA] + table, dtype=torch.float64, device=device)
+    return _PARAMS[key]
 
 
 @triton.jit
-def _harmonic(x, gamma, SMALL: tl.constexpr):
-    """H(x) for integer-valued float64 x >= 0 (float64 constants only: literals would be fp32)."""
-    s = tl.zeros_like(x)
-    for i in tl.static_range(1, SMALL):
-        s += tl.where(x >= i, 1.0 / (tl.zeros_like(x) + i), 0.0)
+def _harmonic(x, PARAMS, SMALL: tl.constexpr):
+    """H(x) for integer-valued float64 x >= 0 (no fp32 literal enters a float64 result)."""
+    small = x < SMALL
+    exact = tl.load(PARAMS + 2 + tl.where(small, x, 0.0).to(tl.int32))
     xs = tl.maximum(x, 1.0)
     xi = 1.0 / xs
     x2 = xi * xi
-    big = tl.log(xs) + gamma + 0.5 * xi - x2 * (1.0 / (tl.zeros_like(x) + 12.0)
-                                               - x2 * (1.0 / (tl.zeros_like(x) + 120.0) - x2 / 252.0))
-    return tl.where(x < SMALL, s, big)
+    big = tl.log(xs) + tl.load(PARAMS + 1) + 0.5 * xi - x2 / 12.0 + x2 * x2 / 120.0 - x2 * x2 * x2 / 252.0
+    return tl.where(small, exact, big)
 
 
 @triton.jit
-def _mass(m, a, b, last, h, hx, exact, SCR, scr_row, HW, gamma, SMALL: tl.constexpr):
-    """Estimated mass of the first m list tokens (m: int32 vector)."""
+def _mass(m, a, b, last, h, harm_h, hx, exact, SCR, scr_row, HW, PARAMS, SMALL: tl.constexpr):
+    """Estimated mass of the first m list tokens (m: int32 vector; harm_h = H(h))."""
     mh = tl.minimum(m, hx)
     ok = (mh > 0) & (mh <= HW)
     ex = tl.load(SCR + scr_row + mh - 1, mask=ok, other=0.0)
     x = tl.minimum(m.to(tl.float64), last)
-    hf = tl.zeros_like(x) + h.to(tl.float64)
-    tail = a * (_harmonic(x, gamma, SMALL) - _harmonic(hf, gamma, SMALL)) + b * (x - hf)
+    hf = h.to(tl.float64)
+    tail = a * (_harmonic(x, PARAMS, SMALL) - harm_h) + b * (x - hf)
     return ex + tl.where((x > hf) & (exact == 0), tail, 0.0)
 
 
@@ -70,11 +85,12 @@ def _segment(READ, POS, row, W, start, SW, shift, BLOCK: tl.constexpr):
 @triton.jit
 def _keep_kernel(READ, POS, ALW, HLEN, EXACT, NL, CS, SCR, PARAMS, OUT, W, A, C, HW, SW,
                  min_budget, max_budget,
-                 ALL: tl.constexpr, HAS_MAX: tl.constexpr, BLOCK: tl.constexpr, SMALL: tl.constexpr):
+                 ALL: tl.constexpr, HAS_MIN: tl.constexpr, HAS_MAX: tl.constexpr, BLOCK: tl.constexpr,
+                 BLOCK_BITS: tl.constexpr, SMALL: tl.constexpr, ROUNDS: tl.constexpr, CS_ROUNDS: tl.constexpr,
+                 FAN_BITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     threshold = tl.load(PARAMS)
-    gamma = tl.load(PARAMS + 1)
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     for w0 in range(0, W, BLOCK):
         m = tl.maximum(m, tl.load(READ + row * W + w0 + offs, mask=w0 + offs < W, other=float("-inf")))
@@ -105,28 +121,44 @@ def _keep_kernel(READ, POS, ALW, HLEN, EXACT, NL, CS, SCR, PARAMS, OUT, W, A, C,
     n = tl.load(NL + row)
     exact = tl.load(EXACT + row)
     hx = tl.where(exact != 0, n, h)
-    total = tl.max(_mass(tl.zeros([BLOCK], tl.int32) + n, a, b, last, h, hx, exact, SCR, scr_row, HW, gamma,
-                         SMALL), 0)
+    harm_h = _harmonic(h.to(tl.float64), PARAMS, SMALL)
+    total = tl.max(_mass(tl.zeros([BLOCK], tl.int32) + n, a, b, last, h, harm_h, hx, exact, SCR, scr_row, HW,
+                         PARAMS, SMALL), 0)
     target = threshold * (total + known_s)
-    below = tl.zeros([BLOCK], tl.int32)
-    cmin = tl.zeros([BLOCK], tl.int32)
-    cmax = tl.zeros([BLOCK], tl.int32)
-    for c0 in range(0, C, BLOCK):
-        valid = c0 + offs < C
-        cs = tl.load(CS + row * C + c0 + offs, mask=valid, other=0)
+    # csize is non-decreasing and so is the estimated mass at it: every count below is the
+    # number of leading boundaries satisfying a monotone test, found by a BLOCK-ary search
+    # (ROUNDS dependent rounds of BLOCK probes: 2 for 4,096 clusters) instead of a test per boundary
+    cs_row = CS + row * C
+    keep = tl.sum(tl.zeros([BLOCK], tl.int32), 0)
+    for i in tl.static_range(ROUNDS):
+        step = 1 << ((ROUNDS - 1 - i) * BLOCK_BITS)
+        c = keep + (offs + 1) * step  # candidate counts
+        ok = c <= C
+        cs = tl.load(cs_row + c - 1, mask=ok, other=0)
         if ALL:
             hit = cs < n
         else:
-            mass = _mass(cs, a, b, last, h, hx, exact, SCR, scr_row, HW, gamma, SMALL)
+            mass = _mass(cs, a, b, last, h, harm_h, hx, exact, SCR, scr_row, HW, PARAMS, SMALL)
             hit = (known_s + mass < target) | (cs == 0)
-        below += (valid & hit).to(tl.int32)
-        cmin += (valid & (cs < min_budget)).to(tl.int32)
-        cmax += (valid & (cs <= max_budget)).to(tl.int32)
-    keep = tl.sum(below, 0) + 1
-    keep = tl.maximum(keep, tl.where(min_budget > 0, tl.sum(cmin, 0) + 1, 0))
-    if HAS_MAX:
-        keep = tl.minimum(keep, tl.maximum(tl.sum(cmax, 0), 1))
+        keep += tl.sum((ok & hit).to(tl.int32), 0) * step
+    keep += 1
+    if HAS_MIN or HAS_MAX:  # clusters below the floor / within the cap: counts of csize <= p
+        lane = tl.arange(0, 2)
+        p = tl.where(lane == 0, min_budget - 1, max_budget)
+        cnt = count_at_most(cs_row, C, p, lane >= 0, CS_ROUNDS, FAN_BITS)
+        if HAS_MIN:
+            keep = tl.maximum(keep, tl.sum(tl.where(lane == 0, cnt, 0), 0) + 1)
+        if HAS_MAX:
+            keep = tl.minimum(keep, tl.maximum(tl.sum(tl.where(lane == 1, cnt, 0), 0), 1))
     tl.store(OUT + row, tl.where(n > 0, keep, 0).to(tl.int64))
+
+
+def search_rounds_for(count: int, fan: int) -> int:
+    """Rounds of a fan-ary search (steps fan^(rounds-1) .. 1) whose result can reach count."""
+    rounds, reach = 1, fan
+    while reach < count:
+        rounds, reach = rounds + 1, reach * fan
+    return rounds
 
 
 def keep_clusters(read: Tensor, positions: Tensor, always: Tensor, layout: FitLayout, n: Tensor,
@@ -140,15 +172,14 @@ def keep_clusters(read: Tensor, positions: Tensor, always: Tensor, layout: FitLa
 
     scratch = torch.empty(R, max(head_w, 1), dtype=torch.float64, device=read.device)
     out = torch.empty(R, dtype=torch.long, device=read.device)
-    key = (read.device, float(threshold))
-    if key not in _PARAMS:  # made once, outside any CUDA-graph capture (capture warms up first)
-        _PARAMS[key] = torch.tensor([float(threshold), EULER_GAMMA], dtype=torch.float64, device=read.device)
-    params = _PARAMS[key]
+    params = _params(threshold, read.device)
     i32 = int32_contiguous
     _keep_kernel[(R,)](read.contiguous(), i32(positions), always.contiguous(), i32(layout.head_len),
                        i32(layout.exact), i32(n), i32(csize), scratch, params, out, W, A, C, head_w, seg_w,
                        int(min_budget), -1 if max_budget is None else int(max_budget),
-                       ALL=threshold >= 1.0, HAS_MAX=max_budget is not None, BLOCK=256,
-                       SMALL=HARMONIC_SERIES_FROM, num_warps=4)
+                       ALL=threshold >= 1.0, HAS_MIN=min_budget > 0, HAS_MAX=max_budget is not None, BLOCK=BLOCK,
+                       SMALL=HARMONIC_SERIES_FROM, BLOCK_BITS=BLOCK.bit_length() - 1,
+                       ROUNDS=search_rounds_for(C, BLOCK),
+                       CS_ROUNDS=search_rounds(C + 1, FAN_BITS), FAN_BITS=FAN_BITS, num_warps=NUM_WARPS)
     return out
 

@@ -9,7 +9,7 @@ from torch import Tensor
 from .. import dispatch
 from ..config import TacticConfig
 from ..ops.attention import compute_dtype
-from ..ops.fit import FitLayout, estimate_budget, fit_layout
+from ..ops.fit import FitLayout, estimate_budget, fit_layout, segment_positions
 from ..ops.paged import PagedKeys, row_table
 from ..ops.threshold import read_positions, read_widths
 from ..ops.kmeans import nearest_centroid
@@ -172,8 +172,7 @@ class Tactic(SparseMethod):
         logits = torch.einsum("bhgd,bhsd->bhgs", q.to(ct).view(B, Hkv, G, D), k.to(ct)).reshape(B, Hq, S) * scale
         always = always_kv.repeat_interleave(G, 1).reshape(B * Hq, S)
         n = indexed.sum(-1).reshape(B * Hq)
-        layout = fit_layout(n, cfg.head_fraction, cfg.segment_centers, cfg.segment_fraction,
-                            cfg.min_segment_tokens)
+        layout = self._fit_layout(n)
         read = self._read_positions(layout, n, S)
         sl = logits.gather(-1, perm).reshape(B * Hq, S).masked_fill(~read, float("-inf"))
         al = logits.reshape(B * Hq, S).masked_fill(~always, float("-inf"))
@@ -328,14 +327,15 @@ class Tactic(SparseMethod):
         the same num_indexed - sink tokens): FitLayout and read positions [B*Hq, W] per query head."""
         cfg = self.config
         n = torch.tensor([max(i - cfg.sink, 0) for i in indexed], dtype=torch.long)
-        lay = fit_layout(n, cfg.head_fraction, cfg.segment_centers, cfg.segment_fraction, cfg.min_segment_tokens)
+        lay = self._fit_layout(n)
         head_w, seg_w = read_widths(lay, n)
         pos = read_positions(lay, n, head_w, seg_w)
 
         def rows(t):
             return t.repeat_interleave(Hq, 0).to(device)
 
-        layout = FitLayout(rows(lay.head_len), rows(lay.seg_len), tuple(rows(s) for s in lay.seg_start), rows(lay.exact))
+        layout = FitLayout(rows(lay.head_len), rows(lay.seg_len), tuple(rows(s) for s in lay.seg_start),
+                           rows(lay.exact), rows(lay.seg_reads))
         return {"head_w": head_w, "seg_w": seg_w, "layout": layout, "n": rows(n),
                 "positions": rows(pos).to(torch.int32)}
 
@@ -368,11 +368,19 @@ class Tactic(SparseMethod):
             protected, _, _ = dispatch.select_by_budget(radius_bound(scores, q, st.radius), st.sizes32, c["protect"])
         return dispatch.union_prefixes(rank, keep, st.sizes32, protected)
 
+    def _fit_layout(self, n: Tensor) -> FitLayout:
+        """The fit's geometry for list lengths n [R] (head, segments, sampled reads)."""
+        cfg = self.config
+        return fit_layout(n, cfg.head_fraction, cfg.segment_centers, cfg.segment_fraction, cfg.min_segment_tokens,
+                          cfg.segment_samples, cfg.head_max_tokens)
+
     @staticmethod
-    def _read_positions(layout, n: Tensor, S: int) -> Tensor:
+    def _read_positions(layout: FitLayout, n: Tensor, S: int) -> Tensor:
+        """[R, S] bool: the list positions whose scores the fit reads (head, segments' samples; all on exact rows)."""
         p = torch.arange(S, device=n.device)[None, :]
-        read = p < layout.head_len[:, None]
-        for s in layout.seg_start:
-            read |= (p >= s[:, None]) & (p < (s + layout.seg_len)[:, None])
-        read |= layout.exact[:, None]
+        read = (p < layout.head_len[:, None]) | layout.exact[:, None]
+        for j in range(2):
+            sp = segment_positions(layout, j, S)
+            hit = torch.zeros(n.shape[0], S + 1, dtype=torch.bool, device=n.device)
+            read |= hit.scatter_(1, torch.where((sp >= 0) & (sp < S), sp, S), True)[:, :S]
         return read & (p < n[:, None])

@@ -5,7 +5,7 @@ All functions are batched over leading dims ("rows", one per (request, query hea
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -27,24 +27,30 @@ def fit_inverse(u1: Tensor, y1: Tensor, u2: Tensor, y2: Tensor) -> Tuple[Tensor,
 
 @dataclass
 class FitLayout:
-    """Per-row segment geometry over a sorted list of n tokens (positions 0-based).
+    """Per-row segment geometry over a sorted list of n tokens (positions 0-based), [R] each.
 
-    head: [0, head_len) exact; segment j: [seg_start[j], seg_start[j] + seg_len).
-    exact rows (short lists, where the fit would read half the list or more) compute
-    every score exactly.
+    head: [0, head_len) exact; segment j: [seg_start[j], seg_start[j] + seg_len), of which
+    seg_reads positions are read, evenly strided (segment_positions; all of them when
+    seg_reads == seg_len). exact rows (short lists, where the fit would read half the list
+    or more) compute every score exactly.
     """
 
     head_len: Tensor
     seg_len: Tensor
     seg_start: Tuple[Tensor, Tensor]
     exact: Tensor
+    seg_reads: Tensor
 
 
 def fit_layout(n: Tensor, head_fraction: float, centers: Tuple[float, float],
-               segment_fraction: float, min_segment_tokens: int) -> FitLayout:
-    """n: [R] long list lengths -> FitLayout with [R] tensors."""
+               segment_fraction: float, min_segment_tokens: int, segment_samples: int = 0,
+               head_max_tokens: Optional[int] = None) -> FitLayout:
+    """n: [R] long list lengths -> FitLayout with [R] tensors. A segment wider than
+    segment_samples (> 0) is read at that many positions; head_max_tokens caps the head."""
     nf = n.to(torch.float64)
     head_len = torch.clamp(torch.ceil(nf * head_fraction), min=1).long()
+    if head_max_tokens is not None:
+        head_len = head_len.clamp(max=head_max_tokens)
     seg_len = torch.clamp(torch.ceil(nf * segment_fraction), min=min_segment_tokens).long()
     starts = []
     for c in centers:
@@ -54,15 +60,26 @@ def fit_layout(n: Tensor, head_fraction: float, centers: Tuple[float, float],
     s2 = torch.maximum(s2, s1 + seg_len)
     # where the fit would read half the list or more, reading it all is as cheap and exact
     exact = (s2 + seg_len > n) | (2 * (head_len + 2 * seg_len) >= n)
-    return FitLayout(head_len, seg_len, (s1, s2), exact)
+    reads = seg_len.clamp(max=segment_samples) if segment_samples > 0 else seg_len
+    return FitLayout(head_len, seg_len, (s1, s2), exact, reads)
+
+
+def segment_positions(layout: FitLayout, j: int, width: int) -> Tensor:
+    """[R, width] long list positions read in segment j: seg_start + floor((2i + 1) seg_len /
+    (2 seg_reads)) for i < seg_reads (the centres of seg_reads equal strides; every position
+    when seg_reads == seg_len), -1 past seg_reads."""
+    i = torch.arange(width, device=layout.seg_len.device)[None, :]
+    L, r = layout.seg_len[:, None], layout.seg_reads[:, None]
+    p = layout.seg_start[j][:, None] + torch.div((2 * i + 1) * L, 2 * r.clamp(min=1), rounding_mode="floor")
+    return torch.where(i < r, p, -1)
 
 
 def estimate_budget(exp_scores: Tensor, n: Tensor, layout: FitLayout, threshold: float,
                     known: Tensor | None = None) -> Tuple[Tensor, Tensor]:
     """Estimate the attention-mass curve and the smallest prefix reaching `threshold`.
 
-    exp_scores: [R, L] exp(logit - shift) of the tokens in sorted order (only head and
-        segment positions are read, except on exact rows);
+    exp_scores: [R, L] exp(logit - shift) of the tokens in sorted order (only the head and
+        the segments' read positions, segment_positions, are used, except on exact rows);
     n: [R] valid list length (<= L);
     known: [R] exact mass (same shift) of tokens attended regardless of the list (sinks,
         tokens not yet indexed); it counts towards both the total and the prefix.
@@ -74,8 +91,10 @@ def estimate_budget(exp_scores: Tensor, n: Tensor, layout: FitLayout, threshold:
     x = (pos + 1).to(ct)[None, :].expand(R, L)
     in_list = pos[None, :] < n[:, None]
     seg_stats = []
-    for s in layout.seg_start:
-        seg = (pos[None, :] >= s[:, None]) & (pos[None, :] < (s + layout.seg_len)[:, None])
+    for j in range(2):
+        p = segment_positions(layout, j, L)  # fitted rows read <= L positions; no host sync
+        p = torch.where((p >= 0) & (p < L), p, L)
+        seg = torch.zeros(R, L + 1, dtype=torch.bool, device=pos.device).scatter_(1, p, True)[:, :L]
         cnt = seg.sum(-1).clamp(min=1).to(ct)
         y = (exp_scores * seg).sum(-1) / cnt
         u = ((1.0 / x) * seg).sum(-1) / cnt

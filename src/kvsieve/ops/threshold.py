@@ -1,11 +1,12 @@
 """Tactic's threshold budget without reading the whole sorted list (the paged fast path).
 
 Same semantics as `Tactic.select` (ops.fit.estimate_budget over the full list), computed
-from exact scores at the positions the fit reads (the head and two segments, or the whole
-list on exact rows): the estimated mass curve is summed only at cluster boundaries, its
-fitted tail in closed form, sum_{x=h+1..m} max(a/x + b, 0) = a (H(m') - H(h)) + b (m' - h)
-with H the harmonic numbers and m' = min(m, a / -b) when b < 0. Work is O(clusters +
-positions read) per query head instead of O(context). Torch, device-agnostic, no host sync.
+from exact scores at the positions the fit reads (the head and the two segments' read,
+possibly sampled, positions, or the whole list on exact rows): the estimated mass curve
+is summed only at cluster boundaries, its fitted tail in closed form, sum_{x=h+1..m}
+max(a/x + b, 0) = a (H(m') - H(h)) + b (m' - h) with H the harmonic numbers and
+m' = min(m, a / -b) when b < 0. Work is O(clusters + positions read) per query head
+instead of O(context). Torch, device-agnostic, no host sync.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .fit import FitLayout, fit_inverse, fit_layout
+from .fit import FitLayout, fit_inverse, fit_layout, segment_positions
 from .paged import list_logits_reference
 
 EULER_GAMMA = 0.5772156649015329
@@ -28,10 +29,10 @@ def harmonic(n: Tensor) -> Tensor:
 def read_widths(layout: FitLayout, n: Tensor) -> Tuple[int, int]:
     """Host-side widths (head, segment) of the read-position table for lists of lengths
     n [R] (CPU): the largest exact prefix (the head, or the whole list on exact rows) and
-    the largest segment of a fitted row."""
+    the most positions read in a segment of a fitted row."""
     if not len(n):
         return 0, 0
-    seg = torch.where(layout.exact, torch.zeros_like(layout.seg_len), layout.seg_len)
+    seg = torch.where(layout.exact, torch.zeros_like(layout.seg_reads), layout.seg_reads)
     return int(exact_prefix(layout, n).max()), int(seg.max())
 
 
@@ -42,13 +43,12 @@ def exact_prefix(layout: FitLayout, n: Tensor) -> Tensor:
 
 def read_positions(layout: FitLayout, n: Tensor, head_w: int, seg_w: int) -> Tensor:
     """[R, head_w + 2 seg_w] long list positions to score: the exact prefix, then each
-    segment (fitted rows only); -1 where nothing is read."""
+    segment's read positions (fitted rows only, fit.segment_positions); -1 where nothing is read."""
     j = torch.arange(head_w, device=n.device)[None, :]
     cols = [torch.where(j < exact_prefix(layout, n)[:, None], j, -1)]
-    j = torch.arange(seg_w, device=n.device)[None, :]
     fitted = ~layout.exact[:, None]
-    for s in layout.seg_start:
-        cols.append(torch.where((j < layout.seg_len[:, None]) & fitted, s[:, None] + j, -1))
+    for s in range(2):
+        cols.append(torch.where(fitted, segment_positions(layout, s, seg_w), -1))
     return torch.cat(cols, -1)
 
 
@@ -134,8 +134,10 @@ def keep_clusters(read: Tensor, positions: Tensor, always: Tensor, layout: FitLa
     read [R, W]: logits at `positions` (read_positions' table, -inf where none); always
     [R, A]: logits of the tokens attended regardless (-inf where none; their exact mass
     counts towards the prefix and the total); n [R] list lengths; csize [R, C] tokens in
-    the first r+1 ranked clusters. Returns keep [R] long: the smallest cluster prefix whose
-    estimated mass reaches threshold x total (as Tactic.select, floor/cap included).
+    the first r+1 ranked clusters (non-decreasing: the estimated mass at it is too, which
+    lets the kernel search the boundaries; here every boundary is evaluated). Returns keep
+    [R] long: the smallest cluster prefix whose estimated mass reaches threshold x total
+    (as Tactic.select, floor/cap included).
     """
     R, W = read.shape
     f64 = torch.float64
