@@ -129,10 +129,19 @@ def _merge_kernel(PART, PLSE, CNT, OUT, LSE, NS, SPLIT, G: tl.constexpr, D: tl.c
     tl.store(LSE + pid + tl.arange(0, 1), tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf")))
 
 
-def choose_split(cap: int, rows: int, block_n: int, target: int = TARGET_PROGRAMS) -> int:
-    """Split length (a multiple of block_n) giving about `target` programs."""
+def choose_split(cap: int, rows: int, block_n: int, target: int = TARGET_PROGRAMS, most: int = 8192) -> int:
+    """Split length (a multiple of block_n, at most `most`) giving about `target` programs."""
     want = -(-cap * rows // target)
-    return max(block_n, min(next_pow2(want), 8192))
+    return max(block_n, min(next_pow2(want), most))
+
+
+# Index lists may fill a small part of their capacity (a threshold plan's capacity is the
+# context): splits sized for a full list leave one busy program per row. Shorter splits
+# spread the read over the GPU; programs past a row's count return at once and the merge
+# reads only used splits. H200 sweep (scripts/sweep_split.py, tactic P = 0.9 on calibrated
+# data): 128K x 8 reading 4.9%: 188 us with 8192-token splits, 93 us at 1024, 80 us at 2048;
+# 128K x 32: 234 / 258 / 191 us; fixed-budget lists (short capacities) unchanged.
+INDEX_SPLIT_MOST = 2048
 
 
 def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, counts: Tensor,
@@ -143,7 +152,7 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
     case (default: the block table's capacity); with indices it is indices.shape[-1].
     pool_rows: the indices are pool rows (page * page_size + slot), not logical positions.
     `_config` overrides the launch parameters (block_n, num_warps, num_stages, target
-    programs, lowp_pv) for tuning sweeps."""
+    programs, most: the longest split, lowp_pv) for tuning sweeps."""
     B, Hq, D = q.shape
     Hkv, page = k_pool.shape[1], k_pool.shape[2]
     G = Hq // Hkv
@@ -174,7 +183,8 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
                    num_stages=min(cfg["num_stages"], 2))
     cfg.update(_config or {})
     block_n = cfg["block_n"]
-    split = choose_split(max(cap, 1), B * Hkv, block_n, cfg["target"])
+    most = cfg.get("most", 8192 if dense else INDEX_SPLIT_MOST)
+    split = choose_split(max(cap, 1), B * Hkv, block_n, cfg["target"], most)
     ns = max(1, -(-cap // split))
     part = torch.empty(B * Hkv * ns * G * D, dtype=torch.float32, device=q.device)
     plse = torch.empty(B * Hkv * ns * G, dtype=torch.float32, device=q.device)
