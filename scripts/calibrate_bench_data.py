@@ -98,7 +98,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("recordings", nargs="+")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--write-profile", action="store_true", help=f"write the fitted profile to {PROFILE_PATH}")
+    ap.add_argument("--write-profile", action="store_true", help=f"write the fitted profile (to --profile-path)")
+    ap.add_argument("--profile-path", default=PROFILE_PATH, help="where --write-profile writes (default: %(default)s)")
+    ap.add_argument("--structure", default="", help="Structure overrides for the fit, e.g. 'qnoise=1.5,shared=2'")
     ap.add_argument("--longer", default="16384,32000", help="synthetic-only lengths (extrapolation)")
     ap.add_argument("--extra-stats", default="", help="attention-stats.json of another model to plot beside")
     ap.add_argument("--no-tactic", action="store_true")
@@ -116,11 +118,12 @@ def main() -> int:
         recs[meta["length"]] = {"steps": steps, "layers": layers, "summary": summ, "model": os.path.basename(meta["model"])}
         print(f"real {meta['length']}: " + ", ".join(f"{k} {v.get('median', v['mean']):.4f}" for k, v in summ.items()),
               flush=True)
-    profile = load_profile() if args.shipped else fit_profile(recs, Structure())
+    over = {k: float(v) for k, v in (x.split("=") for x in args.structure.split(",") if x.strip())}
+    profile = load_profile() if args.shipped else fit_profile(recs, Structure(**over))
     if args.write_profile and not args.shipped:
         d = profile.to_json()
         heads = ",\n".join(json.dumps(list(h)) for h in d.pop("heads"))
-        with open(PROFILE_PATH, "w") as f:  # one head per line
+        with open(args.profile_path, "w") as f:  # one head per line
             f.write(json.dumps(d, indent=1)[:-2] + ',\n "heads": [\n' + heads + "\n]\n}\n")
     like = recs[max(recs)]["steps"]
     synth = {}

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvsieve.bench.attention_stats import LOCAL, SINK, head_stats, softmax_probs
-from kvsieve.bench.data import Profile, calibrated_qkv, load_profile, make_qkv
+from kvsieve.bench.data import PROFILES, Profile, calibrated_qkv, load_profile, make_qkv
 from kvsieve.bench.fidelity import dense_reference, matched_fidelity, plan_token_mask, read_mass
 from kvsieve.bench.kernels import relocated_plans
 from kvsieve.methods.base import TokenPlan
@@ -74,10 +74,13 @@ def test_calibrated_budget_follows_the_power_law():
     assert all(abs(g - want) < 0.02 * want + 2 / (long - SINK - LOCAL) for g in got), (got, want)
 
 
-def test_shipped_profile_and_bad_data_requests():
-    prof = load_profile()
-    assert len(prof.heads) >= 100 and 0 < prof.exponent < 2
-    assert all(0 < m <= 1 and 0 <= s <= 1 and 0 <= loc <= 1 for m, s, loc in prof.heads)
+def test_shipped_profiles_and_bad_data_requests():
+    for kind, path in PROFILES.items():
+        prof = load_profile(path)
+        assert len(prof.heads) >= 12 and 0 < prof.exponent < 2, kind
+        assert all(0 < m <= 1 and 0 <= s <= 1 and 0 <= loc <= 1 for m, s, loc in prof.heads)
+        q, k, v = make_qkv(kind, 1, 4, 2, 600, 16, torch.float32, device="cpu")
+        assert torch.isfinite(q).all() and torch.isfinite(k).all() and k.shape == (1, 2, 600, 16)
     with pytest.raises(ValueError, match="bench data must be one of"):
         make_qkv("uniform", 1, 2, 1, 2048, 16, device="cpu")
     with pytest.raises(ValueError, match="at least"):

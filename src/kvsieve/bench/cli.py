@@ -18,9 +18,10 @@ def register(sub) -> None:
     p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--budgets", default="0.01,0.025,0.05", help="token budgets as fractions of the context")
     p.add_argument("--thresholds", default="0.9", help="tactic thresholds P (fitted budget; '' to skip)")
-    p.add_argument("--data", default="calibrated", choices=("calibrated", "clustered"),
-                   help="decode-step inputs: attention calibrated to recorded real attention (default), or "
-                        "the clustered stress case (keys scattered in position, queries aimed at two keys)")
+    p.add_argument("--data", default="calibrated", choices=("calibrated", "calibrated-gemma3", "clustered"),
+                   help="decode-step inputs: attention calibrated to SmolLM2's recorded attention (default), to "
+                        "Gemma 3 270M's global layers (diffuse), or the clustered stress case (keys scattered in "
+                        "position, queries aimed at two keys)")
     p.add_argument("--cluster-context", type=int, default=131072, help="context for clustering vs prefill (0: skip)")
     p.add_argument("--e2e-contexts", default="32768,131072", help="end-to-end contexts ('' to skip)")
     p.add_argument("--e2e-batches", default="1,8")

@@ -37,8 +37,12 @@ from torch import Tensor
 
 from .attention_stats import LOCAL, SINK
 
-PROFILE_PATH = os.path.join(os.path.dirname(__file__), "..", "data", "attention-profile.json")
-KINDS = ("calibrated", "clustered")
+DATA_DIR = os.path.join(os.path.dirname(__file__), "..", "data")
+PROFILE_PATH = os.path.join(DATA_DIR, "attention-profile.json")
+# calibrated: SmolLM2-135M at 8K (strong sinks, budgets shrinking with context);
+# calibrated-gemma3: Gemma 3 270M's global layers at 8K-32K (diffuse: Tactic P = 0.9 reads ~half)
+PROFILES = {"calibrated": PROFILE_PATH, "calibrated-gemma3": os.path.join(DATA_DIR, "attention-profile-gemma3.json")}
+KINDS = tuple(PROFILES) + ("clustered",)
 
 
 @dataclass(frozen=True)
@@ -94,8 +98,8 @@ def load_profile(path: Optional[str] = None) -> Profile:
 def make_qkv(kind: str, B: int, Hq: int, Hkv: int, S: int, D: int, dtype=torch.bfloat16, seed: int = 0,
              device="cuda", profile: Optional[Profile] = None):
     """q [B, Hq, D], k, v [B, Hkv, S, D] of the named kind (see the module docstring)."""
-    if kind == "calibrated":
-        return calibrated_qkv(B, Hq, Hkv, S, D, dtype, seed, device, profile)
+    if kind in PROFILES:
+        return calibrated_qkv(B, Hq, Hkv, S, D, dtype, seed, device, profile or load_profile(PROFILES[kind]))
     if kind == "clustered":
         k, v = clustered_kv(B, Hkv, S, D, dtype, seed, device)
         return aimed_queries(k, Hq, seed), k, v
