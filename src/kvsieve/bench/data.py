@@ -40,7 +40,7 @@ from .attention_stats import LOCAL, SINK
 DATA_DIR = os.path.join(os.path.dirname(__file__), "..", "data")
 PROFILE_PATH = os.path.join(DATA_DIR, "attention-profile.json")
 # calibrated: SmolLM2-135M at 8K (strong sinks, budgets shrinking with context);
-# calibrated-gemma3: Gemma 3 270M's global layers at 8K-32K (diffuse: Tactic P = 0.9 reads ~half)
+# calibrated-gemma3: Gemma 3 270M's global layers at 8K-32K (diffuse there: Tactic P = 0.9 reads about half)
 PROFILES = {"calibrated": PROFILE_PATH, "calibrated-gemma3": os.path.join(DATA_DIR, "attention-profile-gemma3.json")}
 KINDS = tuple(PROFILES) + ("clustered",)
 
