@@ -451,17 +451,11 @@ def test_ranked_list_logits_matches_reference(G, D, C):
     assert (got[~none].double() - exact[~none]).abs().max() <= 1.5 * (want[~none].double() - exact[~none]).abs().max() + 1e-4
 
 
-@pytest.mark.parametrize("threshold,min_budget,max_budget", [(0.9, 0, None), (0.5, 0, None), (1.0, 0, None),
-                                                            (0.3, 300, None), (0.9, 0, 400)])
-@pytest.mark.parametrize("decay", [0.0, 3.0])
-def test_keep_clusters_kernel_matches_twin(threshold, min_budget, max_budget, decay):
-    """The one-launch fit (prefix sums, segment means, closed-form tail with an asymptotic
-    harmonic series) keeps exactly the clusters of the torch twin (digamma)."""
+def _keep_twin_and_kernel(case, threshold, min_budget, max_budget):
+    """keep_clusters of the torch twin and of the kernel (on DEV) on a conftest.fit_case."""
     from kvsieve.kernels.fit import keep_clusters as kkeep
     from kvsieve.ops.threshold import keep_clusters
 
-    C = 300
-    case = fit_case(int(10 * threshold + decay) + min_budget, 30, C, 40, decay, 37, torch.float32)
     read, pos, always, layout, n, csize, head_w = (case[k] for k in ("read", "positions", "always", "layout", "n",
                                                                      "csize", "head_w"))
     want = keep_clusters(read, pos, always, layout, n, csize, head_w, threshold, min_budget, max_budget)
@@ -470,6 +464,18 @@ def test_keep_clusters_kernel_matches_twin(threshold, min_budget, max_budget, de
                                        layout.seg_reads)))
     got = kkeep(read.to(DEV), pos.to(DEV), always.to(DEV), lay_dev, n.to(DEV), csize.to(DEV), head_w,
                 threshold, min_budget, max_budget).cpu()
+    return want, got
+
+
+@pytest.mark.parametrize("threshold,min_budget,max_budget", [(0.9, 0, None), (0.5, 0, None), (1.0, 0, None),
+                                                            (0.3, 300, None), (0.9, 0, 400)])
+@pytest.mark.parametrize("decay", [0.0, 3.0])
+def test_keep_clusters_kernel_matches_twin(threshold, min_budget, max_budget, decay):
+    """The one-launch fit (prefix sums, segment means, closed-form tail with an asymptotic
+    harmonic series) keeps exactly the clusters of the torch twin (digamma)."""
+    C = 300
+    case = fit_case(int(10 * threshold + decay) + min_budget, 30, C, 40, decay, 37, torch.float32)
+    want, got = _keep_twin_and_kernel(case, threshold, min_budget, max_budget)
     assert torch.equal(got, want)
     assert 0 < want.float().mean() < C  # neither nothing nor everything
 
@@ -484,20 +490,10 @@ def test_keep_clusters_kernel_search_edge_cases(C, max_size, samples, head_cap, 
     """The kernel searches the cluster boundaries (BLOCK-wide rounds) for the first whose
     estimated mass reaches the target; the twin tests every boundary: equal at search
     sizes around one and two rounds, with empty clusters (repeated running sizes)."""
-    from kvsieve.kernels.fit import keep_clusters as kkeep
-    from kvsieve.ops.threshold import keep_clusters
-
     case = fit_case(C + samples, 10, C, max_size, 1.0, 5, torch.float32, samples, head_cap)
-    read, pos, always, layout, n, csize, head_w = (case[k] for k in ("read", "positions", "always", "layout", "n",
-                                                                     "csize", "head_w"))
-    want = keep_clusters(read, pos, always, layout, n, csize, head_w, threshold, min_budget, max_budget)
-    lay_dev = type(layout)(*(t.to(DEV) if torch.is_tensor(t) else tuple(u.to(DEV) for u in t)
-                             for t in (layout.head_len, layout.seg_len, layout.seg_start, layout.exact,
-                                       layout.seg_reads)))
-    got = kkeep(read.to(DEV), pos.to(DEV), always.to(DEV), lay_dev, n.to(DEV), csize.to(DEV), head_w,
-                threshold, min_budget, max_budget).cpu()
+    want, got = _keep_twin_and_kernel(case, threshold, min_budget, max_budget)
     assert torch.equal(got, want)
-    live = n > 0
+    live = case["n"] > 0
     assert (want[~live] == 0).all() and (want[live] >= 1).all() and (want <= C).all()
     if C > 1:
         assert 1 < want[live].float().mean() < C - 1  # the answer is inside the list, not at an end
