@@ -9,7 +9,7 @@ from torch import Tensor
 from .. import dispatch
 from ..config import TacticConfig
 from ..ops.attention import compute_dtype
-from ..ops.fit import FitLayout, estimate_budget, fit_layout, segment_positions
+from ..ops.fit import FitLayout, estimate_budget, fit_layout, segment_mask
 from ..ops.paged import PagedKeys, row_table
 from ..ops.threshold import read_positions, read_widths
 from ..ops.kmeans import nearest_centroid
@@ -380,7 +380,5 @@ class Tactic(SparseMethod):
         p = torch.arange(S, device=n.device)[None, :]
         read = (p < layout.head_len[:, None]) | layout.exact[:, None]
         for j in range(2):
-            sp = segment_positions(layout, j, S)
-            hit = torch.zeros(n.shape[0], S + 1, dtype=torch.bool, device=n.device)
-            read |= hit.scatter_(1, torch.where((sp >= 0) & (sp < S), sp, S), True)[:, :S]
+            read |= segment_mask(layout, j, S)
         return read & (p < n[:, None])

@@ -74,6 +74,13 @@ def segment_positions(layout: FitLayout, j: int, width: int) -> Tensor:
     return torch.where(i < r, p, -1)
 
 
+def segment_mask(layout: FitLayout, j: int, L: int) -> Tensor:
+    """[R, L] bool: the positions segment_positions reads in segment j (no host sync)."""
+    p = segment_positions(layout, j, L)
+    p = torch.where((p >= 0) & (p < L), p, L)
+    return torch.zeros(p.shape[0], L + 1, dtype=torch.bool, device=p.device).scatter_(1, p, True)[:, :L]
+
+
 def estimate_budget(exp_scores: Tensor, n: Tensor, layout: FitLayout, threshold: float,
                     known: Tensor | None = None) -> Tuple[Tensor, Tensor]:
     """Estimate the attention-mass curve and the smallest prefix reaching `threshold`.
@@ -92,9 +99,7 @@ def estimate_budget(exp_scores: Tensor, n: Tensor, layout: FitLayout, threshold:
     in_list = pos[None, :] < n[:, None]
     seg_stats = []
     for j in range(2):
-        p = segment_positions(layout, j, L)  # fitted rows read <= L positions; no host sync
-        p = torch.where((p >= 0) & (p < L), p, L)
-        seg = torch.zeros(R, L + 1, dtype=torch.bool, device=pos.device).scatter_(1, p, True)[:, :L]
+        seg = segment_mask(layout, j, L)
         cnt = seg.sum(-1).clamp(min=1).to(ct)
         y = (exp_scores * seg).sum(-1) / cnt
         u = ((1.0 / x) * seg).sum(-1) / cnt
