@@ -135,8 +135,8 @@ def threshold_cell(S: int, B: int, P: float):
     from kvsieve.kernels.logits import ranked_list_logits
     from kvsieve.ops.threshold import rank_clusters
 
-    scores = dispatch.summary_scores(q, st.centroids, None, st.num_clusters[:, None].expand(B, Hkv))[0]
-    order, ranked, csize, _ = rank_clusters(scores, st.sizes32)
+    keys = dispatch.cluster_scores(q, st.centroids, st.sizes32)[0]
+    order, ranked, csize = rank_clusters(keys, st.sizes32)
     pos = st.consts["positions"].view(B, Hq, -1)
     want = None
     for cfg in ((32, 4, 4), (32, 4, 1), (64, 4, 4), (64, 8, 4), (128, 8, 4), (64, 4, 2), (16, 4, 4), (16, 2, 4)):

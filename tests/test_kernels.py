@@ -145,6 +145,35 @@ def test_summary_scores(minmax, G, D, N):
     assert (a[fin].double() - a64[fin]).abs().max().item() < 1e-4 * D if fin.any() else True
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("G,D,C", [(1, 64, 54), (3, 128, 97), (4, 64, 1), (8, 128, 300)])
+def test_cluster_scores_keys_and_bound(dtype, G, D, C):
+    """One launch: sort keys (empty clusters and NaN at -inf, -0.0 as +0.0) and the group's
+    radius bound, against the float64 twin of the same (rounded) inputs."""
+    g = torch.Generator().manual_seed(G * 100 + C)
+    B, Hkv = 2, 2
+    q = torch.randn(B, Hkv * G, D, generator=g).to(dtype)
+    cent = torch.randn(B, Hkv, C, D, generator=g).to(dtype)
+    cent[0, 0, C // 2] = 0.0  # score exactly 0 (may be -0.0)
+    cent[1, 1, -1] = float("nan")
+    sizes = torch.randint(0, 3, (B, Hkv, C), generator=g).int()
+    sizes[1, 1, -1] = sizes[0, 0, C // 2] = 5  # the NaN and the zero centroid are not empty
+    radius = torch.rand(B, Hkv, C, generator=g)
+    keys, bound = kselect.cluster_scores(q.to(DEV), cent.to(DEV), sizes.to(DEV), radius.to(DEV))
+    k64, b64 = rselect.cluster_scores(q.double(), cent.double(), sizes, radius.double())
+    keys, bound = keys.cpu(), bound.cpu()
+    assert keys.dtype == torch.float32 and torch.equal(torch.isinf(keys), torch.isinf(k64))
+    assert torch.equal(torch.isinf(bound), torch.isinf(b64)) and not keys.isnan().any()
+    assert (keys[..., C // 2][0, :G] == 0).all() and not torch.signbit(keys[..., C // 2][0, :G]).any()
+    fin = torch.isfinite(k64)
+    assert (keys[fin].double() - k64[fin]).abs().max().item() < 1e-4 * D
+    finb = torch.isfinite(b64)
+    assert (bound[finb].double() - b64[finb]).abs().max().item() < 1e-4 * D
+    empty = (sizes == 0).repeat_interleave(G, 1)
+    assert torch.isinf(keys[empty]).all() and torch.isfinite(keys[~empty & ~k64.isinf()]).all()
+    assert rselect.cluster_scores(q, cent, sizes)[1] is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_summary_scores_group_only_low_precision_summaries(dtype):
     """Centroids kept in the keys' dtype, per-request valid counts as a stride-0 view, the
@@ -411,11 +440,13 @@ def test_threshold_plan_on_longer_lists(dtype, opts):
     assert sel.mask.sum() < 0.8 * 4 * lengths.sum()  # really sparse: not every cluster kept
 
 
+@pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("G,D,C", [(1, 64, 1), (3, 128, 7), (4, 64, 54), (8, 64, 97)])
-def test_ranked_list_logits_matches_reference(G, D, C):
+def test_ranked_list_logits_matches_reference(G, D, C, split):
     """Positions of each head's ranked cluster list -> tokens (binary search on the running
-    sizes, then CSR members) -> logits, against the torch twin and a float64 oracle."""
-    from kvsieve.kernels.logits import ranked_list_logits
+    sizes, then CSR members) -> logits, against the torch twin and a float64 oracle; split
+    (a token launch, then list_logits) and fused alike."""
+    from kvsieve.kernels.logits import ranked_list_logits, ranked_list_tokens as kernel_tokens
     from kvsieve.ops.threshold import ranked_list_logits_reference, ranked_list_tokens
 
     B, Hkv, S = 2, 2, 97
@@ -443,7 +474,8 @@ def test_ranked_list_logits_matches_reference(G, D, C):
             break
         p -= n
     assert ((tok >= 0) == (pos >= 0)).all() and (tok < S).all()
-    got = ranked_list_logits(q, kp, bt, *args)
+    assert torch.equal(kernel_tokens(*args).cpu().long(), tok)
+    got = ranked_list_logits(q, kp, bt, *args, _split=split)
     want = ranked_list_logits_reference(q, kp, bt, *args)
     exact = ranked_list_logits_reference(q.double(), kp.double(), bt, *args)
     none = pos.to(DEV) < 0
@@ -530,7 +562,8 @@ def test_count_at_most_matches_searchsorted(n):
 @pytest.mark.parametrize("G,C", [(1, 1), (3, 7), (4, 54), (8, 97), (4, 300)])
 def test_rank_clusters_matches_stable_sort(G, C):
     """The ranking (torch's sort, then one launch) = the torch twin's stable descending
-    sort, with tied scores, -0.0 against +0.0, NaN and empty clusters (last, in order)."""
+    sort of the sort keys, with tied scores, -0.0 against +0.0, NaN and empty clusters
+    (last, in order)."""
     from kvsieve.kernels.rank import rank_clusters
     from kvsieve.ops.threshold import rank_clusters as reference
 
@@ -541,30 +574,40 @@ def test_rank_clusters_matches_stable_sort(G, C):
     scores[0, 0, C // 2:] = -0.0
     scores[1, -1, ::5] = float("nan")
     sizes = torch.randint(0, 4, (B, Hkv, C), generator=g).int()  # a quarter empty
-    want = reference(scores, sizes)
-    got = rank_clusters(scores.to(DEV), sizes.to(DEV))
-    for name, w, o in zip(("order", "ranked", "csize", "rank"), want, got):
+    keys = rselect.sort_keys(scores, sizes)
+    want = reference(keys, sizes)
+    got = rank_clusters(keys.to(DEV), sizes.to(DEV))
+    for name, w, o in zip(("order", "ranked", "csize"), want, got):
         assert o.dtype == torch.int32 and torch.equal(o.cpu(), w), name
-    order, _, csize, rank = want
-    assert torch.equal(order.long().gather(-1, rank.long()), torch.arange(C).expand_as(order))
+    order, ranked, csize = want
+    s = torch.where(scores.isnan() | (sizes == 0).repeat_interleave(G, 1), float("-inf"), scores)
+    ranked_s = s.gather(-1, order.long())
+    assert (ranked_s[..., :-1] >= ranked_s[..., 1:]).all()  # descending
+    tie = ranked_s[..., :-1] == ranked_s[..., 1:]
+    assert (order[..., :-1][tie] < order[..., 1:][tie]).all()  # stable: ties in cluster order
     assert torch.equal(csize[..., -1], sizes.sum(-1).repeat_interleave(G, 1).int())
 
 
 @pytest.mark.parametrize("with_extra", [False, True])
 @pytest.mark.parametrize("G,C", [(1, 1), (3, 54), (4, 97), (8, 2500)])
 def test_union_prefixes_matches_reference(G, C, with_extra):
+    """The union from each prefix's last (key, id), without a rank table, against the twin
+    and against ranks computed here: tied keys (rounded scores) and empty clusters included."""
     from kvsieve.kernels.rank import union_prefixes
     from kvsieve.ops.threshold import rank_clusters, union_prefixes as reference
 
     g = torch.Generator().manual_seed(G + C)
     B, Hkv = 2, 3
     sizes = torch.randint(0, 40, (B, Hkv, C), generator=g).int()
-    rank = rank_clusters(torch.randn(B, Hkv * G, C, generator=g), sizes)[3]
-    keep = torch.randint(0, C + 1, (B, Hkv * G), generator=g)
+    keys = rselect.sort_keys(torch.randn(B, Hkv * G, C, generator=g).round(decimals=1), sizes)
+    order = rank_clusters(keys, sizes)[0]
+    rank = torch.empty_like(order).scatter_(-1, order.long(), torch.arange(C, dtype=torch.int32).expand_as(order))
+    keep = torch.randint(0, C + 2, (B, Hkv * G), generator=g)  # C + 1: past the list
     keep[0, 0] = 0  # keeps nothing
     extra = torch.rand(B, Hkv, C, generator=g) < 0.2 if with_extra else None
-    want = reference(rank, keep, sizes, extra)
-    got = union_prefixes(rank.to(DEV), keep.to(DEV), sizes.to(DEV), None if extra is None else extra.to(DEV))
+    want = reference(keys, order, keep, sizes, extra)
+    got = union_prefixes(keys.to(DEV), order.to(DEV), keep.to(DEV), sizes.to(DEV),
+                         None if extra is None else extra.to(DEV))
     for w, o in zip(want, got):
         assert o.dtype == w.dtype and torch.equal(o.cpu(), w)
     chosen = want[0]

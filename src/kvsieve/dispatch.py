@@ -33,22 +33,31 @@ def ranked_list_logits(q, k_pool, block_table, positions, csize, ranked, order, 
     return impl(q, k_pool, block_table, positions, csize, ranked, order, entry_start, members, scale)
 
 
-def rank_clusters(scores, sizes):
+def rank_clusters(keys, sizes):
     """See ops.threshold.rank_clusters."""
-    if use_triton(scores):
+    if use_triton(keys):
         from .kernels.rank import rank_clusters as impl
     else:
         from .ops.threshold import rank_clusters as impl
-    return impl(scores, sizes)
+    return impl(keys, sizes)
 
 
-def union_prefixes(rank, keep, sizes, extra=None):
+def union_prefixes(keys, order, keep, sizes, extra=None):
     """See ops.threshold.union_prefixes."""
-    if use_triton(rank):
+    if use_triton(keys):
         from .kernels.rank import union_prefixes as impl
     else:
         from .ops.threshold import union_prefixes as impl
-    return impl(rank, keep, sizes, extra)
+    return impl(keys, order, keep, sizes, extra)
+
+
+def cluster_scores(q, centroids, sizes, radius=None):
+    """See ops.select.cluster_scores."""
+    if use_triton(q):
+        from .kernels.select import cluster_scores as impl
+    else:
+        impl = _select_ref.cluster_scores
+    return impl(q, centroids, sizes, radius)
 
 
 def keep_clusters(read, positions, always, layout, n, csize, head_w, threshold, min_budget=0, max_budget=None):

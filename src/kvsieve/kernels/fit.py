@@ -164,7 +164,8 @@ def search_rounds_for(count: int, fan: int) -> int:
 def keep_clusters(read: Tensor, positions: Tensor, always: Tensor, layout: FitLayout, n: Tensor,
                   csize: Tensor, head_w: int, threshold: float, min_budget: int = 0,
                   max_budget: Optional[int] = None) -> Tensor:
-    """Triton twin of ops.threshold.keep_clusters (same arguments, keep [R] long)."""
+    """Triton twin of ops.threshold.keep_clusters (same arguments, keep [R] long). The
+    per-row layout and lengths are read in their own dtypes (no conversion launches)."""
     R, W = read.shape
     C = csize.shape[-1]
     A = always.shape[-1]
@@ -174,8 +175,8 @@ def keep_clusters(read: Tensor, positions: Tensor, always: Tensor, layout: FitLa
     out = torch.empty(R, dtype=torch.long, device=read.device)
     params = _params(threshold, read.device)
     i32 = int32_contiguous
-    _keep_kernel[(R,)](read.contiguous(), i32(positions), always.contiguous(), i32(layout.head_len),
-                       i32(layout.exact), i32(n), i32(csize), scratch, params, out, W, A, C, head_w, seg_w,
+    _keep_kernel[(R,)](read.contiguous(), i32(positions), always.contiguous(), layout.head_len.contiguous(),
+                       layout.exact.contiguous(), n.contiguous(), i32(csize), scratch, params, out, W, A, C, head_w, seg_w,
                        int(min_budget), -1 if max_budget is None else int(max_budget),
                        ALL=threshold >= 1.0, HAS_MIN=min_budget > 0, HAS_MAX=max_budget is not None, BLOCK=BLOCK,
                        SMALL=HARMONIC_SERIES_FROM, BLOCK_BITS=BLOCK.bit_length() - 1,

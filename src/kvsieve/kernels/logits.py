@@ -5,7 +5,9 @@ Twins of `kvsieve.ops.paged.list_logits_reference` (explicit token ids) and
 CSR clusters). One program per (query head, block of
 list entries): the entries' page-table lookups and key rows are independent loads, and
 the dot products run in float32 on the CUDA cores (a single query row gives a tensor-core
-dot nothing to share).
+dot nothing to share). Ranked positions are first turned into token ids by a launch of
+their own (search and CSR lookups, few registers, many programs resident): on the H200 at
+128K x 8 the two launches take 70 us where one doing both took 108 (scripts/profile_plan.py).
 """
 from __future__ import annotations
 
@@ -51,6 +53,43 @@ def _list_logits_kernel(Q, K, BT, TOK, OUT, CS, RK, ORD, EST, MEM,
     tl.store(OUT + row * W + offs, tl.where(valid, logit, float("-inf")), mask=inside)
 
 
+@triton.jit
+def _ranked_tokens_kernel(POS, CS, RK, ORD, EST, MEM, OUT, Hq, G, W, NC, M, BLOCK: tl.constexpr,
+                          ROUNDS: tl.constexpr, FAN_BITS: tl.constexpr):
+    """Token ids at list positions (ops.threshold.ranked_list_tokens): the search and the
+    CSR lookups alone, so many programs stay resident to hide their chained loads."""
+    row = tl.program_id(0)
+    kv = (row // Hq) * (Hq // G) + (row % Hq) // G
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < W
+    p = tl.load(POS + row * W + offs, mask=inside, other=-1)
+    valid = (p >= 0) & (p < tl.load(CS + row * NC + NC - 1))
+    p = tl.where(valid, p, 0)
+    r = count_at_most(CS + row * NC, NC, p, valid, ROUNDS, FAN_BITS)
+    cid = tl.load(ORD + row * NC + r, mask=valid, other=0)
+    first = tl.load(EST + kv * NC + cid, mask=valid, other=0)
+    within = p - tl.load(CS + row * NC + r, mask=valid, other=0) + tl.load(RK + row * NC + r, mask=valid, other=0)
+    tok = tl.load(MEM + kv.to(tl.int64) * M + first + within, mask=valid, other=0)
+    tl.store(OUT + row * W + offs, tl.where(valid, tok, -1), mask=inside)
+
+
+def ranked_list_tokens(positions: Tensor, csize: Tensor, ranked: Tensor, order: Tensor, entry_start: Tensor,
+                       members: Tensor, _config=None) -> Tensor:
+    """Triton twin of ops.threshold.ranked_list_tokens (int32 [B, Hq, W], -1 where none)."""
+    B, Hq, W = positions.shape
+    Hkv = entry_start.shape[1]
+    pos = positions.to(torch.int32).contiguous()
+    cs, rk, order, est, mem = (t.to(torch.int32).contiguous() for t in (csize, ranked, order, entry_start, members))
+    NC, M = cs.shape[-1], mem.shape[-1]
+    out = torch.empty(B, Hq, W, dtype=torch.int32, device=pos.device)
+    block, warps, fan_bits = _config or (256, 4, 2)  # H200, 128K x 8 / x 32: 22 / 64 us (128: 23 / 67)
+    if W and B * Hq:
+        _ranked_tokens_kernel[(B * Hq, triton.cdiv(W, block))](
+            pos, cs, rk, order, est, mem, out, Hq, Hq // Hkv, W, NC, M, BLOCK=block,
+            ROUNDS=search_rounds(NC, fan_bits), FAN_BITS=fan_bits, num_warps=warps)
+    return out
+
+
 def _launch(q, k_pool, block_table, tokens, scale, ranked=None, _config=None):
     B, Hq, D = q.shape
     Hkv, page = k_pool.shape[1], k_pool.shape[2]
@@ -87,8 +126,12 @@ def list_logits(q: Tensor, k_pool: Tensor, block_table: Tensor, tokens: Tensor,
 
 def ranked_list_logits(q: Tensor, k_pool: Tensor, block_table: Tensor, positions: Tensor, csize: Tensor,
                        ranked: Tensor, order: Tensor, entry_start: Tensor, members: Tensor,
-                       scale: Optional[float] = None, _config=None) -> Tensor:
-    """Triton twin of ops.threshold.ranked_list_logits_reference: the token at each list
-    position is found in the kernel (a 4-ary search on csize, then the CSR members).
-    `_config` = (positions per program, warps, search fan bits) overrides the launch."""
-    return _launch(q, k_pool, block_table, positions, scale, (csize, ranked, order, entry_start, members), _config)
+                       scale: Optional[float] = None, _config=None, _split: bool = True) -> Tensor:
+    """Triton twin of ops.threshold.ranked_list_logits_reference. Split (the default): one
+    launch finds the token at each list position (a 4-ary search on csize, then the CSR
+    members), a second scores them (list_logits); else one launch does both.
+    `_config` = (positions per program, warps, search fan bits) overrides the fused launch."""
+    ranked_index = (csize, ranked, order, entry_start, members)
+    if _split:
+        return _launch(q, k_pool, block_table, ranked_list_tokens(positions, *ranked_index), scale)
+    return _launch(q, k_pool, block_table, positions, scale, ranked_index, _config)

@@ -1,7 +1,6 @@
 """Tactic's threshold plan around the fit (twins of kvsieve.ops.threshold): each query
 head's cluster ranking after torch's segmented sort in one launch (ranked sizes, running
-sizes, inverse rank), and the GQA union of the kept prefixes with its offsets in another.
-They replace two scans, a scatter, two gathers and ~8 elementwise launches per step.
+sizes), and the GQA union of the kept prefixes with its offsets in another.
 """
 from __future__ import annotations
 
@@ -18,9 +17,9 @@ from ..ops.threshold import ranking_order
 
 
 @triton.jit
-def _ranked_kernel(ORD, Z, ORDER, RANKED, CSIZE, RANK, C, G, sz_r, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _ranked_kernel(ORD, Z, ORDER, RANKED, CSIZE, C, G, sz_r, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program per query head: from the sort's order, the int32 order, the ranked
-    sizes, their running sum and the inverse permutation."""
+    sizes and their running sum."""
     start_after_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -33,29 +32,29 @@ def _ranked_kernel(ORD, Z, ORDER, RANKED, CSIZE, RANK, C, G, sz_r, BLOCK: tl.con
         tl.store(ORDER + row * C + c0 + offs, order, mask=inb)
         tl.store(RANKED + row * C + c0 + offs, ranked, mask=inb)
         tl.store(CSIZE + row * C + c0 + offs, carry + tl.cumsum(ranked, 0), mask=inb)
-        tl.store(RANK + row * C + order, c0 + offs, mask=inb)
         carry += tl.sum(ranked, 0)
 
 
-def rank_clusters(scores: Tensor, sizes: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def rank_clusters(keys: Tensor, sizes: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """Triton twin of ops.threshold.rank_clusters: torch's segmented sort (a bitonic sort
     of packed int64 keys in the kernel was ~3x slower on the H200), then one launch for the rest."""
-    B, Hq, C = scores.shape
+    B, Hq, C = keys.shape
     Hkv = sizes.shape[1]
-    order64 = ranking_order(scores, sizes)
+    order64 = ranking_order(keys)
     z = int32_contiguous(sizes)
-    order, ranked, csize, rank = (torch.empty(B, Hq, C, dtype=torch.int32, device=z.device) for _ in range(4))
+    order, ranked, csize = (torch.empty(B, Hq, C, dtype=torch.int32, device=z.device) for _ in range(3))
     if B * Hq and C:
-        _ranked_kernel[(B * Hq,)](order64, z, order, ranked, csize, rank, C, Hq // Hkv, C,
+        _ranked_kernel[(B * Hq,)](order64, z, order, ranked, csize, C, Hq // Hkv, C,
                                   BLOCK=min(4096, max(16, next_pow2(C))), num_warps=4, **launch_args(z))
-    return order, ranked, csize, rank
+    return order, ranked, csize
 
 
 @triton.jit
-def _union_kernel(RANK, KEEP, Z, EXTRA, CHOSEN, OFF, TOT, C, G, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr,
-                  PDL: tl.constexpr):
-    """One program per (request, KV head): a cluster is chosen when any query head of the
-    group ranks it inside its kept prefix (or EXTRA marks it); offsets run over the chosen sizes."""
+def _union_kernel(KEYS, ORDER, KEEP, Z, EXTRA, CHOSEN, OFF, TOT, C, G, HAS_EXTRA: tl.constexpr,
+                  BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One program per (request, KV head): a cluster is chosen when it sorts no later than
+    the last cluster of some group head's kept prefix (or EXTRA marks it); offsets run over
+    the chosen sizes."""
     start_after_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -64,9 +63,14 @@ def _union_kernel(RANK, KEEP, Z, EXTRA, CHOSEN, OFF, TOT, C, G, HAS_EXTRA: tl.co
         inb = c0 + offs < C
         chosen = tl.zeros([BLOCK], tl.int1)
         for g in range(G):
-            keep = tl.load(KEEP + row * G + g)
-            r = tl.load(RANK + (row * G + g) * C + c0 + offs, mask=inb, other=2147483647)
-            chosen = chosen | (r < keep)
+            head = row * G + g
+            keep = tl.load(KEEP + head)
+            last = tl.load(ORDER + head * C + tl.maximum(tl.minimum(keep, C) - 1, 0))
+            key_last = tl.load(KEYS + head * C + last)
+            last = tl.where(keep > 0, last, -1)  # keeps nothing: no cluster sorts at or before it
+            key_last = tl.where(keep > 0, key_last, float("nan"))
+            key = tl.load(KEYS + head * C + c0 + offs, mask=inb, other=float("-inf"))
+            chosen = chosen | (key > key_last) | ((key == key_last) & (c0 + offs <= last))
         if HAS_EXTRA:
             chosen = chosen | (tl.load(EXTRA + row * C + c0 + offs, mask=inb, other=0) != 0)
         z = tl.where(chosen, tl.load(Z + row * C + c0 + offs, mask=inb, other=0), 0)
@@ -76,19 +80,21 @@ def _union_kernel(RANK, KEEP, Z, EXTRA, CHOSEN, OFF, TOT, C, G, HAS_EXTRA: tl.co
     tl.store(TOT + row, carry)
 
 
-def union_prefixes(rank: Tensor, keep: Tensor, sizes: Tensor,
-                   extra: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """Triton twin of ops.threshold.union_prefixes."""
-    B, Hq, C = rank.shape
+def union_prefixes(keys: Tensor, order: Tensor, keep: Tensor, sizes: Tensor,
+                   extra: Optional[Tensor] = None, _config: Optional[Tuple[int, int]] = None
+                   ) -> Tuple[Tensor, Tensor, Tensor]:
+    """Triton twin of ops.threshold.union_prefixes. `_config` = (block, warps) overrides the launch."""
+    B, Hq, C = keys.shape
     Hkv = sizes.shape[1]
-    r = int32_contiguous(rank)
+    o = int32_contiguous(order)
     z = int32_contiguous(sizes)
     k = keep.contiguous()
-    chosen = torch.empty(B, Hkv, C, dtype=torch.int8, device=r.device)
-    off = torch.empty(B, Hkv, C, dtype=torch.int32, device=r.device)
-    tot = torch.empty(B, Hkv, dtype=torch.int32, device=r.device)
+    chosen = torch.empty(B, Hkv, C, dtype=torch.int8, device=z.device)
+    off = torch.empty(B, Hkv, C, dtype=torch.int32, device=z.device)
+    tot = torch.empty(B, Hkv, dtype=torch.int32, device=z.device)
     x = chosen if extra is None else extra.contiguous().view(torch.int8)
+    block, warps = _config or (min(4096, max(16, next_pow2(C))), 8)
     if B * Hkv:
-        _union_kernel[(B * Hkv,)](r, k, z, x, chosen, off, tot, C, Hq // Hkv, HAS_EXTRA=extra is not None,
-                                  BLOCK=min(2048, max(16, next_pow2(C))), num_warps=4, **launch_args(r))
+        _union_kernel[(B * Hkv,)](keys.float().contiguous(), o, k, z, x, chosen, off, tot, C, Hq // Hkv,
+                                  HAS_EXTRA=extra is not None, BLOCK=block, num_warps=warps, **launch_args(z))
     return chosen.view(torch.bool), off, tot

@@ -47,12 +47,16 @@ def _scores_kernel(Q, LO, HI, NV, OUT, GMAX, Hkv, N, sq_b, sq_h, sl_b, sl_h, sl_
 
 
 @triton.jit
-def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Hkv, N, sq_b, sq_h, sc_b, sc_h, sc_n, snv_b, snv_h,
+def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Z, RAD, Hkv, N, sq_b, sq_h, sc_b, sc_h, sc_n, snv_b, snv_h,
                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                        PER_PROGRAM: tl.constexpr, PER_HEAD: tl.constexpr, UPCAST: tl.constexpr,
-                       IEEE: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                       IEEE: tl.constexpr, STAGES: tl.constexpr, KEYS: tl.constexpr, BOUND: tl.constexpr,
+                       PDL: tl.constexpr):
     """Centroid scores as a [GP, D] x [D, BLOCK] tensor-core product per tile, PER_PROGRAM
-    tiles per program so their loads pipeline (bf16/fp16 products are exact in fp32)."""
+    tiles per program so their loads pipeline (bf16/fp16 products are exact in fp32).
+    KEYS: entries are valid where Z (sizes, contiguous [B, Hkv, N]) > 0 instead of below
+    NV, and scores are written as sort keys (NaN -> -inf, -0.0 -> +0.0); BOUND: GMAX is the
+    group max of score + |q| RAD (contiguous [B, Hkv, N]) instead of the score's."""
     start_after_producer(PDL)
     row = tl.program_id(0)
     b = row // Hkv
@@ -62,12 +66,18 @@ def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Hkv, N, sq_b, sq_h, sc_b, sc_h, sc_n
     nv = tl.load(NV + b * snv_b + h * snv_h)
     q = tl.load(Q + b * sq_b + (h * G + offs_g)[:, None] * sq_h + offs_d[None, :], mask=offs_g[:, None] < G,
                 other=0.0)
+    if BOUND:
+        qf = q.to(tl.float32)
+        qn = tl.sqrt(tl.sum(qf * qf, 1))
     if UPCAST:
         q = q.to(tl.float32)
     first = tl.program_id(1) * PER_PROGRAM * BLOCK
     for i in tl.range(0, PER_PROGRAM, num_stages=STAGES):
         offs = first + i * BLOCK + tl.arange(0, BLOCK)
-        valid = offs < nv
+        if KEYS:
+            valid = tl.load(Z + row * N + offs, mask=offs < N, other=0) > 0
+        else:
+            valid = offs < nv
         c = tl.load(C + b * sc_b + h * sc_h + offs[:, None] * sc_n + offs_d[None, :], mask=valid[:, None],
                     other=0.0)
         if UPCAST:
@@ -76,10 +86,15 @@ def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Hkv, N, sq_b, sq_h, sc_b, sc_h, sc_n
             s = tl.dot(q, tl.trans(c), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(c))
+        if KEYS:
+            s = tl.where(s == s, tl.where(s == 0.0, 0.0, s), float("-inf"))
         s = tl.where(valid[None, :], s, float("-inf"))
         if PER_HEAD:
             tl.store(OUT + ((b * Hkv + h) * G + offs_g)[:, None] * N + offs[None, :], s,
                      mask=(offs_g[:, None] < G) & (offs[None, :] < N))
+        if BOUND:
+            r = tl.load(RAD + row * N + offs, mask=offs < N, other=0.0).to(tl.float32)
+            s = s + qn[:, None] * r[None, :]
         gmax = tl.max(tl.where(offs_g[:, None] < G, s, float("-inf")), 0)
         tl.store(GMAX + row * N + offs, gmax, mask=offs < N)
 
@@ -104,13 +119,7 @@ def summary_scores(q: Tensor, lo: Tensor, hi: Optional[Tensor] = None,
     gmax = torch.empty(B, Hkv, N, dtype=torch.float32, device=q.device)
     if hi is None and D >= 16 and (_config is None or len(_config) == 4):
         # centroids: tensor-core tiles, several per program (H200 sweep, docs/benchmarks.md)
-        block, per_program, warps, stages = _config or (64, 4, 4, 3)
-        upcast = interpreting() or lo.dtype == torch.float32 or q.dtype != lo.dtype
-        _dot_scores_kernel[(B * Hkv, triton.cdiv(N, block * per_program))](
-            q, lo, nv, gmax if out is None else out, gmax, Hkv, N, q.stride(0), q.stride(1), lo.stride(0),
-            lo.stride(1), lo.stride(2), *snv, G=G, GP=max(16, next_pow2(G)), D=D, BLOCK=block,
-            PER_PROGRAM=per_program, PER_HEAD=out is not None, UPCAST=upcast,
-            IEEE=upcast and not interpreting(), STAGES=stages, num_warps=warps, **launch_args(q))
+        _dot_scores(q, lo, nv, snv, out, gmax, _config=_config)
         return out, gmax
     block, warps = _config or (128, 8 if D >= 128 else 4)  # H200 sweep: 128 x 8 best at D = 128
     _scores_kernel[(B * Hkv, triton.cdiv(N, block))](
@@ -118,6 +127,40 @@ def summary_scores(q: Tensor, lo: Tensor, hi: Optional[Tensor] = None,
         q.stride(1), lo.stride(0), lo.stride(1), lo.stride(2), *snv, G=G, D=D, BLOCK=block,
         MINMAX=hi is not None, PER_HEAD=out is not None, num_warps=warps)
     return out, gmax
+
+
+def _dot_scores(q, cent, nv, snv, out, gmax, sizes=None, radius=None, _config=None) -> None:
+    """Launch _dot_scores_kernel: per-head scores into out (None: group max only) and the
+    group max (or, with radius, the bound) into gmax; sizes/radius contiguous [B, Hkv, N]."""
+    B, Hq, D = q.shape
+    Hkv, N = cent.shape[1], cent.shape[2]
+    block, per_program, warps, stages = _config or (64, 4, 4, 3)  # H200 sweep, docs/benchmarks.md
+    upcast = interpreting() or cent.dtype == torch.float32 or q.dtype != cent.dtype
+    _dot_scores_kernel[(B * Hkv, triton.cdiv(N, block * per_program))](
+        q, cent, nv, gmax if out is None else out, gmax, gmax if sizes is None else sizes,
+        gmax if radius is None else radius, Hkv, N, q.stride(0), q.stride(1), cent.stride(0), cent.stride(1),
+        cent.stride(2), *snv, G=Hq // Hkv, GP=max(16, next_pow2(Hq // Hkv)), D=D, BLOCK=block,
+        PER_PROGRAM=per_program, PER_HEAD=out is not None, UPCAST=upcast, IEEE=upcast and not interpreting(),
+        STAGES=stages, KEYS=sizes is not None, BOUND=radius is not None, num_warps=warps, **launch_args(q))
+
+
+def cluster_scores(q: Tensor, centroids: Tensor, sizes: Tensor,
+                   radius: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """Triton twin of ops.select.cluster_scores: one launch writes the sort keys and the
+    group's bound (no separate masking, norm and max passes). Head dims below 16 (too
+    small for a tensor-core tile) use the torch twin."""
+    B, Hq, D = q.shape
+    Hkv, N = centroids.shape[1], centroids.shape[2]
+    if D < 16 or q.stride(-1) != 1 or centroids.stride(-1) != 1:
+        from ..ops.select import cluster_scores as reference
+        return reference(q, centroids, sizes, radius)
+    keys = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
+    gmax = torch.empty(B, Hkv, N, dtype=torch.float32, device=q.device)
+    if B * Hkv and N:
+        one = torch.ones(1, 1, dtype=torch.int32, device=q.device)
+        rad = None if radius is None else radius.float().contiguous()
+        _dot_scores(q, centroids, one, (0, 0), keys, gmax, int32_contiguous(sizes), rad)
+    return keys, None if radius is None else gmax
 
 
 @triton.jit
@@ -327,9 +370,11 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
                    entry_start: Optional[Tensor], sizes: Optional[Tensor], width: int,
                    always_end: Tensor, always_start: Tensor, lengths: Tensor, cap: int,
                    block_table: Optional[Tensor] = None, page_size: int = 0,
-                   _by_entry: Optional[bool] = None) -> Tuple[Tensor, Tensor]:
+                   _by_entry: Optional[bool] = None, _config: Optional[Tuple[int, int, int]] = None
+                   ) -> Tuple[Tensor, Tensor]:
     """Triton twin of ops.select.compact_tokens. Entries past `counts` are left unwritten.
-    Launches whichever kernel needs fewer programs (`_by_entry` forces one, for tests).
+    Launches whichever kernel needs fewer programs (`_by_entry` forces one, for tests;
+    `_config` = (entries per program, columns, warps) overrides the entry-major launch).
     `chosen` and `sizes` are implied by `offsets` here (only chosen entries own positions;
     a page crossing always_start must have been offered with its clipped size)."""
     B, Hkv, N = chosen.shape
@@ -342,18 +387,21 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
     i32 = int32_contiguous
     mem, est = (i32(members), i32(entry_start)) if csr else (cnt, cnt)  # unused pointers for pages
     ae, ast = always_end.expand(B, Hkv), always_start.expand(B, Hkv)
-    block, eb = 256, 32
+    block = 256
+    # H200 sweep, threshold plans at 128K x 8 / x 32 (scripts/profile_plan.py --sweep):
+    # 32 entries x 8 columns 32 / 66 us, 16 x 16 33 / 90, 32 x 32 40 / 117
+    eb, cols, warps = _config or (32, 8, 4)
     args = (i32(offsets), i32(total), mem, est, ae, ast, lengths, cnt if block_table is None else block_table, idx,
             cnt, Hkv, N, M, cap, width, ae.stride(0), ae.stride(1), ast.stride(0), ast.stride(1),
             0 if block_table is None else block_table.stride(0))
-    flags = dict(CSR=csr, BLOCK=block, POOL_ROWS=block_table is not None, PAGE=max(page_size, 1), num_warps=4,
-                 **launch_args(idx))
+    flags = dict(CSR=csr, BLOCK=block, POOL_ROWS=block_table is not None, PAGE=max(page_size, 1), **launch_args(idx))
     by_position, by_entry = triton.cdiv(max(cap, 1), block), triton.cdiv(N, eb) + 1
-    # H200, 128K x 8: a 2.5% budget (15 vs 129 programs per row) compacts faster by
-    # position, a threshold plan (512 vs 129) ~4x faster by entry
-    if by_position > 2 * by_entry if _by_entry is None else _by_entry:
-        _compact_entries_kernel[(B * Hkv, by_entry)](*args, EB=eb, COLS=32 if csr else max(16, next_pow2(width)),
-                                                     **flags)
+    # H200, 128K x 8: a 2.5% budget (15 programs per row by position) compacts faster by
+    # position, a threshold plan (512) ~4x faster by entry
+    if by_position > triton.cdiv(N, 16) if _by_entry is None else _by_entry:
+        _compact_entries_kernel[(B * Hkv, by_entry)](*args, EB=eb, COLS=cols if csr else max(16, next_pow2(width)),
+                                                     num_warps=warps, **flags)
     else:
-        _compact_positions_kernel[(B * Hkv, by_position)](*args, LOG_N=max(1, (N - 1).bit_length()), **flags)
+        _compact_positions_kernel[(B * Hkv, by_position)](*args, LOG_N=max(1, (N - 1).bit_length()), num_warps=4,
+                                                          **flags)
     return idx, cnt

@@ -352,8 +352,8 @@ class Tactic(SparseMethod):
         cfg = self.config
         B, Hq, D = q.shape
         Hkv, C = st.sizes.shape[1:]
-        scores, _ = dispatch.summary_scores(q, st.centroids, None, st.num_clusters[:, None].expand(B, Hkv))
-        order, ranked, csize, rank = dispatch.rank_clusters(scores, st.sizes32)
+        skeys, bound = dispatch.cluster_scores(q, st.centroids, st.sizes32, st.radius if cfg.protect else None)
+        order, ranked, csize = dispatch.rank_clusters(skeys, st.sizes32)
         W = c["positions"].shape[-1]
         pos = c["positions"].view(B, Hq, W)
         read = dispatch.ranked_list_logits(q, keys.pool, keys.block_table, pos, csize, ranked, order,
@@ -365,8 +365,8 @@ class Tactic(SparseMethod):
                                       cfg.max_budget).view(B, Hq)
         protected = None
         if cfg.protect:
-            protected, _, _ = dispatch.select_by_budget(radius_bound(scores, q, st.radius), st.sizes32, c["protect"])
-        return dispatch.union_prefixes(rank, keep, st.sizes32, protected)
+            protected, _, _ = dispatch.select_by_budget(bound, st.sizes32, c["protect"])
+        return dispatch.union_prefixes(skeys, order, keep, st.sizes32, protected)
 
     def _fit_layout(self, n: Tensor) -> FitLayout:
         """The fit's geometry for list lengths n [R] (head, segments, sampled reads)."""

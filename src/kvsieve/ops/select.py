@@ -42,6 +42,28 @@ def summary_scores(q: Tensor, lo: Tensor, hi: Optional[Tensor] = None,
     return None if group_only else s.reshape(B, Hq, N), s.amax(2)
 
 
+def sort_keys(scores: Tensor, sizes: Tensor) -> Tensor:
+    """Cluster scores as Tactic's ranking sorts them: [B, Hq, C] float32 with empty
+    clusters (sizes [B, Hkv, C] == 0) and NaN at -inf, and -0.0 as +0.0 (a GPU radix sort
+    tells them apart, a comparison sort does not)."""
+    B, Hq, C = scores.shape
+    Hkv = sizes.shape[1]
+    s = scores.float().view(B, Hkv, Hq // Hkv, C) + 0.0  # -0.0 + 0.0 = +0.0
+    return s.masked_fill((sizes == 0)[:, :, None, :] | s.isnan(), float("-inf")).view(B, Hq, C)
+
+
+def cluster_scores(q: Tensor, centroids: Tensor, sizes: Tensor,
+                   radius: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """Tactic's threshold plan scores every cluster once: q [B, Hq, D], centroids
+    [B, Hkv, C, D], sizes [B, Hkv, C] (0: empty), radius [B, Hkv, C] or None.
+    Returns (keys [B, Hq, C] float32: q.centroid unscaled, as sort_keys; bound [B, Hkv, C]:
+    radius_bound of the keys, the group's upper bound of q.k over each cluster's members,
+    -inf on empty clusters; None without radius)."""
+    per_head, _ = summary_scores(q, centroids)
+    keys = sort_keys(per_head, sizes)
+    return keys, None if radius is None else radius_bound(keys, q, radius)
+
+
 def cluster_radius(x: Tensor, assign: Tensor, centroids: Tensor, chunk: int = 8192) -> Tensor:
     """Largest distance from each centroid to one of its members.
 

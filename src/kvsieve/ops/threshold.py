@@ -83,42 +83,50 @@ def ranked_list_logits_reference(q: Tensor, k_pool: Tensor, block_table: Tensor,
     return list_logits_reference(q, k_pool, block_table, tokens, scale)
 
 
-def ranking_order(scores: Tensor, sizes: Tensor) -> Tensor:
-    """[B, Hq, C] int64 cluster ids by descending score, stable (ties keep cluster order,
-    -0.0 ties +0.0); empty clusters (sizes [B, Hkv, C] == 0) and NaN scores last."""
-    B, Hq, C = scores.shape
-    Hkv = sizes.shape[1]
-    s = scores.float().view(B, Hkv, Hq // Hkv, C) + 0.0  # -0.0 + 0.0 = +0.0 (radix sorts tell them apart)
-    s = s.masked_fill((sizes == 0)[:, :, None, :] | s.isnan(), float("-inf")).view(B, Hq, C)
-    return s.sort(dim=-1, descending=True, stable=True)[1]
+def ranking_order(keys: Tensor) -> Tensor:
+    """[B, Hq, C] int64 cluster ids by descending key (ops.select.sort_keys: empty clusters
+    and NaN at -inf), stable: ties keep cluster order, so empty clusters come last, in order."""
+    return keys.sort(dim=-1, descending=True, stable=True)[1]
 
 
-def rank_clusters(scores: Tensor, sizes: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def rank_clusters(keys: Tensor, sizes: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """Each query head's clusters by descending score: its ranked list's geometry.
 
-    scores [B, Hq, C] float (q . centroid); sizes [B, Hkv, C] int cluster sizes of the KV
-    heads (Hq = G x Hkv; 0: empty). Order as ranking_order. Returns int32 [B, Hq, C] each:
-    order (cluster ids by rank), ranked (their sizes), csize (tokens in the first r + 1
-    ranked clusters) and rank (each cluster's rank: the inverse of order)."""
-    B, Hq, C = scores.shape
-    order = ranking_order(scores, sizes)
-    ranked = sizes.repeat_interleave(Hq // sizes.shape[1], 1).gather(-1, order).int()
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(C, device=order.device).expand_as(order))
-    return order.int(), ranked, ranked.cumsum(-1, dtype=torch.int32), rank.int()
+    keys [B, Hq, C] float32 sort keys (ops.select.cluster_scores); sizes [B, Hkv, C] int
+    cluster sizes of the KV heads (Hq = G x Hkv). Order as ranking_order. Returns int32
+    [B, Hq, C] each: order (cluster ids by rank), ranked (their sizes) and csize (tokens
+    in the first r + 1 ranked clusters)."""
+    order = ranking_order(keys)
+    ranked = sizes.repeat_interleave(keys.shape[1] // sizes.shape[1], 1).gather(-1, order).int()
+    return order.int(), ranked, ranked.cumsum(-1, dtype=torch.int32)
 
 
-def union_prefixes(rank: Tensor, keep: Tensor, sizes: Tensor,
+def prefix_boundary(keys: Tensor, order: Tensor, keep: Tensor) -> Tuple[Tensor, Tensor]:
+    """The last cluster of each query head's kept prefix: (its id [B, Hq] long, its key
+    [B, Hq]); keep [B, Hq] counts clusters (0: none, capped at C)."""
+    C = keys.shape[-1]
+    last = order.long().gather(-1, (keep.long().clamp(max=C) - 1).clamp(min=0)[..., None])
+    return last[..., 0], keys.gather(-1, last)[..., 0]
+
+
+def union_prefixes(keys: Tensor, order: Tensor, keep: Tensor, sizes: Tensor,
                    extra: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """GQA union of the query heads' cluster prefixes, in select_by_budget's output form.
 
-    rank [B, Hq, C] each cluster's rank per query head; keep [B, Hq] clusters each query
-    head keeps (its first keep ranks); sizes [B, Hkv, C]; extra [B, Hkv, C] bool clusters
-    chosen regardless (Tactic's protected clusters) or None. Returns chosen [B, Hkv, C]
-    bool (kept by any head of the group, or extra), offsets [B, Hkv, C] int32 (exclusive
-    running sum of chosen sizes) and total [B, Hkv] int32."""
-    B, Hq, C = rank.shape
+    keys [B, Hq, C] and order [B, Hq, C] as rank_clusters sorted them; keep [B, Hq]
+    clusters each query head keeps (its first keep ranks); sizes [B, Hkv, C]; extra
+    [B, Hkv, C] bool clusters chosen regardless (Tactic's protected clusters) or None.
+    A cluster c is in head h's prefix when it sorts no later than the prefix's last
+    cluster l: key(c) > key(l), or equal keys and c <= l (the sort is stable), so no rank
+    table is needed. Returns chosen [B, Hkv, C] bool (kept by any head of the group, or
+    extra), offsets [B, Hkv, C] int32 (exclusive running sum of chosen sizes) and total
+    [B, Hkv] int32."""
+    B, Hq, C = keys.shape
     Hkv = sizes.shape[1]
-    chosen = (rank < keep[..., None]).view(B, Hkv, Hq // Hkv, C).any(2)
+    last, key_last = prefix_boundary(keys, order, keep)
+    c = torch.arange(C, device=keys.device)
+    inside = (keys > key_last[..., None]) | ((keys == key_last[..., None]) & (c <= last[..., None]))
+    chosen = (inside & (keep > 0)[..., None]).view(B, Hkv, Hq // Hkv, C).any(2)
     if extra is not None:
         chosen = chosen | extra
     chosen_sizes = sizes.int() * chosen

@@ -1,0 +1,149 @@
+"""Where a tactic threshold plan's time goes (GPU): per-kernel device time of the captured
+plan on the bench's calibrated data, next to the whole plan's graph time, the dense step
+(cuDNN) and the attention the plan leads to.
+
+    python3 scripts/profile_plan.py --contexts 131072 --batches 8,32 --out OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from kvsieve import dispatch  # noqa: E402
+from kvsieve.bench.data import make_qkv  # noqa: E402
+from kvsieve.bench.fidelity import dense_reference, plan_token_mask, read_mass, rel_err  # noqa: E402
+from kvsieve.bench.kernels import prepare_per_request, to_paged  # noqa: E402
+from kvsieve.bench.timing import capture, median_ms  # noqa: E402
+from kvsieve.methods import make_method  # noqa: E402
+from kvsieve.ops.paged import PagedKeys  # noqa: E402
+
+
+def kernel_table(graph, reps: int = 20) -> list:
+    """[(kernel name, mean device us per replay)] of a captured graph, largest first."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph()
+        torch.cuda.synchronize()
+    rows = [(e.key[:70], e.device_time_total / reps, e.count // reps) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def cell(S: int, B: int, P: float, log, sweep: bool = False) -> None:
+    q, k, v = make_qkv("calibrated", B, 32, 8, S, 128, torch.bfloat16, seed=S + B)
+    probs, ref = dense_reference(q, k, v)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def dense():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)
+    t_dense = median_ms(capture(dense))
+    pk, pv, bt = to_paged(k, v, 16)
+    del v
+    keys = PagedKeys(pk, bt, pool_rows=True)
+    lengths = torch.full((B,), S, device="cuda", dtype=torch.long)
+    host = [S] * B
+    m = make_method("tactic", threshold=P)
+    st = prepare_per_request(m, k, lengths)
+    plan = lambda: m.plan(q, st, lengths, host, keys)  # noqa: E731
+    p = plan()
+    torch.cuda.synchronize()
+    g = capture(plan)
+    t_plan = median_ms(g)
+    table = kernel_table(g)
+    attn = lambda: dispatch.paged_decode(q, pk, pv, bt, p.counts, p.indices, cap=p.cap, pool_rows=p.pool_rows)[0]  # noqa: E731
+    t_attn = median_ms(capture(attn))
+    out = attn()
+    mass = read_mass(probs, plan_token_mask(p.indices, p.counts, p.pool_rows, bt, 16, S))
+    log(kind="plan", S=S, B=B, P=P, dense_ms=round(t_dense, 4), plan_ms=round(t_plan, 4),
+        plan_fraction=round(t_plan / t_dense, 3), attn_ms=round(t_attn, 4),
+        speedup=round(t_dense / (t_plan + t_attn), 3), read=round(float(p.counts.double().sum() / (B * 8 * S)), 4),
+        mass=round(float(mass.mean()), 4), err=round(rel_err(out, ref), 4),
+        kernels_us_sum=round(sum(r[1] for r in table), 1))
+    for name, us, n in table:
+        log(kind="kernel", S=S, B=B, us=round(us, 2), launches=n, name=name)
+    if sweep:
+        sweep_launches(m, q, st, lengths, host, keys, S, B, log)
+    del pk, st, k
+    torch.cuda.empty_cache()
+
+
+def sweep_launches(m, q, st, lengths, host, keys, S, B, log) -> None:
+    """Launch configurations of the union and compaction kernels on this plan's inputs."""
+    from kvsieve.kernels.rank import union_prefixes
+    from kvsieve.kernels.select import compact_tokens
+    from kvsieve.ops.paged import row_table
+
+    c = m._consts(st, q, host)
+    skeys, bound = dispatch.cluster_scores(q, st.centroids, st.sizes32, st.radius)
+    order, ranked, csize = dispatch.rank_clusters(skeys, st.sizes32)
+    chosen, offsets, total = m._choose_by_threshold(q, st, lengths, keys, c)
+    keep = torch.randint(1, 200, (B, q.shape[1]), device="cuda")  # stand-in prefixes for the union's timing
+    want = None
+    for cfg in ((4096, 8), (4096, 16)):
+        fn = lambda: union_prefixes(skeys, order, keep, st.sizes32, None, _config=cfg)  # noqa: E731
+        got = fn()
+        want = got if want is None else want
+        log(kind="union", S=S, B=B, config=cfg, us=round(1e3 * median_ms(capture(fn)), 2),
+            same=all(torch.equal(a, b) for a, b in zip(got, want)))
+    from kvsieve.kernels import logits as klogits
+    pos = c["positions"].view(B, q.shape[1], -1)
+    index = (csize, ranked, order, st.entry_start, st.members)
+    fused = lambda: klogits.ranked_list_logits(q, keys.pool, keys.block_table, pos, *index, _split=False)  # noqa: E731
+    want = fused()
+    log(kind="ranked_logits", S=S, B=B, config="fused", us=round(1e3 * median_ms(capture(fused)), 2),
+        positions=pos.shape[-1])
+    for cfg in ((128, 4, 2), (256, 4, 2), (64, 2, 2), (256, 8, 2), (128, 4, 1), (512, 4, 2)):
+        tok = lambda: klogits.ranked_list_tokens(pos, *index, _config=cfg)  # noqa: E731
+        t = tok()
+        both = lambda: klogits.list_logits(q, keys.pool, keys.block_table, tok())  # noqa: E731
+        log(kind="ranked_logits", S=S, B=B, config=cfg, tokens_us=round(1e3 * median_ms(capture(tok)), 2),
+            us=round(1e3 * median_ms(capture(both)), 2), same=bool(torch.equal(both(), want)))
+    log(kind="list_logits", S=S, B=B, us=round(1e3 * median_ms(capture(
+        lambda: klogits.list_logits(q, keys.pool, keys.block_table, t))), 2))
+    table, page = row_table(keys)
+    cap = m.plan_capacity(st, host)
+    want = None
+    for cfg in ((16, 16, 4), (32, 32, 4), (16, 16, 2), (16, 8, 4), (32, 16, 4), (32, 8, 4), (16, 16, 8)):
+        fn = lambda: compact_tokens(chosen, offsets, total, st.members, st.entry_start, st.sizes32, 0,  # noqa: E731
+                                    c["sink"], st.num_indexed[:, None], lengths, cap, table, page,
+                                    _by_entry=True, _config=cfg)
+        idx, cnt = fn()
+        torch.cuda.synchronize()
+        valid = torch.arange(cap, device="cuda")[None, None, :] < cnt[..., None]
+        got = torch.where(valid, idx, -1)
+        want = got if want is None else want
+        log(kind="compact", S=S, B=B, config=cfg, us=round(1e3 * median_ms(capture(fn)), 2),
+            same=bool(torch.equal(got, want)))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="131072")
+    ap.add_argument("--batches", default="8,32")
+    ap.add_argument("--threshold", type=float, default=0.9)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", action="store_true", help="also time launch configurations")
+    args = ap.parse_args()
+    f = open(os.path.join(args.out, "profile_plan.jsonl"), "w") if args.out else None
+
+    def log(**kw):
+        line = json.dumps(kw)
+        print(line, flush=True)
+        if f:
+            f.write(line + "\n")
+    for S in map(int, args.contexts.split(",")):
+        for B in map(int, args.batches.split(",")):
+            cell(S, B, args.threshold, log, args.sweep)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
