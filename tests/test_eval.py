@@ -241,6 +241,39 @@ def test_eval_unwritable_output_directory(capsys, tmp_path):
     assert code == 2 and "cannot write to the output directory" in out.err and len(error_lines(out.err)) == 1
 
 
+def test_eval_small_smoke_and_resume(capsys, tmp_path):
+    """Every task end to end on the embedded model at 512 tokens, three methods (the CI
+    slice; the whole --quick preset is the slow test below), then a re-run that resumes."""
+    out_dir = tmp_path / "small"
+    argv = ["eval", "--quick", "--out", str(out_dir), "--no-progress", "--methods", "dense,tactic,quest",
+            "--lengths", "512", "--retrieval-lengths", "512", "--suite-lengths", "512", "--suite-cases", "3",
+            "--variants", "passkey", "--decode-tokens", "4"]
+    code, out = run_cli(capsys, *argv)
+    assert code == 0, out.err
+    res = json.loads((out_dir / "results.json").read_text())
+    cells = {c["id"]: c for c in res["cells"]}
+    assert len(cells) == 5 + 5 + 3, sorted(cells)  # fidelity: dense, 3 P, quest; retrieval: the same; suite: 3
+    dense = cells["fidelity/512/dense"]
+    assert dense["mass_mean"] == pytest.approx(1.0) and dense["out_err_mean"] < 1e-5 and dense["kl"] < 1e-9
+    tactic = [cells[f"fidelity/512/tactic P={p}"] for p in (0.8, 0.9, 0.95)]
+    assert all(0 < c["kv_fraction"] < 1 and 0.3 < c["mass_mean"] <= 1 for c in tactic), tactic
+    assert tactic[0]["mass_mean"] <= tactic[1]["mass_mean"] <= tactic[2]["mass_mean"]
+    assert len(tactic[1]["layer_head"]["mass"]) == 30 and len(tactic[1]["layer_head"]["mass"][0]) == 9
+    assert cells["retrieval/passkey/512/dense"]["score"] == 1.0
+    suite = {k.split("/")[2]: c for k, c in cells.items() if k.startswith("suite/512/")}
+    assert set(suite) == {"dense", "tactic default", "quest default"}
+    for c in suite.values():
+        assert c["found"] == sum(s == d == 1.0 for s, d in zip(c["scores"], suite["dense"]["scores"]))
+    report = (out_dir / "report.md").read_text()
+    assert "tactic P=0.9" in report and "Retrieval suite" in report
+    assert (out_dir / "fidelity-512.png").stat().st_size > 10_000
+
+    code, out = run_cli(capsys, *argv)
+    assert code == 0 and "13 cells resumed" in out.out
+    assert json.loads((out_dir / "results.json").read_text())["cells"] == res["cells"]
+
+
+@pytest.mark.slow
 def test_eval_quick_smoke_and_resume(capsys, tmp_path):
     """The --quick preset end to end on the embedded model, then a re-run that resumes."""
     out_dir = tmp_path / "quick"
