@@ -36,7 +36,41 @@ def kernel_table(graph, reps: int = 20) -> list:
     return sorted(rows, key=lambda r: -r[1])
 
 
-def cell(S: int, B: int, P: float, log, sweep: bool = False) -> None:
+def _method(spec: str, S: int, P: float):
+    """tactic: threshold P; quest / lserve: a 2.5% budget (lserve: every other KV head streaming)."""
+    if spec == "tactic":
+        return make_method("tactic", threshold=P)
+    opts = {"budget": int(0.025 * S)}
+    if spec == "lserve":
+        from kvsieve.bench.kernels import half_streaming
+        opts.update(streaming_heads=half_streaming(1, 8), reuse_steps=1)
+    return make_method(spec, **opts)
+
+
+def profile_one(spec, m, st, q, lengths, host, keys, pk, pv, bt, probs, ref, t_dense, S, B, log) -> None:
+    """Time one method's plan (graph), list its kernels, time the attention it leads to."""
+    if spec == "lserve":
+        st.dynamic.last_plan = None
+    plan = lambda: m.plan(q, st, lengths, host, keys)  # noqa: E731
+    p = plan()
+    torch.cuda.synchronize()
+    g = capture(plan)
+    t_plan = median_ms(g)
+    table = kernel_table(g)
+    attn = lambda: dispatch.paged_decode(q, pk, pv, bt, p.counts, p.indices, cap=p.cap, pool_rows=p.pool_rows)[0]  # noqa: E731
+    t_attn = median_ms(capture(attn))
+    out = attn()
+    mass = read_mass(probs, plan_token_mask(p.indices, p.counts, p.pool_rows, bt, 16, S))
+    log(kind="plan", method=spec, S=S, B=B, dense_ms=round(t_dense, 4), plan_ms=round(t_plan, 4),
+        plan_fraction=round(t_plan / t_dense, 3), attn_ms=round(t_attn, 4),
+        speedup=round(t_dense / (t_plan + t_attn), 3), read=round(float(p.counts.double().sum() / (B * 8 * S)), 4),
+        mass=round(float(mass.mean()), 4), err=round(rel_err(out, ref), 4),
+        kernels_us_sum=round(sum(r[1] for r in table), 1))
+    for name, us, n in table:
+        log(kind="kernel", method=spec, S=S, B=B, us=round(us, 2), launches=n, name=name)
+
+
+def cell(S: int, B: int, P: float, log, methods=("tactic",), sweep: bool = False) -> None:
     q, k, v = make_qkv("calibrated", B, 32, 8, S, 128, torch.bfloat16, seed=S + B)
     probs, ref = dense_reference(q, k, v)
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -50,28 +84,14 @@ def cell(S: int, B: int, P: float, log, sweep: bool = False) -> None:
     keys = PagedKeys(pk, bt, pool_rows=True)
     lengths = torch.full((B,), S, device="cuda", dtype=torch.long)
     host = [S] * B
-    m = make_method("tactic", threshold=P)
-    st = prepare_per_request(m, k, lengths)
-    plan = lambda: m.plan(q, st, lengths, host, keys)  # noqa: E731
-    p = plan()
-    torch.cuda.synchronize()
-    g = capture(plan)
-    t_plan = median_ms(g)
-    table = kernel_table(g)
-    attn = lambda: dispatch.paged_decode(q, pk, pv, bt, p.counts, p.indices, cap=p.cap, pool_rows=p.pool_rows)[0]  # noqa: E731
-    t_attn = median_ms(capture(attn))
-    out = attn()
-    mass = read_mass(probs, plan_token_mask(p.indices, p.counts, p.pool_rows, bt, 16, S))
-    log(kind="plan", S=S, B=B, P=P, dense_ms=round(t_dense, 4), plan_ms=round(t_plan, 4),
-        plan_fraction=round(t_plan / t_dense, 3), attn_ms=round(t_attn, 4),
-        speedup=round(t_dense / (t_plan + t_attn), 3), read=round(float(p.counts.double().sum() / (B * 8 * S)), 4),
-        mass=round(float(mass.mean()), 4), err=round(rel_err(out, ref), 4),
-        kernels_us_sum=round(sum(r[1] for r in table), 1))
-    for name, us, n in table:
-        log(kind="kernel", S=S, B=B, us=round(us, 2), launches=n, name=name)
-    if sweep:
-        sweep_launches(m, q, st, lengths, host, keys, S, B, log)
-    del pk, st, k
+    for spec in methods:
+        m = _method(spec, S, P)
+        st = prepare_per_request(m, k, lengths)
+        profile_one(spec, m, st, q, lengths, host, keys, pk, pv, bt, probs, ref, t_dense, S, B, log)
+        if sweep and spec == "tactic":
+            sweep_launches(m, q, st, lengths, host, keys, S, B, log)
+        del st
+    del pk, k
     torch.cuda.empty_cache()
 
 
@@ -130,6 +150,7 @@ def main() -> int:
     ap.add_argument("--batches", default="8,32")
     ap.add_argument("--threshold", type=float, default=0.9)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--methods", default="tactic", help="tactic (threshold), quest, lserve (2.5%% budgets)")
     ap.add_argument("--sweep", action="store_true", help="also time launch configurations")
     args = ap.parse_args()
     f = open(os.path.join(args.out, "profile_plan.jsonl"), "w") if args.out else None
@@ -141,7 +162,7 @@ def main() -> int:
             f.write(line + "\n")
     for S in map(int, args.contexts.split(",")):
         for B in map(int, args.batches.split(",")):
-            cell(S, B, args.threshold, log, args.sweep)
+            cell(S, B, args.threshold, log, tuple(args.methods.split(",")), args.sweep)
     return 0
 
 

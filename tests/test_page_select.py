@@ -159,7 +159,7 @@ def test_fresh_selection_is_unchanged(kernels, G, D, dtype, opts, monkeypatch):
     st.kmin, st.kmax, st.lengths = st.kmin.to(DEV), st.kmax.to(DEV), lengths
     new, old = m._choose(q, st, lengths), old_choose(m, q, st, lengths)
     for a, b in zip(new, old):
-        assert torch.equal(a, b)
+        assert torch.equal(a.expand_as(b), b)  # the windows are [B, 1] now, broadcast over heads
     assert (0 < new[2][3]).all() and (new[2][3] < new[4][3] - new[3][3]).all()  # a real choice (row 3)
     cfg = m.config
     s = dispatch.physical_page_scores(q, st.kmin, st.kmax, lengths, new[3], new[4], cfg.page_size,
@@ -213,3 +213,26 @@ def test_kernel_matches_twin_on_cuda(dtype, config):
         fin = torch.isfinite(want)
         assert torch.equal(torch.isfinite(got), fin) and fin.sum() > 1000
         assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-5 * D)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_summaries_are_exact_and_score_the_same(dtype):
+    """Summaries of float16/bfloat16 keys are kept in the keys' dtype: the same values as
+    float32 summaries (a min or max of such values is one of them), so the physical page
+    scores, kernel and twin, are bit for bit those of float32 summaries at half the bytes."""
+    g = torch.Generator().manual_seed(11)
+    B, Hkv, G, D, S, ps, pp = 3, 2, 4, 64, 211, 16, 64
+    k = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    q = torch.randn(B, Hkv * G, D, generator=g).to(dtype)
+    lengths = torch.tensor([211, 97, 1])
+    kmin, kmax = rpages.page_summaries(k, lengths, ps)
+    kmin32, kmax32 = rpages.page_summaries(k.float(), lengths, ps)
+    assert kmin.dtype == kmax.dtype == dtype
+    assert torch.equal(kmin.float(), kmin32) and torch.equal(kmax.float(), kmax32)
+    a_end, a_start = torch.zeros(B, 1, dtype=torch.long), lengths[:, None]
+    for impl in (rpages.physical_page_scores, kpages.physical_page_scores):
+        args = [t.to(DEV) for t in (q, kmin, kmax, lengths, a_end, a_start)]
+        half = impl(*args, ps, pp)
+        args[1:3] = kmin32.to(DEV), kmax32.to(DEV)
+        assert torch.equal(half, impl(*args, ps, pp))
+    assert torch.equal(rpages.page_scores(q, kmin, kmax), rpages.page_scores(q, kmin32, kmax32))

@@ -26,6 +26,7 @@ class PageState:
     last_len: Optional[Tensor] = None
     last_plan: Optional[tuple] = None  # (chosen, offsets, total, always_end, always_start), fast path
     fresh: Optional[bool] = None  # set by maintain(): the next plan selects anew (else reuses last_plan)
+    consts: Optional[tuple] = None  # (page sizes, budget) a fresh selection reuses (_consts)
 
 
 @dataclass
@@ -173,8 +174,9 @@ class PageSelect(SparseMethod):
             fresh = state.fresh or state.last_plan is None
         if fresh:
             new = self._choose(q, state, lengths, skip)
-            if state.last_plan is None or any(a.shape != b.shape for a, b in zip(state.last_plan, new)):
-                state.last_plan = new
+            if (cfg.reuse_steps == 1 or state.last_plan is None
+                    or any(a.shape != b.shape for a, b in zip(state.last_plan, new))):
+                state.last_plan = new  # (every step selects anew: no other step reads it)
             else:  # in place: a captured reuse step reads these buffers
                 for dst, src in zip(state.last_plan, new):
                     dst.copy_(src)
@@ -192,13 +194,21 @@ class PageSelect(SparseMethod):
         pp = cfg.physical_page_size
         B, Hkv = q.shape[0], state.kmin.shape[1]
         L = lengths[:, None]
-        always_end = (-(-cfg.sink // pp) * pp + torch.zeros_like(L)).clamp(max=L)
-        always_start = torch.maximum(((L - cfg.local).clamp(min=0) // pp) * pp, always_end)
+        always_end = L.clamp(max=-(-cfg.sink // pp) * pp)  # [B, 1]: the kernels broadcast it over heads
+        always_start = torch.maximum((L - cfg.local).clamp(min=0).div(pp, rounding_mode="floor") * pp, always_end)
         s = dispatch.physical_page_scores(q, state.kmin, state.kmax, lengths, always_end, always_start,
                                           cfg.page_size, pp, cfg.gqa_reduce, skip)
         Pp = s.shape[-1]
-        kpages = min(max(1, cfg.budget // pp), Pp)
-        sizes = torch.full((1, 1, Pp), pp, dtype=torch.int32, device=q.device)  # candidates: finite scores
-        budget = torch.full((1, 1), kpages * pp, dtype=torch.int32, device=q.device)
+        sizes, budget = self._consts(state, Pp, q.device)
         chosen, offsets, total = dispatch.select_by_budget(s, sizes.expand(B, Hkv, Pp), budget.expand(B, Hkv))
-        return chosen, offsets, total, always_end.expand(B, Hkv).contiguous(), always_start.expand(B, Hkv).contiguous()
+        return chosen, offsets, total, always_end, always_start
+
+    def _consts(self, state: PageState, Pp: int, device):
+        """[1, 1, Pp] page sizes (candidates: finite scores) and [1, 1] token budget, made
+        once per page count instead of filled every plan."""
+        pp = self.config.physical_page_size
+        if state.consts is None or state.consts[0].shape[-1] != Pp or state.consts[0].device != device:
+            kpages = min(max(1, self.config.budget // pp), Pp)
+            state.consts = (torch.full((1, 1, Pp), pp, dtype=torch.int32, device=device),
+                            torch.full((1, 1), kpages * pp, dtype=torch.int32, device=device))
+        return state.consts

@@ -10,8 +10,10 @@ from torch import Tensor
 
 def page_summaries(k: Tensor, lengths: Tensor, page_size: int) -> Tuple[Tensor, Tensor]:
     """k: [B, Hkv, S, D]; lengths: [B]. Returns kmin, kmax [B, Hkv, P, D], P = ceil(S/page_size),
-    in k's compute dtype. Padding tokens are excluded; a page with no valid token gets
-    kmin=+inf, kmax=-inf (scored -inf by page_scores)."""
+    in k's own dtype for float16/bfloat16 keys (the min and max of such values are such
+    values: exact, and half the bytes a selection reads) and its compute dtype otherwise.
+    Padding tokens are excluded; a page with no valid token gets kmin=+inf, kmax=-inf
+    (scored -inf by page_scores)."""
     B, H, S, D = k.shape
     ct = torch.float64 if k.dtype == torch.float64 else torch.float32
     P = -(-S // page_size)
@@ -22,6 +24,8 @@ def page_summaries(k: Tensor, lengths: Tensor, page_size: int) -> Tuple[Tensor, 
     inf = torch.tensor(float("inf"), dtype=ct, device=k.device)
     kmin = torch.where(valid, kf, inf).view(B, H, P, page_size, D).amin(3)
     kmax = torch.where(valid, kf, -inf).view(B, H, P, page_size, D).amax(3)
+    if k.dtype in (torch.float16, torch.bfloat16):
+        return kmin.to(k.dtype), kmax.to(k.dtype)
     return kmin, kmax
 
 
@@ -34,7 +38,9 @@ def page_scores(q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
     B, Hq, D = q.shape
     Hkv, P = kmin.shape[1], kmin.shape[2]
     G = Hq // Hkv
-    qg = q.to(kmin.dtype).view(B, Hkv, G, 1, D)
+    ct = torch.float64 if torch.float64 in (q.dtype, kmin.dtype) else torch.float32
+    qg = q.to(ct).view(B, Hkv, G, 1, D)
+    kmin, kmax = kmin.to(ct), kmax.to(ct)
     empty = torch.isinf(kmin[..., 0]) & (kmin[..., 0] > 0)  # [B, Hkv, P]
     lo = torch.where(torch.isfinite(kmin), kmin, torch.zeros_like(kmin))[:, :, None]
     hi = torch.where(torch.isfinite(kmax), kmax, torch.zeros_like(kmax))[:, :, None]
