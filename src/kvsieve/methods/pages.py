@@ -205,10 +205,12 @@ class PageSelect(SparseMethod):
 
     def _consts(self, state: PageState, Pp: int, device):
         """[1, 1, Pp] page sizes (candidates: finite scores) and [1, 1] token budget, made
-        once per page count instead of filled every plan."""
+        once per (page count, config) instead of filled every plan (one index may serve
+        methods with other budgets)."""
         pp = self.config.physical_page_size
-        if state.consts is None or state.consts[0].shape[-1] != Pp or state.consts[0].device != device:
+        key = (Pp, device, pp, self.config.budget)
+        if state.consts is None or state.consts[0] != key:
             kpages = min(max(1, self.config.budget // pp), Pp)
-            state.consts = (torch.full((1, 1, Pp), pp, dtype=torch.int32, device=device),
+            state.consts = (key, torch.full((1, 1, Pp), pp, dtype=torch.int32, device=device),
                             torch.full((1, 1), kpages * pp, dtype=torch.int32, device=device))
-        return state.consts
+        return state.consts[1:]
