@@ -90,9 +90,30 @@ def cell(S: int, B: int, P: float, log, methods=("tactic",), sweep: bool = False
         profile_one(spec, m, st, q, lengths, host, keys, pk, pv, bt, probs, ref, t_dense, S, B, log)
         if sweep and spec == "tactic":
             sweep_launches(m, q, st, lengths, host, keys, S, B, log)
+        if sweep and spec == "quest":
+            sweep_page_scores(m, q, st, lengths, S, B, log)
         del st
     del pk, k
     torch.cuda.empty_cache()
+
+
+def sweep_page_scores(m, q, st, lengths, S, B, log) -> None:
+    """Launch configurations of the fused page scoring kernel (its summaries' dtype as stored)."""
+    from kvsieve.kernels.pages import physical_page_scores
+
+    cfg = m.config
+    ae = torch.zeros(B, 1, dtype=torch.long, device="cuda")
+    ast = lengths[:, None]
+    nbytes = 2 * st.kmin.numel() * st.kmin.element_size()
+    want = None
+    for c in (None, (16, 4), (16, 8), (32, 4), (64, 8), (8, 4), (8, 2), (4, 4)):
+        fn = lambda: physical_page_scores(q, st.kmin, st.kmax, lengths, ae, ast, cfg.page_size,  # noqa: E731
+                                          cfg.physical_page_size, _config=c)
+        got = fn()
+        want = got if want is None else want
+        us = 1e3 * median_ms(capture(fn))
+        log(kind="page_scores", S=S, B=B, config=c, dtype=str(st.kmin.dtype), us=round(us, 2),
+            gbs=round(nbytes / us / 1e3), same=bool(torch.equal(got, want)))
 
 
 def sweep_launches(m, q, st, lengths, host, keys, S, B, log) -> None:

@@ -85,8 +85,11 @@ def physical_page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, lengths: Tensor,
     sk = out if skip is None else skip.expand(B, Hkv).view(torch.uint8)
     sk_strides = (0, 0) if skip is None else sk.stride()
     # 128 logical pages per program: on the H200 at 128K x 8 (Llama-8B heads, r = 4) within 4%
-    # of the best of 10 configs for float32 summaries (0.14 ms, 3.8 TB/s) and 10% for bfloat16
-    block, warps = _config or (next_pow2(max(1, 128 // r)), 8 if D >= 128 else 4)
+    # of the best of 10 configs for float32 summaries (8 warps: 0.14 ms, 3.8 TB/s); bfloat16
+    # summaries (what half-precision keys get) take 101 us at 4 warps, 134 at 8
+    # (scripts/profile_plan.py --methods quest --sweep)
+    warps = 8 if D >= 128 and kmin.element_size() > 2 else 4
+    block, warps = _config or (next_pow2(max(1, 128 // r)), warps)
     _physical_scores_kernel[(B * Hkv, triton.cdiv(NP, block))](
         q, kmin, kmax, lengths, ae, ast, sk, out, Hkv, P, NP, q.stride(0), q.stride(1), kmin.stride(0),
         kmin.stride(1), kmin.stride(2), ae.stride(0), ae.stride(1), ast.stride(0), ast.stride(1), *sk_strides,
