@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from kvsieve.eval.runs import PrefilledBatch  # noqa: E402
+from kvsieve.engine import LLMEngine  # noqa: E402
 from kvsieve.eval.suite import build_suite, filler_sources  # noqa: E402
 from kvsieve.eval.sweep import MethodPoint  # noqa: E402
 from kvsieve.model.loader import load_model  # noqa: E402
@@ -72,6 +72,7 @@ def main() -> int:
     names = sorted({s for s in dense["sources"]})
     src = {k: v for k, v in filler_sources(gen).items() if k in names}
     cases = {c.id: c for c in build_suite(tok, (args.length,), len(dense["cases"]), 0, src)}
+    engine = LLMEngine(model, tok, "dense", dense_below=0, paged=False, max_num_seqs=1)
     rows = []
     for i, cid in enumerate(dense["cases"]):
         if dense["scores"][i] != 1.0 or cid not in cases or len(rows) >= args.limit:
@@ -87,11 +88,10 @@ def main() -> int:
         span = torch.zeros(len(case.prompt_ids), dtype=torch.bool, device=model.device)
         for a, b in case.needle_spans:
             span[a:b] = True
-        batch = PrefilledBatch(model, [list(case.prompt_ids)], len(ans) + 1)
         obs = NeedleObserver(span)
-        eng = batch.engine(MethodPoint(args.method))
-        lp = eng.score(batch.cache, batch.reqs, batch.lengths, torch.tensor([ans]), observe=obs)
-        agree = (lp[0, :-1].argmax(-1).cpu() == torch.tensor(ans[1:])).tolist()
+        lp = engine.score([list(case.prompt_ids)], [ans], args.method,
+                          MethodPoint(args.method).options(len(case.prompt_ids)), observe=obs)[0][0]
+        agree = (lp[:-1].argmax(-1) == torch.tensor(ans[1:])).tolist()
         rows.append({"id": cid, "kind": case.kind, "found": method["scores"][i] == 1.0, "agree": agree,
                      "steps": obs.steps})
         print(f"{cid:48s} found={rows[-1]['found']!s:5s} agree={''.join('.' if a else 'X' for a in agree)}", flush=True)

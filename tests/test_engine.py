@@ -216,3 +216,60 @@ def test_warmup_runs_at_the_asked_length_and_leaves_the_engine_as_new(tiny_model
     ps, params = prompts(3, seed=5), SamplingParams(max_new_tokens=6, ignore_eos=True)
     fresh = LLMEngine(tiny_model, None, "tactic", cluster_size=8, kv_pages=40, page_size=16).generate(ps, params)
     assert [o.tokens for o in eng.generate(ps, params)] == [o.tokens for o in fresh]
+
+
+@pytest.mark.parametrize("method,opts", METHODS[:3])
+def test_score_is_teacher_forced_decoding(tiny_model, method, opts):
+    """LLMEngine.score feeds each continuation token by token: the log-probabilities equal
+    the observer harness's (model.runner.Engine.score after the same prefill and index), dense
+    ones equal a full prefill's, and the observer sees every layer of every step."""
+    from kvsieve.model.runner import Engine
+
+    ps = prompts(2, 90, 140, seed=4)
+    conts = [torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(2)]
+    seen = []
+    eng = LLMEngine(tiny_model, None, method, **opts)
+    lps, outs = eng.score(ps, conts, observe=lambda layer, q, *rest: seen.append((layer, q.shape[0])))
+    cfg = tiny_model.cfg
+    assert [lp.shape for lp in lps] == [(9, cfg.vocab_size)] * 2 and not eng.has_unfinished
+    assert len(seen) == 9 * cfg.num_layers and {layer for layer, _ in seen} == set(range(cfg.num_layers))
+    assert all(0 < o.kv_fraction <= 1 for o in outs) and eng.runner.observe is None
+    for b, (p, c) in enumerate(zip(ps, conts)):
+        old = Engine(tiny_model, method, progress=False, paged=False, **opts)
+        cache = old.new_cache([p], len(c))
+        cache.reserve(0, len(p) + len(c))
+        old.prefill(cache, 0, p)
+        old.build_index(cache, [0], torch.tensor([len(p)]))
+        want = old.score(cache, [0], [len(p)], torch.tensor([c]))[0]
+        assert (lps[b] - want).abs().max() < 1e-4, method
+        if method == "dense":
+            dense = Engine(tiny_model, "dense", progress=False)
+            fc = dense.new_cache([p + c], 1)
+            fc.reserve(0, len(p) + len(c))
+            full = torch.log_softmax(tiny_model.logits(dense.prefill(fc, 0, p + c, all_positions=True)).float(), -1)
+            assert (lps[b] - full[len(p):]).abs().max() < 1e-4
+
+
+def test_score_refuses_bad_input_and_leaves_nothing_behind(tiny_model):
+    eng = LLMEngine(tiny_model, None, "tactic", cluster_size=8)
+    p = prompts(1)[0]
+    with pytest.raises(ValueError, match="2 continuations for 1 prompts"):
+        eng.score([p], [[1], [2]])
+    with pytest.raises(ValueError, match="at least one token"):
+        eng.score([p], [[]])
+    with pytest.raises(ValueError):  # the second prompt is longer than the model allows
+        eng.score([p, [1] * (tiny_model.cfg.max_positions + 1)], [[1], [2]])
+    assert not eng.has_unfinished
+    rid = eng.add_request(p, SamplingParams(4))
+    with pytest.raises(ValueError, match="runs alone"):
+        eng.score([p], [[1, 2]])
+    eng.abort(rid)
+    lp, _ = eng.score([p], [[5, 6, 7]])
+    assert lp[0].shape[0] == 3 and torch.allclose(lp[0].exp().sum(-1), torch.ones(3), atol=1e-4)
+
+
+def test_score_observer_needs_the_reference_path(tiny_model):
+    eng = LLMEngine(tiny_model, None, "tactic", cluster_size=8, paged=True)
+    with pytest.raises(ValueError, match="paged=False"):
+        eng.score([prompts(1)[0]], [[1, 2]], observe=lambda *a: None)
+    assert eng.score([prompts(1)[0]], [[1, 2]])[0][0].shape[0] == 2  # without an observer the paged path scores

@@ -169,41 +169,6 @@ def test_store_resumes_only_cells_of_the_same_run(tmp_path):
         ResultStore(tmp_path / "file" / "sub", {})
 
 
-# ------------------------------------------------------------------ shared-prefill runs
-def test_teacher_forced_dense_equals_full_prefill_logits(tiny_model):
-    from kvsieve.eval.runs import PrefilledBatch
-    from kvsieve.model.runner import Engine
-
-    ids = torch.randint(0, 300, (2, 150), generator=torch.Generator().manual_seed(2))
-    batch = PrefilledBatch(tiny_model, [ids[0, :137].tolist(), ids[1, :137].tolist()], 13)
-    lp, attn = batch.teacher_forced(MethodPoint("dense"), ids[:, 137:])
-    assert attn["mass_mean"] == pytest.approx(1.0) and attn["out_err_mean"] < 1e-6
-    eng = Engine(tiny_model, "dense", progress=False)
-    for b in range(2):
-        cache = eng.new_cache([ids[b].tolist()], 1)
-        cache.reserve(0, 150)
-        full = torch.log_softmax(tiny_model.logits(eng.prefill(cache, 0, ids[b].tolist(), all_positions=True)), -1)
-        assert (lp[b] - full[137:]).abs().max() < 1e-4
-
-
-def test_shared_prefill_and_index_give_what_independent_runs_give(tiny_model):
-    """A threshold sweep reuses one prefill and one K-means index; each point must still
-    match a run from scratch (the index copy isolates the runs' folding/updates)."""
-    from kvsieve.eval.runs import PrefilledBatch
-
-    ids = torch.randint(0, 300, (1, 400), generator=torch.Generator().manual_seed(3))
-    prompt, fed = [ids[0, :380].tolist()], ids[:, 380:]
-    shared = PrefilledBatch(tiny_model, prompt, 20)
-    fixed = (("fold_every", 4), ("local", 4), ("sink", 2))  # folding happens within the 20 steps
-    for p in (0.5, 0.9, 0.5):
-        point = MethodPoint("tactic", p, fixed)
-        lp_shared, a_shared = shared.teacher_forced(point, fed)
-        lp_alone, a_alone = PrefilledBatch(tiny_model, prompt, 20).teacher_forced(point, fed)
-        assert torch.equal(lp_shared, lp_alone)
-        assert a_shared["kv_fraction"] == a_alone["kv_fraction"] < 1
-    assert len(shared._indexes) == 1  # one K-means for the whole sweep
-
-
 # ------------------------------------------------------------------ CLI (embedded model)
 def error_lines(err: str):
     """The CLI's error lines (a first run may also log the one-time model conversion)."""

@@ -1,9 +1,10 @@
-"""LLMEngine: the one execution path under `generate`, `serve` and `bench` (eval: see docs/engine.md).
+"""LLMEngine: the one execution path under `generate`, `serve`, `bench`, `eval` and `calibrate`.
 
     eng = LLMEngine.load(method="tactic", threshold=0.9)          # or LLMEngine(model, tok, ...)
     out = eng.generate([ids], SamplingParams(max_new_tokens=64))  # blocking, many requests
     for delta in eng.stream(ids, params): ...                     # token ids as they come
     rid = eng.add_request(ids, params); eng.step(); eng.abort(rid) # the serving loop
+    logprobs, outs = eng.score([ids], [continuation], observe=obs)  # teacher-forced (eval)
 
 Each step the scheduler picks decode rows and prefill chunks, the runner runs them, and
 the engine records tokens, timings and the KV fraction each request read.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -110,6 +111,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self._track: Dict[int, _Track] = {}
         self._method_names = {"default": method, "dense": "dense"}
+        self._forced: Dict[int, List[int]] = {}  # request id -> tokens fed instead of sampled ones (score)
+        self._scored: Dict[int, List[torch.Tensor]] = {}  # request id -> log-probs per decode step (score)
 
     @classmethod
     def load(cls, model: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None,
@@ -189,6 +192,9 @@ class LLMEngine:
         if plan.decode:
             t0 = time.perf_counter()
             tokens, fracs = self.runner.decode(plan.decode)
+            if self._scored:
+                for req, lp in zip(plan.decode, self.runner.last_logprobs):
+                    self._scored[req.id].append(lp)
             self.stats.decode_s += time.perf_counter() - t0
             self.stats.decode_steps += 1
             self.stats.decode_tokens += len(tokens)
@@ -219,6 +225,9 @@ class LLMEngine:
         return [self._output(r) for r in produced.values()]
 
     def _append(self, req: Request, token: int) -> None:
+        forced = self._forced.get(req.id)
+        if forced is not None and len(req.output) < len(forced):
+            token = forced[len(req.output)]
         tr = self._track[req.id]
         now = time.perf_counter()
         tr.first = tr.first or now
@@ -258,6 +267,50 @@ class LLMEngine:
                 if o.finished:
                     final[o.id] = o
         return [final[i] for i in ids]
+
+    def score(self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
+              method: Optional[str] = None, method_options: Optional[dict] = None,
+              observe=None) -> Tuple[List[torch.Tensor], List[RequestOutput]]:
+        """Teacher-forced decoding (eval's fidelity, calibrate): each prompt is prefilled, then
+        its continuation is fed one decode step at a time, the method planning every step as
+        in generation. Returns per prompt a [len(continuation), vocab] float32 tensor, row i
+        the log-probabilities of the token after continuation[i], and its RequestOutput
+        (kv_fraction). observe(layer, q [B, Hq, D], k, v [B, Hkv, S, D], selection,
+        lengths [B], out [B, Hq, D]) sees every layer's attention: it needs the reference
+        path (an engine built with paged=False, the CPU default). Steps run eagerly; the
+        engine must have no other unfinished request."""
+        if not prompts:
+            raise ValueError("no prompt given; pass at least one prompt")
+        if len(continuations) != len(prompts):
+            raise ValueError(f"got {len(continuations)} continuations for {len(prompts)} prompts; pass one per prompt")
+        if any(len(c) < 1 for c in continuations):
+            raise ValueError("every continuation needs at least one token to feed")
+        if self.has_unfinished:
+            raise ValueError("score() runs alone: finish or abort the engine's unfinished requests first")
+        if observe is not None and self.runner.paged:
+            raise ValueError("an attention observer needs the reference path: build the engine with paged=False")
+        runner = self.runner
+        saved = runner.observe, runner.record_logprobs
+        runner.observe, runner.record_logprobs = observe, True
+        ids: List[int] = []
+        try:
+            for p, c in zip(prompts, continuations):
+                ids.append(self.add_request(p, SamplingParams(len(c) + 1, ignore_eos=True), method, method_options))
+            self._forced = {rid: list(c) for rid, c in zip(ids, continuations)}
+            self._scored = {rid: [] for rid in ids}
+            final: Dict[int, RequestOutput] = {}
+            while len(final) < len(ids):
+                for o in self.step():
+                    if o.finished:
+                        final[o.id] = o
+            return [torch.stack(self._scored[i]) for i in ids], [final[i] for i in ids]
+        except BaseException:
+            for rid in ids:  # a bad prompt (or an interrupt) leaves no request behind
+                self.abort(rid)
+            raise
+        finally:
+            runner.observe, runner.record_logprobs = saved
+            self._forced, self._scored = {}, {}
 
     def stream(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
                method: Optional[str] = None, method_options: Optional[dict] = None) -> Iterator[RequestOutput]:

@@ -99,6 +99,10 @@ class ModelRunner:
         window = getattr(cfg, "layer_window", None)
         self.layer_window = [window(i) if window else None for i in range(cfg.num_layers)]
         self.observe: Optional[AttentionObserver] = None  # sees every layer's attention (reference path)
+        # teacher-forced scoring (LLMEngine.score): eager steps keep each row's log-probabilities
+        self.record_logprobs = False
+        self.last_logprobs: List[Tensor] = []  # [vocab] float32 per request of the last decode()
+        self._step_logprobs: Optional[Tensor] = None
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, req: Request, start: int, end: int) -> Optional[Tensor]:
@@ -225,7 +229,7 @@ class ModelRunner:
             bt.graphs.clear()
         bt.last_key = key
         full_key = (key, tuple(alt))
-        if not self.graphs_on or eager or self.observe is not None:  # an observer is host code
+        if not self.graphs_on or eager or self.observe is not None or self.record_logprobs:  # host code / logits
             out = self._step(host_len)
         elif full_key in bt.graphs:
             graph, out = bt.graphs[full_key]
@@ -239,6 +243,9 @@ class ModelRunner:
         tokens = res[0].long().tolist()
         frac = (res[1] / self.model.cfg.num_layers).tolist()
         row_of = {rid: b for b, rid in enumerate(bt.rows)}
+        if self.record_logprobs:
+            lp = self._step_logprobs.cpu()
+            self.last_logprobs = [lp[row_of[r.id]] for r in reqs]
         return [tokens[row_of[r.id]] for r in reqs], [frac[row_of[r.id]] for r in reqs]
 
     def _retire(self, reqs: List[Request]) -> bool:
@@ -321,6 +328,8 @@ class ModelRunner:
 
         hidden = model.forward(bt.tokens, lengths, attend if self.paged and self.observe is None else attend_reference)
         logits = model.logits(hidden)
+        if self.record_logprobs:
+            self._step_logprobs = torch.log_softmax(logits.float(), -1)
         nxt = sample(logits, **bt.sampling, positions=new_len, greedy_only=bt.greedy_only, filtered=bt.filtered)
         frac = torch.cat([torch.stack(counts[g]).double().mean(-1).sum(0) / new_len[a:b] for g, a, b in bt.groups])
         return torch.stack([nxt.double(), frac])

@@ -22,8 +22,6 @@ import torch
 from ..methods.base import recent_and_sink
 from ..ops.attention import attend
 from .metrics import attention_fidelity
-from .runs import PrefilledBatch
-from .sweep import MethodPoint
 
 
 class LambdaMass:
@@ -52,12 +50,13 @@ def measure_lambda_mass(model, prompts, continuations, sink: int, local: int):
     """prompts: token lists; continuations: token lists of one length N, teacher-forced after
     them. Returns (mass, err), each [layers, kv_heads] float64, means over the N dense decode
     steps of every prompt."""
+    from ..engine import LLMEngine
+
     cfg = model.cfg
     obs = LambdaMass(cfg.num_layers, cfg.num_kv_heads, sink, local)
-    n = len(continuations[0])
-    batch = PrefilledBatch(model, prompts, n)
-    engine = batch.engine(MethodPoint("dense"))
-    engine.score(batch.cache, batch.reqs, batch.lengths, torch.tensor(continuations), observe=obs)
+    engine = LLMEngine(model, None, "dense", max_num_seqs=len(prompts), paged=False,
+                       kv_pages=sum(-(-(len(p) + len(c) + 1) // 16) for p, c in zip(prompts, continuations)))
+    engine.score(prompts, continuations, observe=obs)
     return obs.means()
 
 

@@ -154,17 +154,21 @@ def cmd_eval(args) -> int:
             bar.update(1)
 
     resumed = sum(store.get(i) is not None for i in ids)
-    if "fidelity" in plan.tasks:
-        run_fidelity(model, text_ids, plan, store, progress, heads, special_prefix(tok))
-    if "retrieval" in plan.tasks:
-        run_retrieval(model, tok, plan, store, progress, heads)
-    if "suite" in plan.tasks:
-        from ..engine import LLMEngine
-        from .suite_task import run_suite
+    from ..engine import LLMEngine
 
-        # every request attends with its own method (no crossover, no dense fallback)
-        engine = LLMEngine(model, tok, "dense", dense_below=0, max_num_seqs=64 if args.device.startswith("cuda") else 8)
-        run_suite(engine, tok, plan, store, progress, heads)
+    def engine(**kw):  # every request attends with its own method (no crossover, no dense fallback)
+        return LLMEngine(model, tok, "dense", dense_below=0, max_num_seqs=64 if args.device.startswith("cuda") else 8,
+                         **kw)
+    if "fidelity" in plan.tasks:  # its attention observer needs the reference path
+        run_fidelity(engine(paged=False), text_ids, plan, store, progress, heads, special_prefix(tok))
+    if "retrieval" in plan.tasks or "suite" in plan.tasks:
+        eng = engine()
+        if "retrieval" in plan.tasks:
+            run_retrieval(eng, tok, plan, store, progress, heads)
+        if "suite" in plan.tasks:
+            from .suite_task import run_suite
+
+            run_suite(eng, tok, plan, store, progress, heads)
     if bar:
         bar.close()
     runs = store.log_run({"date": time.strftime("%Y-%m-%d %H:%M"), "command": "kvsieve " + " ".join(args.argv),

@@ -8,8 +8,10 @@ Tasks:
              exactly; dense plus one point per method (tactic at each threshold).
   suite      the retrieval suite (eval/suite.py): needles of six kinds in real prose of
              several sources, plain and chat prompts, 5-95% depths; every method at its
-             defaults (plus optional knob points) scored on the cases dense answers right;
-             run through LLMEngine (eval/suite_task.py).
+             defaults (plus optional knob points) scored on the cases dense answers right
+             (eval/suite_task.py).
+Every task runs through LLMEngine, the path `generate` and `serve` run: fidelity through
+its teacher-forced `score` with an attention observer, the others through `generate`.
 """
 from __future__ import annotations
 
@@ -20,8 +22,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 
 from .needles import MAX_NEW_TOKENS, VARIANTS, make_task
-from .metrics import next_token_metrics
-from .runs import PrefilledBatch
+from .metrics import AttentionFidelity, next_token_metrics
 from .store import ResultStore
 from ..patterns import STREAMING_METHODS, pattern_tag
 from .sweep import EVAL_METHODS, MethodPoint, headline_points, sweep_points
@@ -157,9 +158,13 @@ def text_windows(ids: Sequence[int], length: int, need: int, samples: int, prefi
     return [list(ids[s:s + total]) for s in starts]
 
 
-def run_fidelity(model, text_ids: Sequence[int], plan: EvalPlan, store: ResultStore, progress: Progress,
+def run_fidelity(engine, text_ids: Sequence[int], plan: EvalPlan, store: ResultStore, progress: Progress,
                  streaming_heads=None, prefix: Sequence[int] = ()) -> None:
+    """Teacher-forced decode steps over text windows (LLMEngine.score), one cell per
+    (length, point): attention mass / output error / KV read per layer and head from an
+    observer, next-token metrics against dense on the same windows."""
     N = plan.decode_tokens
+    cfg = engine.model.cfg
     for L in plan.lengths:
         points = _fidelity_points(plan)
         ids = {p: cell_id(("fidelity", L), p, streaming_heads) for p in points}
@@ -168,9 +173,8 @@ def run_fidelity(model, text_ids: Sequence[int], plan: EvalPlan, store: ResultSt
                 progress(i)
             continue
         windows = text_windows(text_ids, L, N + 1, plan.samples, prefix)
-        batch = PrefilledBatch(model, [w[:L] for w in windows], N, streaming_heads)
-        fed = torch.tensor([w[L:L + N] for w in windows], device=model.device)
-        targets = torch.tensor([w[L + 1:L + N + 1] for w in windows], device=model.device)
+        prompts, fed = [w[:L] for w in windows], [w[L:L + N] for w in windows]
+        targets = torch.tensor([w[L + 1:L + N + 1] for w in windows])
         dense_lp = store.load_tensor(f"fidelity-{L}")
         for p in points:
             cid = ids[p]
@@ -178,7 +182,10 @@ def run_fidelity(model, text_ids: Sequence[int], plan: EvalPlan, store: ResultSt
                 progress(cid)
                 continue
             t0 = time.perf_counter()
-            lp, attn = batch.teacher_forced(p, fed)
+            stats = AttentionFidelity(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+                                      [cfg.layer_window(i) for i in range(cfg.num_layers)])
+            lps, _ = engine.score(prompts, fed, p.method, p.options(L, streaming_heads), observe=stats)
+            lp, attn = torch.stack(lps), stats.summary()
             if p.method == "dense":
                 dense_lp = lp
                 store.save_tensor(f"fidelity-{L}", lp)
@@ -191,8 +198,11 @@ def run_fidelity(model, text_ids: Sequence[int], plan: EvalPlan, store: ResultSt
             progress(cid)
 
 
-def run_retrieval(model, tokenizer, plan: EvalPlan, store: ResultStore, progress: Progress,
+def run_retrieval(engine, tokenizer, plan: EvalPlan, store: ResultStore, progress: Progress,
                   streaming_heads=None) -> None:
+    """Greedy answers to passkey / needle prompts (LLMEngine.generate), scored exactly."""
+    from ..engine import SamplingParams
+
     count = lambda s: len(tokenizer.encode(s, add_special_tokens=False))
     points = _retrieval_points(plan)
     for variant in plan.variants:
@@ -205,21 +215,23 @@ def run_retrieval(model, tokenizer, plan: EvalPlan, store: ResultStore, progress
                 continue
             tasks = [make_task(variant, count, L, d, seed=plan.seed + i) for i, d in enumerate(depths)]
             prompts = [tokenizer.encode(t.prompt, add_special_tokens=True) for t in tasks]  # with BOS where the model has one
-            batch = PrefilledBatch(model, prompts, tasks[0].max_new_tokens, streaming_heads)
             for p in points:
                 cid = ids[p]
                 if store.get(cid) is not None:
                     progress(cid)
                     continue
                 t0 = time.perf_counter()
-                out, frac = batch.greedy(p, tasks[0].max_new_tokens)
-                answers = [tokenizer.decode(o, skip_special_tokens=True) for o in out]
+                outs = engine.generate(prompts, SamplingParams(tasks[0].max_new_tokens), p.method,
+                                       p.options(L, streaming_heads))
+                answers = [tokenizer.decode(o.tokens, skip_special_tokens=True) for o in outs]
                 scores = [t.score(a) for t, a in zip(tasks, answers)]
+                decoded = [o.kv_fraction for o in outs if len(o.tokens) > 1]  # kv_fraction needs a decode step
                 store.put(cid, {"task": "retrieval", "variant": variant, "length": L, "method": p.method,
                                 "knob": p.knob, "label": p.label, "options": _jsonable(p.options(L, streaming_heads)),
                                 "depths": list(depths), "prompt_tokens": [len(x) for x in prompts],
                                 "expected": [list(t.expected) for t in tasks], "answers": answers, "scores": scores,
-                                "score": sum(scores) / len(scores), "kv_fraction": frac,
+                                "score": sum(scores) / len(scores),
+                                "kv_fraction": sum(decoded) / len(decoded) if decoded else 1.0,
                                 "seconds": time.perf_counter() - t0})
                 progress(cid)
 

@@ -1,7 +1,7 @@
 """A batch harness over the paged cache: dense chunked prefill, sparse decode, one batch
-at a time. `kvsieve eval` and `calibrate` use it (one shared prefill for a whole method
-sweep, teacher-forced scoring with attention observers); the engine tests use it as an
-independent reference. Users' commands run kvsieve.engine.LLMEngine.
+at a time. The tests use it as an independent reference of kvsieve.engine.LLMEngine, and
+scripts/record_attention.py and the unified-prefill bench use it; every command runs
+LLMEngine (eval and calibrate through LLMEngine.score).
 
 The engine builds one SparseMethod from a name and options and never branches on which
 one it is: prefill keys go to method.prepare(), each decode step calls append()/select()
