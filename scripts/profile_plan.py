@@ -106,14 +106,17 @@ def sweep_page_scores(m, q, st, lengths, S, B, log) -> None:
     ast = lengths[:, None]
     nbytes = 2 * st.kmin.numel() * st.kmin.element_size()
     want = None
-    for c in (None, (16, 4), (16, 8), (32, 4), (64, 8), (8, 4), (8, 2), (4, 4)):
-        fn = lambda: physical_page_scores(q, st.kmin, st.kmax, lengths, ae, ast, cfg.page_size,  # noqa: E731
-                                          cfg.physical_page_size, _config=c)
-        got = fn()
-        want = got if want is None else want
-        us = 1e3 * median_ms(capture(fn))
-        log(kind="page_scores", S=S, B=B, config=c, dtype=str(st.kmin.dtype), us=round(us, 2),
-            gbs=round(nbytes / us / 1e3), same=bool(torch.equal(got, want)))
+    for dot in (False, True):
+        for c in (None, (16, 4), (32, 4), (32, 8), (64, 4), (64, 8)):
+            fn = lambda: physical_page_scores(q, st.kmin, st.kmax, lengths, ae, ast, cfg.page_size,  # noqa: E731
+                                              cfg.physical_page_size, _config=c, _dot=dot)
+            got = fn()
+            want = got if want is None else want
+            fin = torch.isfinite(want)
+            us = 1e3 * median_ms(capture(fn))
+            log(kind="page_scores", S=S, B=B, dot=dot, config=c, dtype=str(st.kmin.dtype), us=round(us, 2),
+                gbs=round(nbytes / us / 1e3), max_rel_diff=float(((got - want).abs() / want.abs().clamp(min=1))[fin].max()),
+                same_inf=bool(torch.equal(fin, torch.isfinite(got))))
 
 
 def sweep_launches(m, q, st, lengths, host, keys, S, B, log) -> None:

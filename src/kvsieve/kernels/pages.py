@@ -13,22 +13,26 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import next_pow2
+from . import interpreting, next_pow2
 from .pdl import launch_args, start_after_producer
+
+
+_use_dot = True  # the tensor-core form by default (scripts/profile_plan.py --methods quest --sweep)
 
 
 @triton.jit
 def _physical_scores_kernel(Q, LO, HI, LEN, AEND, ASTART, SKIP, OUT, Hkv, P, NP,
                             sq_b, sq_h, sl_b, sl_h, sl_n, sae_b, sae_h, sas_b, sas_h, ssk_b, ssk_h,
                             G: tl.constexpr, D: tl.constexpr, R: tl.constexpr, WIDTH: tl.constexpr,
-                            BLOCK: tl.constexpr, SUM: tl.constexpr, HAS_SKIP: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK: tl.constexpr, SUM: tl.constexpr, HAS_SKIP: tl.constexpr, DOT: tl.constexpr,
+                            GP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     """Program (row = b * Hkv + h, i): physical pages [i BLOCK, (i + 1) BLOCK) of the row,
     each R logical pages of WIDTH / R tokens. A page is a candidate when it lies wholly in
     [always_end, min(always_start, length)); only candidates' summaries are read. Per
     logical page the G query heads' bounds are combined (max, or sum with SUM, in head
-    order), then the max over the R logical pages is taken: kernels.select._scores_kernel's
-    float32 operations followed by the group and physical-page reductions (the same
-    scores, bit for bit, under the interpreter and in the H200 tests)."""
+    order), then the max over the R logical pages is taken. DOT: the bounds of GP (>= G)
+    heads x BLOCK pages as two tensor-core products; else kernels.select._scores_kernel's
+    float32 operations per channel (the same scores as the old selection path, bit for bit)."""
     start_after_producer(PDL)
     row = tl.program_id(0)
     b = row // Hkv
@@ -43,7 +47,36 @@ def _physical_scores_kernel(Q, LO, HI, LEN, AEND, ASTART, SKIP, OUT, Hkv, P, NP,
     first = offs.to(tl.int64) * WIDTH
     cand = (first >= a_end) & (first + WIDTH <= a_start) & (offs < NP)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
-    if tl.max(cand.to(tl.int32), 0) > 0:
+    if DOT and tl.max(cand.to(tl.int32), 0) > 0:
+        # sum_d max(q_d hi_d, q_d lo_d) = q+ . hi + q- . lo (hi >= lo): two tensor-core
+        # products per tile, exact products summed in float32 (in another order than the twin)
+        base = b.to(tl.int64) * sl_b + h * sl_h
+        offs_g = tl.arange(0, GP)
+        qt = tl.load(Q + b * sq_b + (h * G + offs_g)[:, None] * sq_h + offs_d[None, :], mask=offs_g[:, None] < G,
+                     other=0.0)
+        if UPCAST:
+            qt = qt.to(tl.float32)
+        qp = tl.where(qt > 0, qt, 0.0).to(qt.dtype)
+        qn = tl.where(qt < 0, qt, 0.0).to(qt.dtype)
+        for r in tl.static_range(R):
+            page = offs * R + r
+            ok = cand & (page < P)
+            ptr = base + page[:, None].to(tl.int64) * sl_n + offs_d[None, :]
+            lo = tl.load(LO + ptr, mask=ok[:, None], other=0.0)
+            hi = tl.load(HI + ptr, mask=ok[:, None], other=0.0)
+            if UPCAST:
+                lo, hi = lo.to(tl.float32), hi.to(tl.float32)
+            if IEEE:
+                s = tl.dot(qp, tl.trans(hi), input_precision="ieee") + tl.dot(qn, tl.trans(lo), input_precision="ieee")
+            else:
+                s = tl.dot(qp, tl.trans(hi)) + tl.dot(qn, tl.trans(lo))
+            if SUM:
+                red = tl.sum(tl.where(offs_g[:, None] < G, s, 0.0), 0)
+            else:
+                red = tl.max(tl.where(offs_g[:, None] < G, s, float("-inf")), 0)
+            best = tl.maximum(best, red)
+        best = tl.where(cand, best, float("-inf"))
+    elif tl.max(cand.to(tl.int32), 0) > 0:
         base = b.to(tl.int64) * sl_b + h * sl_h
         for r in tl.static_range(R):
             page = offs * R + r
@@ -68,10 +101,12 @@ def _physical_scores_kernel(Q, LO, HI, LEN, AEND, ASTART, SKIP, OUT, Hkv, P, NP,
 def physical_page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, lengths: Tensor, always_end: Tensor,
                          always_start: Tensor, page_size: int, physical_page_size: int,
                          gqa_reduce: str = "max", skip: Optional[Tensor] = None,
-                         _config: Optional[Tuple[int, int]] = None) -> Tensor:
+                         _config: Optional[Tuple[int, int]] = None, _dot: Optional[bool] = None) -> Tensor:
     """Triton twin of ops.pages.physical_page_scores: [B, Hkv, Pp] float32. Strided views
     (expanded always_end/always_start/skip) are read in place. `_config` = (physical
-    pages per program, warps) overrides the launch for tuning sweeps."""
+    pages per program, warps) overrides the launch for tuning sweeps; `_dot` picks the
+    tensor-core form (q+ . hi + q- . lo) or the CUDA-core one (max per channel), default
+    _use_dot (tiles under 16 pages use the CUDA cores)."""
     B, Hq, D = q.shape
     Hkv, P = kmin.shape[1], kmin.shape[2]
     if kmax.stride() != kmin.stride():
@@ -84,15 +119,23 @@ def physical_page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, lengths: Tensor,
     ae, ast = always_end.expand(B, Hkv), always_start.expand(B, Hkv)
     sk = out if skip is None else skip.expand(B, Hkv).view(torch.uint8)
     sk_strides = (0, 0) if skip is None else sk.stride()
-    # 128 logical pages per program: on the H200 at 128K x 8 (Llama-8B heads, r = 4) within 4%
-    # of the best of 10 configs for float32 summaries (8 warps: 0.14 ms, 3.8 TB/s); bfloat16
-    # summaries (what half-precision keys get) take 101 us at 4 warps, 134 at 8
+    # CUDA cores: 128 logical pages per program: on the H200 at 128K x 8 (Llama-8B heads, r = 4)
+    # within 4% of the best of 10 configs for float32 summaries (8 warps: 0.14 ms, 3.8 TB/s);
+    # bfloat16 summaries take 101 us at 4 warps, 134 at 8; the tensor-core form 78 us
     # (scripts/profile_plan.py --methods quest --sweep)
-    warps = 8 if D >= 128 and kmin.element_size() > 2 else 4
-    block, warps = _config or (next_pow2(max(1, 128 // r)), warps)
+    G = Hq // Hkv
+    dot = (_use_dot if _dot is None else _dot) and D >= 16 and G <= 16
+    if dot:  # H200, 128K, bf16 summaries, r = 4: 64 pages x 4 warps 78 / 273 us at x 8 / x 32 (3.4 / 3.9 TB/s)
+        block, warps = _config or (min(64, next_pow2(max(16, 256 // r))), 4)
+    else:
+        warps = 8 if D >= 128 and kmin.element_size() > 2 else 4
+        block, warps = _config or (next_pow2(max(1, 128 // r)), warps)
+    dot = dot and block >= 16  # tensor-core tiles need 16 rows
+    upcast = interpreting() or kmin.dtype == torch.float32 or q.dtype != kmin.dtype
     _physical_scores_kernel[(B * Hkv, triton.cdiv(NP, block))](
         q, kmin, kmax, lengths, ae, ast, sk, out, Hkv, P, NP, q.stride(0), q.stride(1), kmin.stride(0),
         kmin.stride(1), kmin.stride(2), ae.stride(0), ae.stride(1), ast.stride(0), ast.stride(1), *sk_strides,
-        G=Hq // Hkv, D=D, R=r, WIDTH=physical_page_size, BLOCK=block, SUM=gqa_reduce == "sum",
-        HAS_SKIP=skip is not None, num_warps=warps, **launch_args(out))
+        G=G, D=D, R=r, WIDTH=physical_page_size, BLOCK=block, SUM=gqa_reduce == "sum",
+        HAS_SKIP=skip is not None, DOT=dot, GP=16, UPCAST=upcast, IEEE=upcast and not interpreting(),
+        num_warps=warps, **launch_args(out))
     return out
