@@ -20,7 +20,7 @@ def register(sub) -> None:
                                    "--out. Options left out take the preset's values (full, or --quick).")
     p.add_argument("--model", help="Hugging Face directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--quick", action="store_true", help="smoke preset: one short length, one point per method "
-                                                        "(tactic P 0.8/0.9/0.95), every task; < 5 min on 2 CPU cores")
+                                                        "(tactic P 0.8/0.9/0.95), every task; about 8 min on 2 CPU cores")
     p.add_argument("--out", default="eval-results", help="results directory (re-running resumes; default eval-results)")
     p.add_argument("--tasks", help=f"comma-separated, from: {', '.join(TASKS)}")
     p.add_argument("--methods", help=f"comma-separated, from: {', '.join(EVAL_METHODS)}")

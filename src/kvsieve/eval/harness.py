@@ -98,7 +98,7 @@ def _check_length(L: int, extra: int, limit: int, flag: str, what: str) -> None:
 
 
 def quick_plan() -> EvalPlan:
-    """CI smoke preset (< 5 min on 2 CPU cores): every task, method and variant, small."""
+    """Smoke preset (about 8 min on 2 CPU cores; a slow test): every task, method and variant, small."""
     return EvalPlan(lengths=(2048,), samples=1, decode_tokens=8, thresholds=(0.8, 0.9, 0.95),
                     fractions=(0.1,), retrieval_lengths=(1024,), passkey_depths=(0.5,), needle_depths=(0.5,),
                     suite_lengths=(1024,), suite_cases=6, suite_sources=("pydoc", "stdlib"))
