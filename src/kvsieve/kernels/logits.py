@@ -23,6 +23,20 @@ from .search import count_at_most, search_rounds
 
 
 @triton.jit
+def _ranked_token(p, CS, RK, ORD, EST, MEM, row, kv, NC, M, ROUNDS: tl.constexpr, FAN_BITS: tl.constexpr):
+    """Token ids at list positions p (-1: none) of query head `row`'s ranked list, whose
+    KV head `kv` holds the CSR index; returns (tokens, valid). A position's rank is the
+    number of running sizes <= it; past the list there is no token."""
+    valid = (p >= 0) & (p < tl.load(CS + row * NC + NC - 1))
+    p = tl.where(valid, p, 0)
+    r = count_at_most(CS + row * NC, NC, p, valid, ROUNDS, FAN_BITS)
+    cid = tl.load(ORD + row * NC + r, mask=valid, other=0)
+    first = tl.load(EST + kv * NC + cid, mask=valid, other=0)
+    within = p - tl.load(CS + row * NC + r, mask=valid, other=0) + tl.load(RK + row * NC + r, mask=valid, other=0)
+    return tl.load(MEM + kv.to(tl.int64) * M + first + within, mask=valid, other=0), valid
+
+
+@triton.jit
 def _list_logits_kernel(Q, K, BT, TOK, OUT, CS, RK, ORD, EST, MEM,
                         sq_b, sq_h, sk_p, sk_h, sk_s, sbt, st_b, st_h,
                         Hq, G, W, NC, M, scale, D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
@@ -36,14 +50,8 @@ def _list_logits_kernel(Q, K, BT, TOK, OUT, CS, RK, ORD, EST, MEM,
     inside = offs < W
     tok = tl.load(TOK + b * st_b + h * st_h + offs, mask=inside, other=-1)
     valid = tok >= 0
-    if RANKED:  # tok is a list position: its rank is the number of running sizes <= it
-        valid = valid & (tok < tl.load(CS + row * NC + NC - 1))  # past the list: no token
-        p = tl.where(valid, tok, 0)
-        r = count_at_most(CS + row * NC, NC, p, valid, ROUNDS, FAN_BITS)
-        cid = tl.load(ORD + row * NC + r, mask=valid, other=0)
-        first = tl.load(EST + kv * NC + cid, mask=valid, other=0)
-        within = p - tl.load(CS + row * NC + r, mask=valid, other=0) + tl.load(RK + row * NC + r, mask=valid, other=0)
-        tok = tl.load(MEM + kv.to(tl.int64) * M + first + within, mask=valid, other=0)
+    if RANKED:  # tok is a list position
+        tok, valid = _ranked_token(tok, CS, RK, ORD, EST, MEM, row, kv, NC, M, ROUNDS, FAN_BITS)
     tok = tl.where(valid, tok, 0)
     page = tl.load(BT + b * sbt + tok // PAGE, mask=valid, other=0).to(tl.int64)
     k = tl.load(K + page[:, None] * sk_p + (h // G) * sk_h + (tok % PAGE)[:, None] * sk_s + offs_d[None, :],
@@ -63,13 +71,7 @@ def _ranked_tokens_kernel(POS, CS, RK, ORD, EST, MEM, OUT, Hq, G, W, NC, M, BLOC
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < W
     p = tl.load(POS + row * W + offs, mask=inside, other=-1)
-    valid = (p >= 0) & (p < tl.load(CS + row * NC + NC - 1))
-    p = tl.where(valid, p, 0)
-    r = count_at_most(CS + row * NC, NC, p, valid, ROUNDS, FAN_BITS)
-    cid = tl.load(ORD + row * NC + r, mask=valid, other=0)
-    first = tl.load(EST + kv * NC + cid, mask=valid, other=0)
-    within = p - tl.load(CS + row * NC + r, mask=valid, other=0) + tl.load(RK + row * NC + r, mask=valid, other=0)
-    tok = tl.load(MEM + kv.to(tl.int64) * M + first + within, mask=valid, other=0)
+    tok, valid = _ranked_token(p, CS, RK, ORD, EST, MEM, row, kv, NC, M, ROUNDS, FAN_BITS)
     tl.store(OUT + row * W + offs, tl.where(valid, tok, -1), mask=inside)
 
 
