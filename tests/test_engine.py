@@ -66,6 +66,34 @@ def test_dead_rows_change_nothing(tiny_model, method, opts):
                                   paged=True)[0]
 
 
+@pytest.mark.parametrize("method,opts", METHODS + [("lserve", {"budget": 16, "sink": 4, "local": 8,
+                                                                 "physical_page_size": 16})])
+def test_joins_take_free_rows_in_place(tiny_model, method, opts):
+    """With dead rows kept (as under CUDA graphs), a request arriving mid-flight takes a
+    padding row or the row of a finished request, its index written in place: fewer batch
+    rebuilds than arrivals, and every request's tokens are still its own."""
+    ps = prompts(3, lo=120, hi=140, seed=11) + prompts(4, lo=20, hi=100, seed=12)
+    lens = [26, 30, 4, 22, 9, 14, 6]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lens]
+    eng = LLMEngine(tiny_model, None, method, paged=True, step_tokens=400, **opts)
+    eng.runner.keep_dead_rows = True
+    ids, done, step = {}, {}, 0
+    for i in range(3):  # the long ones first: later prompts fit their index widths
+        ids[eng.add_request(ps[i], params[i])] = i
+    while eng.has_unfinished or len(ids) < len(ps):
+        step += 1
+        if step in (2, 6, 8, 11) and len(ids) < len(ps):
+            i = len(ids)
+            ids[eng.add_request(ps[i], params[i])] = i
+        for o in eng.step():
+            if o.finished:
+                done[ids[o.id]] = o.tokens
+    assert eng.runner.row_joins >= 2 and eng.runner.composes + eng.runner.row_joins >= len(ps) - 2
+    for i, p in enumerate(ps):
+        assert done[i] == alone(tiny_model, method, opts, [p], params[i], paged=True)[0], (i, method)
+    assert eng.scheduler.used_pages == 0
+
+
 def test_full_pool_queues_and_preempts_without_losing_a_request(tiny_model):
     ps = prompts(6, lo=40, hi=60, seed=5)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)

@@ -122,6 +122,14 @@ class SparseMethod:
         """The index restricted to batch rows `rows` (in that order)."""
         return state
 
+    def write_slot(self, state: Any, row: int, new: Any) -> bool:
+        """Write `new`, one request's index (B = 1), into row `row` of the batched index
+        `state` in place, so a captured step graph keeps reading valid memory (a request
+        joining a free row of the batch). False when it does not fit the batch's buffers:
+        the engine then rebuilds the batch with merge_states. A method whose state is the
+        KV head count has nothing to write."""
+        return isinstance(state, int) and state == new
+
     def maintain(self, state: Any, lengths: Tensor, host_lengths: List[int],
                  read_keys: Callable[[int, int, int], Tensor]) -> bool:
         """Host-side upkeep before a decode step whose new lengths are host_lengths

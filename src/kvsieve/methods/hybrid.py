@@ -157,6 +157,9 @@ class Hybrid(SparseMethod):
     def take_states(self, state: HybridState, rows):
         return HybridState(state.flags, self.dynamic.take_states(state.dynamic, rows))
 
+    def write_slot(self, state: HybridState, row, new: HybridState) -> bool:
+        return self.dynamic.write_slot(state.dynamic, row, new.dynamic)
+
     def plan(self, q, state: HybridState, lengths, host_lengths, keys=None):
         """The dynamic method's token lists, with every streaming head's list replaced by its
         Λ window (sink + local tokens: constant cost per step). A dynamic method that can

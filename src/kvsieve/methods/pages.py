@@ -141,6 +141,19 @@ class PageSelect(SparseMethod):
         return PageState(state.kmin.index_select(0, r), state.kmax.index_select(0, r), state.lengths.index_select(0, r),
                          state.step, None, None, plan, state.fresh)
 
+    def write_slot(self, state: PageState, row: int, new: PageState) -> bool:
+        """In place when new's pages fit; the next step selects anew for every row (the
+        reused selection of this row belonged to the request that left it)."""
+        P = new.kmin.shape[2]
+        if P > state.kmin.shape[2] or new.kmin.dtype != state.kmin.dtype:
+            return False
+        for dst, src, fill in ((state.kmin, new.kmin, float("inf")), (state.kmax, new.kmax, float("-inf"))):
+            dst[row].fill_(fill)
+            dst[row, :, :P].copy_(src[0])
+        state.lengths[row] = new.lengths[0]
+        state.step = 0
+        return True
+
     def append_token(self, state: PageState, k_new, lengths, host_lengths, read_keys):
         """Fold the new key into its page's min/max in place (maintain() grew the capacity;
         without an engine driving maintain(), grow here)."""

@@ -34,7 +34,8 @@ class ClusterIndex:
     moved), for the protected clusters (TacticConfig.protect).
     members/entry_start/sizes32: the same index as CSR for the paged fast path (token
     ids grouped by cluster [B, Hkv, S] int32, first member of each cluster and cluster
-    sizes [B, Hkv, C] int32); built on first use, dropped when the index changes.
+    sizes [B, Hkv, C] int32); built on first use, rebuilt in place after a fold.
+    max_size: the largest cluster size seen (host int; it sets fixed-budget list capacities).
     consts: small per-shape tensors a plan reuses (budget, sink) instead of refilling them.
     """
 
@@ -51,16 +52,31 @@ class ClusterIndex:
     host_indexed: Optional[List[int]] = None  # num_indexed mirrored on the host: no sync per step
     consts: Optional[dict] = None
     radius: Optional[Tensor] = None
+    csr_stale: bool = False  # a fold changed the index since the CSR view was built
 
-    def build_csr(self) -> None:
-        B, Hkv, S = self.assign.shape
-        pos = torch.arange(S, device=self.assign.device)
-        key = torch.where(self.assign >= 0, self.assign * S + pos, self.sizes.shape[-1] * S + pos)
-        order = key.argsort(-1)
-        self.members = order.to(torch.int32)
-        self.entry_start = (self.sizes.cumsum(-1) - self.sizes).to(torch.int32)
-        self.sizes32 = self.sizes.to(torch.int32)
-        self.max_size = int(self.sizes.max()) if self.sizes.numel() else 0
+    def build_csr(self) -> bool:
+        """(Re)build the CSR view from assign and sizes: in place when its buffers exist with
+        the right shapes (a captured decode step keeps reading them; a fold changes values,
+        not shapes). True when it allocated new tensors."""
+        members, start, sizes32 = csr_view(self.assign, self.sizes)
+        self.max_size = max(self.max_size, int(self.sizes.max()) if self.sizes.numel() else 0)
+        self.csr_stale = False
+        if self.members is not None and self.members.shape == members.shape and self.sizes32.shape == sizes32.shape:
+            for dst, src in ((self.members, members), (self.entry_start, start), (self.sizes32, sizes32)):
+                dst.copy_(src)
+            return False
+        self.members, self.entry_start, self.sizes32 = members, start, sizes32
+        return True
+
+
+def csr_view(assign: Tensor, sizes: Tensor):
+    """assign [B, Hkv, S] (cluster id, -1: not indexed), sizes [B, Hkv, C] -> int32 members
+    [B, Hkv, S] (token ids grouped by cluster, in position order; unindexed tokens last),
+    entry_start [B, Hkv, C] (each cluster's first entry) and sizes [B, Hkv, C]."""
+    S = assign.shape[-1]
+    pos = torch.arange(S, device=assign.device)
+    key = torch.where(assign >= 0, assign * S + pos, sizes.shape[-1] * S + pos)
+    return (key.argsort(-1).to(torch.int32), (sizes.cumsum(-1) - sizes).to(torch.int32), sizes.to(torch.int32))
 
 
 @dataclass
@@ -135,7 +151,7 @@ class Tactic(SparseMethod):
         st.num_indexed[b] = end
         if st.host_indexed is not None:
             st.host_indexed[b] = end
-        st.members = None  # the CSR view is stale
+        st.csr_stale = True
 
     def select(self, q, k, lengths, st: ClusterIndex):
         cfg = self.config
@@ -225,16 +241,18 @@ class Tactic(SparseMethod):
         for b, n in enumerate(host_lengths):
             if self._fold_due(state, b, n):
                 self._fold(state, read_keys(b, 0, n - self.config.local), b, int(state.num_indexed[b]),
-                           n - self.config.local)
-                changed = True
-        if state.members is None:
-            state.build_csr()
-            changed = True
+                           n - self.config.local)  # in place: a captured step stays valid
+        if state.members is None or state.csr_stale:
+            changed |= state.build_csr()
         return changed
 
     def graph_key(self, state: ClusterIndex, host_lengths):
-        tail = None if self.config.budget is not None else self._tail_width(state, host_lengths)
-        return self.plan_capacity(state, host_lengths), tail
+        """Fixed budget: the list capacity. Threshold: also the tail width and the indexed
+        lengths, which set the fit's read positions (a fold rebuilds them: _consts)."""
+        if self.config.budget is not None:
+            return self.plan_capacity(state, host_lengths)
+        indexed = tuple(state.host_indexed or host_lengths)
+        return self.plan_capacity(state, host_lengths), self._tail_width(state, host_lengths), indexed
 
     def _tail_width(self, state: ClusterIndex, host_lengths) -> int:
         """Width of the always-attended tail list: fixed at local + fold_every + 1 while
@@ -265,7 +283,29 @@ class Tactic(SparseMethod):
         host = state.host_indexed or state.num_indexed.tolist()
         return ClusterIndex(pick(state.centroids), pick(state.sizes), pick(state.assign), pick(state.num_indexed),
                             pick(state.num_clusters), state.iters, pick(state.members), pick(state.entry_start),
-                            pick(state.sizes32), state.max_size, [host[i] for i in rows], radius=pick(state.radius))
+                            pick(state.sizes32), state.max_size, [host[i] for i in rows], radius=pick(state.radius),
+                            csr_stale=state.csr_stale)
+
+    def write_slot(self, state: ClusterIndex, row: int, new: ClusterIndex) -> bool:
+        """In place, when new's clusters and positions fit the batch's widths; the row's CSR
+        view is rebuilt in its buffers (the other rows' are untouched)."""
+        C, S = new.centroids.shape[2], new.assign.shape[-1]
+        if (C > state.centroids.shape[2] or S > state.assign.shape[-1] or new.centroids.dtype != state.centroids.dtype
+                or state.host_indexed is None):
+            return False
+        for dst, src, fill in ((state.centroids, new.centroids, 0), (state.sizes, new.sizes, 0),
+                               (state.radius, new.radius, 0), (state.assign, new.assign, -1)):
+            dst[row].fill_(fill)
+            dst[row, :, :src.shape[2]].copy_(src[0])
+        state.num_indexed[row] = new.num_indexed[0]
+        state.num_clusters[row] = new.num_clusters[0]
+        state.host_indexed[row] = (new.host_indexed or new.num_indexed.tolist())[0]
+        state.iters = max(state.iters, new.iters)
+        if state.members is not None and not state.csr_stale:
+            members, start, sizes32 = csr_view(state.assign[row:row + 1], state.sizes[row:row + 1])
+            state.members[row], state.entry_start[row], state.sizes32[row] = members[0], start[0], sizes32[0]
+            state.max_size = max(state.max_size, int(sizes32.max()))
+        return True
 
     def plan_capacity(self, state: ClusterIndex, host_lengths: List[int]) -> int:
         """Largest list a step can produce. Fixed budget: the budget (or the best cluster
@@ -281,7 +321,7 @@ class Tactic(SparseMethod):
         choice, compaction of the chosen clusters' members plus the always-attended tokens.
         Threshold: per-head ranking, exact scores where the fit reads (ops.threshold), the
         group's union of cluster prefixes, then the same compaction; needs `keys`."""
-        if state.members is None:
+        if state.members is None or state.csr_stale:
             state.build_csr()
         B, Hkv = state.sizes.shape[:2]
         n_valid = state.num_clusters[:, None].expand(B, Hkv)

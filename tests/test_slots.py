@@ -1,0 +1,76 @@
+"""A request joining a free row of a batched index in place (SparseMethod.write_slot) plans
+exactly as if the batch had been rebuilt around it with merge_states."""
+import pytest
+import torch
+
+from kvsieve import make_method
+from kvsieve.ops.paged import PagedKeys
+
+from conftest import clustered_qkv
+
+PAGE = 16
+CASES = [("tactic", {"budget": 24, "cluster_size": 8, "local": 8, "fold_every": 0}),
+         ("tactic", {"cluster_size": 8, "local": 8, "fold_every": 0}),
+         ("quest", {"budget": 16}),
+         ("quest", {"budget": 16, "reuse_steps": 3}),
+         ("lserve", {"budget": 16, "sink": 4, "local": 8, "physical_page_size": 16, "reuse_steps": 3}),
+         ("dense", {})]
+
+
+def paged(ks):
+    """ks: list of [Hkv, L_i, D] -> (pool [P, Hkv, PAGE, D], block table [B, W]), pages shuffled."""
+    need = [-(-k.shape[1] // PAGE) for k in ks]
+    perm = torch.randperm(sum(need), generator=torch.Generator().manual_seed(1))
+    Hkv, _, D = ks[0].shape
+    pool = torch.zeros(sum(need), Hkv, PAGE, D, dtype=ks[0].dtype)
+    table = torch.zeros(len(ks), max(need), dtype=torch.int32)
+    start = 0
+    for b, k in enumerate(ks):
+        for p in range(need[b]):
+            page = int(perm[start + p])
+            table[b, p] = page
+            chunk = k[:, p * PAGE:(p + 1) * PAGE]
+            pool[page, :, :chunk.shape[1]] = chunk
+        start += need[b]
+    return pool, table
+
+
+def plan_sets(m, q, st, lengths, keys):
+    """Each (row, KV head)'s planned positions as a sorted list."""
+    host = lengths.tolist()
+    m.maintain(st, lengths, host, None)  # as the engine before each step (CSR, fresh or reused pages)
+    plan = m.plan(q, st, lengths, host, keys)
+    if plan.indices is None:
+        return [[list(range(int(c)))] for c in plan.counts[:, 0]]
+    return [[sorted(plan.indices[b, h, :int(plan.counts[b, h])].tolist()) for h in range(plan.counts.shape[1])]
+            for b in range(plan.counts.shape[0])]
+
+
+@pytest.mark.parametrize("method,opts", CASES)
+def test_write_slot_plans_as_a_rebuilt_batch(method, opts):
+    lens = [297, 240, 154]
+    q, k, _ = clustered_qkv(3, 6, 2, max(lens), 64, sharpness=4.0, seed=5, dtype=torch.float32)
+    ks = [k[b, :, :n] for b, n in enumerate(lens)]
+    pool, table = paged(ks)
+    m = make_method(method, **opts)
+    states = [m.prepare(kb[None], torch.tensor([n])) for kb, n in zip(ks, lens)]
+    # a batch of requests 0 and 1 plus a padding row (a copy of row 1), planned for a few steps
+    slotted = m.merge_states([m.merge_states(states[:2]), m.take_states(m.merge_states(states[:2]), [1])])
+    pad_len = torch.tensor([lens[0], lens[1], lens[1]])
+    for _ in range(2):
+        plan_sets(m, q, slotted, pad_len, PagedKeys(pool, table[[0, 1, 1]]))
+    assert m.write_slot(slotted, 2, states[2])
+    rebuilt = m.merge_states([m.take_states(slotted, [0, 1]), states[2]])
+    lengths, keys = torch.tensor(lens), PagedKeys(pool, table)
+    for step in range(4):  # fresh and reused page selections alike
+        assert plan_sets(m, q, slotted, lengths, keys) == plan_sets(m, q, rebuilt, lengths, keys), step
+
+
+def test_write_slot_refuses_a_wider_index():
+    _, k, _ = clustered_qkv(2, 2, 2, 200, 64, seed=8, dtype=torch.float32)
+    for name in ("tactic", "quest"):
+        m = make_method(name, cluster_size=8) if name == "tactic" else make_method(name)
+        short = m.prepare(k[:1, :, :60], torch.tensor([60]))
+        long = m.prepare(k[1:], torch.tensor([200]))
+        assert not m.write_slot(short, 0, long)
+        assert m.write_slot(m.merge_states([long, long]), 1, short)
