@@ -139,6 +139,34 @@ def test_runner_prefills_streaming_heads_with_their_window_across_chunks(tiny_mo
     assert (dense.prefill(cache, 0, ids, all_positions=True) - got).abs().max() > 1e-3  # the window matters
 
 
+@pytest.mark.parametrize("chunk", [40, 15, 200])
+def test_engine_prefill_is_the_windowed_oracle_whichever_kernel_runs_a_chunk(tiny_model, chunk):
+    """LLMEngine's chunked prefill with streaming heads (sink 4 + local 11): chunks that end
+    within sink + local run SDPA's causal kernel (the window covers them), later ones the
+    unified kernel; the prompt's last logits are the masked float64 oracle's either way."""
+    from kvsieve.engine import LLMEngine, SamplingParams
+
+    pattern = ((True, False), (False, True))
+    ids = torch.randint(0, 300, (97,), generator=torch.Generator().manual_seed(1)).tolist()
+    eng = LLMEngine(tiny_model, None, "lserve", prefill_chunk=chunk, step_tokens=400, streaming_heads=pattern,
+                    sink=4, prefill_local=11)
+    got = []
+    prefill = eng.runner.prefill
+    eng.runner.prefill = lambda *a: got.append(prefill(*a)) or got[-1]
+    eng.generate([ids], SamplingParams(max_new_tokens=1))
+
+    def oracle_attend(layer, q, k, v):
+        return block_sparse_prefill_reference(q.double(), k.transpose(0, 1).double(), v.transpose(0, 1).double(),
+                                              torch.tensor(pattern[layer]), 4, 11).float()
+
+    want = tiny_model.logits(tiny_model.forward(torch.tensor(ids), torch.arange(97), oracle_attend)[-1:])[0]
+    assert (got[-1] - want).abs().max() < 1e-4
+    causal = tiny_model.logits(tiny_model.forward(torch.tensor(ids), torch.arange(97), lambda _, q, k, v:
+                                                  block_sparse_prefill_reference(q, k.transpose(0, 1),
+                                                                                 v.transpose(0, 1)))[-1:])[0]
+    assert (causal - want).abs().max() > 1e-3  # the window matters
+
+
 def test_prefill_window_defaults_scale_with_the_model():
     from kvsieve.methods import make_method
 

@@ -140,7 +140,8 @@ class ModelRunner:
             if start > 0:  # earlier chunks are in the cache: gather the request's keys
                 kk, vv = cache.read(layer, req.id, end)  # [Hkv, end, D]
             win = windows[layer]
-            if win is not None:
+            # a chunk ending within sink + local of the start is causal on every head: SDPA's kernels
+            if win is not None and end > win[1] + win[2]:
                 return dispatch.block_sparse_prefill(q, kk, vv, win[0], win[1], win[2])
             qq = q.transpose(0, 1)[None]
             if start == 0:  # square causal: SDPA's flash / cuDNN kernels on the GPU
