@@ -9,6 +9,9 @@ single:     the built-in ~4K-token prompt at batch 1, every method, tokens/s thr
 crossover:  batch 1 at several prompt lengths with dense_below=0 (sparse forced on);
 concurrent: 32 requests of mixed lengths (1K-7.5K) submitted together: aggregate tokens/s,
             time to first token and time per output token, p50/p99.
+e2e8b:      the Llama-3.1-8B shape (random weights) at batch 1-8, 8K-128K, steady-state decode.
+cb8b, cb64: continuous batching on that shape: 24 requests of 8K-32K (32 new tokens) and
+            64 requests of 8K-64K (64 new tokens), submitted together; dense, tactic, lserve.
 Writes OUT/engine.json and prints a table.
 """
 from __future__ import annotations
@@ -119,7 +122,8 @@ def run_batch(eng, prompts, new_tokens):
             "decode_tok_s": eng.stats.decode_tokens / eng.stats.decode_s, "prefill_s": eng.stats.prefill_s,
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
             "kv_fraction": sum(o.kv_fraction for o in outs) / len(outs), "pool_pages": eng.scheduler.num_pages,
-            "captures": eng.runner.captures, "preemptions": eng.stats.preemptions}
+            "captures": eng.runner.captures, "composes": eng.runner.composes, "row_joins": eng.runner.row_joins,
+            "preemptions": eng.stats.preemptions}
 
 
 def concurrent(model, tok, log, n=32, new_tokens=128):
@@ -208,6 +212,11 @@ def cb8b(model, tok, log, n=24, lo=8192, hi=32768, new_tokens=32):
     return rows
 
 
+def cb64(model, tok, log):
+    """The issue's continuous-batching run: 64 requests of 8K-64K tokens, 64 new tokens each."""
+    return cb8b(model, tok, log, n=64, lo=8192, hi=65536, new_tokens=64)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -216,7 +225,7 @@ def main():
     ap.add_argument("--lengths", help="crossover prompt lengths, comma-separated")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    embedded = any(p not in ("e2e8b", "cb8b") for p in args.parts.split(","))
+    embedded = any(p not in ("e2e8b", "cb8b", "cb64") for p in args.parts.split(","))
     model, tok, _ = load_model(args.model, dtype=torch.bfloat16, device="cuda") if embedded else (None, None, None)
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
               "torch": torch.__version__, "command": " ".join(sys.argv)}

@@ -49,6 +49,37 @@ def test_graph_replay_equals_eager(tiny_cuda, method, opts):
     assert graph == eager
 
 
+def arriving(eng, ps, lens, at=(2, 5, 9)):
+    """The first len(ps) - len(at) requests at once, one more at each step in `at`."""
+    first = len(ps) - len(at)
+    rids = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(ps[:first], lens)]
+    done, step = {}, 0
+    while eng.has_unfinished or len(rids) < len(ps):
+        step += 1
+        if step in at:
+            i = len(rids)
+            rids.append(eng.add_request(ps[i], SamplingParams(max_new_tokens=lens[i], ignore_eos=True)))
+        for o in eng.step():
+            if o.finished:
+                done[o.id] = o.tokens
+    return [done[r] for r in rids]
+
+
+@pytest.mark.parametrize("method,opts", METHODS + [("hybrid", {"streaming_heads": [1, 0], "sink": 4, "local": 16})])
+def test_mid_flight_joins_on_graphs_equal_eager(tiny_cuda, method, opts):
+    """Requests arriving mid-flight take free rows of the captured batch in place (no
+    rebuild): the replayed steps give the eager steps' tokens."""
+    model, _ = tiny_cuda
+    ps = prompts(3, lo=700, hi=900, seed=7) + prompts(3, lo=200, hi=600, seed=8)
+    lens = [30, 36, 6, 20, 12, 16]
+    plain = LLMEngine(model, None, method, graphs=False, dense_below=0, **opts)
+    plain.runner.keep_dead_rows = True
+    eager = arriving(plain, ps, lens)
+    eng = LLMEngine(model, None, method, dense_below=0, **opts)
+    assert arriving(eng, ps, lens) == eager
+    assert eng.runner.row_joins >= 2 and eng.runner.captures >= 1
+
+
 def test_cuda_engine_matches_cpu_engine(tiny_cuda):
     from kvsieve.model.loader import load_weights
 
