@@ -77,7 +77,7 @@ def test_mid_flight_joins_on_graphs_equal_eager(tiny_cuda, method, opts):
     eager = arriving(plain, ps, lens)
     eng = LLMEngine(model, None, method, dense_below=0, **opts)
     assert arriving(eng, ps, lens) == eager
-    assert eng.runner.row_joins >= 2 and eng.runner.captures >= 1
+    assert eng.runner.row_joins >= 1 and eng.runner.captures >= 1
 
 
 def test_cuda_engine_matches_cpu_engine(tiny_cuda):

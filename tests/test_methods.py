@@ -214,3 +214,28 @@ def test_lserve_per_layer_pattern():
     assert m.prepare(k, torch.tensor([64]), layer=1).flags.tolist() == [False, True]
     with pytest.raises(ValueError, match="layers"):
         m.prepare(k, torch.tensor([64]), layer=2)
+
+
+@pytest.mark.parametrize("method,opts", [("tactic", {"cluster_size": 8}),
+                                         ("tactic", {"cluster_size": 8, "cluster_window": 40, "dtype": "bf16"}),
+                                         ("hybrid", {"streaming_heads": [[1, 0], [0, 1], [0, 0], [1, 1]],
+                                                     "cluster_size": 16})])
+def test_prepare_layers_equals_one_prepare_per_layer(method, opts):
+    """Several layers' indexes from one K-means call (each layer its own seed) are the
+    indexes of one call per layer, field for field (windowed K-means and bf16 keys too)."""
+    opts = dict(opts)
+    dtype = torch.bfloat16 if opts.pop("dtype", None) == "bf16" else torch.float32
+    k = clustered_qkv(2, 4, 2, 97, 64, seed=1, dtype=dtype)[1]
+    ks = [k, k.clone(), k.flip(2)]  # two layers with equal keys: only their seeds tell them apart
+    lengths, layers = torch.tensor([97, 54]), [0, 3, 1]
+    m = make_method(method, **opts)
+    together = m.prepare_layers(ks, lengths, layers)
+    index = lambda s: getattr(s, "dynamic", s)  # noqa: E731
+    for kl, layer, got in zip(ks, layers, together):
+        want = m.prepare(kl, lengths, layer)
+        if method == "hybrid":
+            assert torch.equal(got.flags, want.flags)
+        for name in ("centroids", "sizes", "assign", "num_indexed", "num_clusters", "radius", "host_indexed"):
+            a, b = getattr(index(got), name), getattr(index(want), name)
+            assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), (name, layer)
+    assert not torch.equal(index(together[0]).assign, index(together[1]).assign)

@@ -4,6 +4,10 @@
 and for CPU tensors only under Triton's interpreter (`TRITON_INTERPRET=1`, used by the
 CPU test suite). Set `KVSIEVE_KERNELS=reference` to force the torch path everywhere.
 A kernel never knows which method produced its inputs.
+
+Integer arguments that follow the requests (lengths, list widths, cluster and page counts,
+split counts) are marked `do_not_specialize`: Triton would otherwise compile a variant of the
+kernel for each new value's divisibility by 16 (or value 1), in the middle of serving.
 """
 from __future__ import annotations
 

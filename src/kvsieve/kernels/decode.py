@@ -20,14 +20,18 @@ from . import interpreting, next_pow2
 from .pdl import launch_args, start_after_producer
 
 TARGET_PROGRAMS = 1024  # enough (sub-request, split) programs to fill ~132 SMs several times
+# The split length and the merge's chunk are runtime values, not constexprs: both follow the
+# batch's rows and list capacity, and a constexpr would compile a kernel variant for each new
+# batch shape in the middle of serving (~0.5 s each on the H100, seen in engine rebuild steps).
+MERGE_CHUNK = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=('si_b', 'si_h', 'NS', 'SPLIT'))
 def _split_kernel(Q, K, V, BT, IDX, CNT, OUT, LSE,
                   sq_b, sq_h, sk_p, sk_h, sk_s, sv_p, sv_h, sv_s, sbt, si_b, si_h,
-                  Hkv, NS, scale,
+                  Hkv, NS, SPLIT, scale,
                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                  SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, DENSE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, DENSE: tl.constexpr,
                   UPCAST: tl.constexpr, IEEE: tl.constexpr, LOWP_PV: tl.constexpr,
                   POOL_ROWS: tl.constexpr, PDL: tl.constexpr):
     start_after_producer(PDL)
@@ -95,7 +99,7 @@ def _split_kernel(Q, K, V, BT, IDX, CNT, OUT, LSE,
     tl.store(LSE + base + offs_g, lse, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=('NS', 'SPLIT'))
 def _merge_kernel(PART, PLSE, CNT, OUT, LSE, NS, SPLIT, G: tl.constexpr, D: tl.constexpr,
                   CHUNK: tl.constexpr, PDL: tl.constexpr):
     """One program per (sub-request, query head): merge the split results that hold
@@ -195,12 +199,12 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
         q, k_pool, v_pool, block_table, idx, counts, part, plse,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), block_table.stride(0), si_b, si_h,
-        Hkv, ns, scale,
-        G=G, GP=max(16, next_pow2(G)), D=D, PAGE=page, SPLIT=split, BLOCK_N=block_n, DENSE=dense,
+        Hkv, ns, split, scale,
+        G=G, GP=max(16, next_pow2(G)), D=D, PAGE=page, BLOCK_N=block_n, DENSE=dense,
         UPCAST=upcast, IEEE=ieee and not interpreting(), LOWP_PV=cfg["lowp_pv"] and not upcast,
         POOL_ROWS=pool_rows and not dense, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
-    _merge_kernel[(B * Hq,)](part, plse, counts, out, lse, ns, split, G=G, D=D, CHUNK=min(16, next_pow2(ns)),
-                             num_warps=1, **pdl)
+    _merge_kernel[(B * Hq,)](part, plse, counts, out, lse, ns, split, G=G, D=D, CHUNK=MERGE_CHUNK, num_warps=1,
+                             **pdl)
     return out, lse

@@ -82,7 +82,7 @@ def _segment(READ, POS, row, W, start, SW, shift, BLOCK: tl.constexpr):
     return tl.sum(us, 0) / n_seg, tl.sum(ys, 0) / n_seg
 
 
-@triton.jit
+@triton.jit(do_not_specialize=('W', 'A', 'C', 'HW', 'SW', 'min_budget', 'max_budget'))
 def _keep_kernel(READ, POS, ALW, HLEN, EXACT, NL, CS, SCR, PARAMS, OUT, W, A, C, HW, SW,
                  min_budget, max_budget,
                  ALL: tl.constexpr, HAS_MIN: tl.constexpr, HAS_MAX: tl.constexpr, BLOCK: tl.constexpr,

@@ -13,7 +13,7 @@ from torch import Tensor
 from . import interpreting
 
 
-@triton.jit
+@triton.jit(do_not_specialize=('S', 'NC'))
 def _nearest_kernel(X, C, CN, OUT, S, NC, sx_r, sx_s, sc_r, sc_c,
                     D: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, UPCAST: tl.constexpr):
     r = tl.program_id(0)
@@ -63,7 +63,7 @@ def nearest_centroid(x: Tensor, centroids: Tensor, cluster_valid: Tensor, _confi
     return out.long()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=('S', 'NC'))
 def _segment_mean_kernel(X, ORDER, START, CNT, OLD, OUT, S, NC, sx_r, sx_s,
                          D: tl.constexpr, BM: tl.constexpr):
     pid = tl.program_id(0)

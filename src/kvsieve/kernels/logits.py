@@ -36,7 +36,7 @@ def _ranked_token(p, CS, RK, ORD, EST, MEM, row, kv, NC, M, ROUNDS: tl.constexpr
     return tl.load(MEM + kv.to(tl.int64) * M + first + within, mask=valid, other=0), valid
 
 
-@triton.jit
+@triton.jit(do_not_specialize=('st_b', 'st_h', 'W', 'NC', 'M'))
 def _list_logits_kernel(Q, K, BT, TOK, OUT, CS, RK, ORD, EST, MEM,
                         sq_b, sq_h, sk_p, sk_h, sk_s, sbt, st_b, st_h,
                         Hq, G, W, NC, M, scale, D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
@@ -61,7 +61,7 @@ def _list_logits_kernel(Q, K, BT, TOK, OUT, CS, RK, ORD, EST, MEM,
     tl.store(OUT + row * W + offs, tl.where(valid, logit, float("-inf")), mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=('W', 'NC', 'M'))
 def _ranked_tokens_kernel(POS, CS, RK, ORD, EST, MEM, OUT, Hq, G, W, NC, M, BLOCK: tl.constexpr,
                           ROUNDS: tl.constexpr, FAN_BITS: tl.constexpr):
     """Token ids at list positions (ops.threshold.ranked_list_tokens): the search and the

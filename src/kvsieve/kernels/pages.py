@@ -20,7 +20,7 @@ from .pdl import launch_args, start_after_producer
 _use_dot = True  # the tensor-core form by default (scripts/profile_plan.py --methods quest --sweep)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=('P', 'NP'))
 def _physical_scores_kernel(Q, LO, HI, LEN, AEND, ASTART, SKIP, OUT, Hkv, P, NP,
                             sq_b, sq_h, sl_b, sl_h, sl_n, sae_b, sae_h, sas_b, sas_h, ssk_b, ssk_h,
                             G: tl.constexpr, D: tl.constexpr, R: tl.constexpr, WIDTH: tl.constexpr,

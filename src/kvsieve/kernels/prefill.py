@@ -61,7 +61,7 @@ def _attend_block(q, m_i, l_i, acc, K, V, n0, h, pos, sk_h, sk_s, sv_h, sv_s, S,
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=('T', 'S', 'n_mblocks'))
 def _prefill_kernel(Q, K, V, STREAM, OUT,
                     sq_t, sq_h, sk_h, sk_s, sv_h, sv_s, so_t, so_h,
                     T, S, n_mblocks, sink, local, qk_scale,

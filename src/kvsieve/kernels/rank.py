@@ -16,7 +16,7 @@ from .pdl import launch_args, start_after_producer
 from ..ops.threshold import ranking_order
 
 
-@triton.jit
+@triton.jit(do_not_specialize=('C', 'sz_r'))
 def _ranked_kernel(ORD, Z, ORDER, RANKED, CSIZE, C, G, sz_r, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program per query head: from the sort's order, the int32 order, the ranked
     sizes and their running sum."""
@@ -49,7 +49,7 @@ def rank_clusters(keys: Tensor, sizes: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     return order, ranked, csize
 
 
-@triton.jit
+@triton.jit(do_not_specialize=('C',))
 def _union_kernel(KEYS, ORDER, KEEP, Z, EXTRA, CHOSEN, OFF, TOT, C, G, HAS_EXTRA: tl.constexpr,
                   BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program per (request, KV head): a cluster is chosen when it sorts no later than

@@ -17,7 +17,7 @@ from . import int32_contiguous, interpreting, next_pow2
 from .pdl import launch_args, start_after_producer
 
 
-@triton.jit
+@triton.jit(do_not_specialize=('N',))
 def _scores_kernel(Q, LO, HI, NV, OUT, GMAX, Hkv, N, sq_b, sq_h, sl_b, sl_h, sl_n, snv_b, snv_h,
                    G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, MINMAX: tl.constexpr,
                    PER_HEAD: tl.constexpr):
@@ -46,7 +46,7 @@ def _scores_kernel(Q, LO, HI, NV, OUT, GMAX, Hkv, N, sq_b, sq_h, sl_b, sl_h, sl_
     tl.store(GMAX + row * N + offs, gmax, mask=offs < N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=('N',))
 def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Z, RAD, Hkv, N, sq_b, sq_h, sc_b, sc_h, sc_n, snv_b, snv_h,
                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                        PER_PROGRAM: tl.constexpr, PER_HEAD: tl.constexpr, UPCAST: tl.constexpr,
@@ -176,7 +176,7 @@ def _key_value(k):
     return tl.where(k < 0, k ^ 0x7FFFFFFF, k).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=('N', 'sz_r', 'sb_r'))
 def _budget_kernel(S, Z, BUD, CHOSEN, OFF, TOT, N, sz_r, sb_r, BLOCK: tl.constexpr, K: tl.constexpr,
                    PDL: tl.constexpr):
     start_after_producer(PDL)
@@ -280,7 +280,7 @@ def _pool_row(BT_ROW, tok, mask, PAGE: tl.constexpr):
     return tl.load(BT_ROW + tok // PAGE, mask=mask, other=0) * PAGE + tok % PAGE
 
 
-@triton.jit
+@triton.jit(do_not_specialize=('N', 'M', 'CAP', 'WIDTH'))
 def _compact_positions_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT,
                               Hkv, N, M, CAP, WIDTH, sae_b, sae_h, sas_b, sas_h, sbt,
                               CSR: tl.constexpr, LOG_N: tl.constexpr, BLOCK: tl.constexpr,
@@ -320,7 +320,7 @@ def _compact_positions_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX,
     tl.store(IDX + row * CAP + dst, tok, mask=dst < count)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=('N', 'M', 'CAP', 'WIDTH'))
 def _compact_entries_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT,
                             Hkv, N, M, CAP, WIDTH, sae_b, sae_h, sas_b, sas_h, sbt,
                             CSR: tl.constexpr, EB: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr,

@@ -76,6 +76,11 @@ class SparseMethod:
         """Build the per-layer index from keys k [B, Hkv, S, D] (valid: first lengths[b])."""
         return None
 
+    def prepare_layers(self, ks: List[Tensor], lengths: Tensor, layers: List[int]) -> List[Any]:
+        """prepare() of several layers (keys ks[i] of layer layers[i], the same shape each);
+        a method may build them in fewer launches."""
+        return [self.prepare(k, lengths, layer) for k, layer in zip(ks, layers)]
+
     def prefill_window(self, layer: int, num_kv_heads: int, max_positions: int) -> Optional[PrefillWindow]:
         """How the runner may prefill this layer: None (every head dense causal), or a
         PrefillWindow for the unified block-sparse prefill kernel."""

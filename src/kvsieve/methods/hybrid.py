@@ -123,6 +123,10 @@ class Hybrid(SparseMethod):
         return HybridState(self.flags_for(layer, k.shape[1], k.device),
                            self.dynamic.prepare(k, lengths, layer))
 
+    def prepare_layers(self, ks, lengths, layers):
+        dyn = self.dynamic.prepare_layers(ks, lengths, layers)
+        return [HybridState(self.flags_for(layer, k.shape[1], k.device), d) for k, layer, d in zip(ks, layers, dyn)]
+
     def append(self, state: HybridState, k, lengths):
         state.dynamic = self.dynamic.append(state.dynamic, k, lengths)
         return state

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional
+from dataclasses import dataclass, field
+from typing import List, Optional, Set
 
 import torch
 from torch import Tensor
@@ -52,21 +52,25 @@ class ClusterIndex:
     host_indexed: Optional[List[int]] = None  # num_indexed mirrored on the host: no sync per step
     consts: Optional[dict] = None
     radius: Optional[Tensor] = None
-    csr_stale: bool = False  # a fold changed the index since the CSR view was built
+    csr_stale: Set[int] = field(default_factory=set)  # rows changed since the CSR view was built
 
     def build_csr(self) -> bool:
-        """(Re)build the CSR view from assign and sizes: in place when its buffers exist with
-        the right shapes (a captured decode step keeps reading them; a fold changes values,
-        not shapes). True when it allocated new tensors."""
-        members, start, sizes32 = csr_view(self.assign, self.sizes)
-        self.max_size = max(self.max_size, int(self.sizes.max()) if self.sizes.numel() else 0)
-        self.csr_stale = False
-        if self.members is not None and self.members.shape == members.shape and self.sizes32.shape == sizes32.shape:
-            for dst, src in ((self.members, members), (self.entry_start, start), (self.sizes32, sizes32)):
-                dst.copy_(src)
-            return False
-        self.members, self.entry_start, self.sizes32 = members, start, sizes32
-        return True
+        """(Re)build the CSR view from assign and sizes. When its buffers exist with the right
+        shapes only the stale rows (a fold, a request written into a row) are rebuilt, in
+        place: a captured decode step keeps reading them. True when it allocated new tensors."""
+        fits = (self.members is not None and self.members.shape == self.assign.shape
+                and self.sizes32.shape == self.sizes.shape)
+        if fits:
+            r = torch.tensor(sorted(self.csr_stale), dtype=torch.long, device=self.assign.device)
+            members, start, sizes32 = csr_view(self.assign[r], self.sizes[r])
+            self.members[r], self.entry_start[r], self.sizes32[r] = members, start, sizes32
+        else:
+            members, start, sizes32 = csr_view(self.assign, self.sizes)
+            self.members, self.entry_start, self.sizes32 = members, start, sizes32
+        if sizes32.numel():
+            self.max_size = max(self.max_size, int(sizes32.max()))
+        self.csr_stale = set()
+        return not fits
 
 
 def csr_view(assign: Tensor, sizes: Tensor):
@@ -90,28 +94,38 @@ class Tactic(SparseMethod):
     name = "tactic"
 
     def prepare(self, k, lengths, layer=0):
+        return self.prepare_layers([k], lengths, [layer])[0]
+
+    def prepare_layers(self, ks, lengths, layers):
+        """The indexes of several layers' keys (each [B, Hkv, S, D]) from one K-means call over
+        all their rows, each layer with its own seed: the same indexes as one call per layer,
+        with one layer's launches and host syncs instead of one per layer."""
         cfg = self.config
-        B, Hkv, S, D = k.shape
+        L = len(ks)
+        B, Hkv, S, D = ks[0].shape
         sink = min(cfg.sink, S)
         indexed_end = torch.maximum((lengths - cfg.local).clamp(min=sink), torch.zeros_like(lengths) + sink)
+        host = indexed_end.tolist()
         if S == sink:  # nothing to cluster: every token is a sink
-            return ClusterIndex(k.new_zeros(B, Hkv, 1, D, dtype=torch.float32),
-                                torch.zeros(B, Hkv, 1, dtype=torch.long, device=k.device),
-                                torch.full((B, Hkv, S), -1, dtype=torch.long, device=k.device),
-                                lengths.clone(), torch.zeros_like(lengths), host_indexed=lengths.tolist(),
-                                radius=k.new_zeros(B, Hkv, 1, dtype=torch.float32))
-        rows = (indexed_end - sink).repeat_interleave(Hkv)
-        x = k[:, :, sink:].reshape(B * Hkv, S - sink, D)
-        res = dispatch.kmeans(x, rows, cfg.cluster_size, cfg.max_iters, cfg.seed + 7919 * layer,
-                              row_period=Hkv, window=cfg.cluster_window)
+            return [ClusterIndex(k.new_zeros(B, Hkv, 1, D, dtype=torch.float32),
+                                 torch.zeros(B, Hkv, 1, dtype=torch.long, device=k.device),
+                                 torch.full((B, Hkv, S), -1, dtype=torch.long, device=k.device),
+                                 lengths.clone(), torch.zeros_like(lengths), host_indexed=lengths.tolist(),
+                                 radius=k.new_zeros(B, Hkv, 1, dtype=torch.float32)) for k in ks]
+        rows = (indexed_end - sink).repeat_interleave(Hkv).repeat(L)
+        x = torch.stack([k[:, :, sink:] for k in ks]).reshape(L * B * Hkv, S - sink, D)
+        seeds = [cfg.seed + 7919 * layer for layer in layers for _ in range(B * Hkv)]
+        res = dispatch.kmeans(x, rows, cfg.cluster_size, cfg.max_iters, seeds, row_period=Hkv,
+                              window=cfg.cluster_window)
         C = res.centroids.shape[1]
-        assign = torch.nn.functional.pad(res.assign.view(B, Hkv, S - sink), (sink, 0), value=-1)
-        cent = res.centroids.to(k.dtype) if k.dtype in (torch.float16, torch.bfloat16) else res.centroids
-        return ClusterIndex(
-            cent.view(B, Hkv, C, D), res.sizes.view(B, Hkv, C), assign, indexed_end.clone(),
-            res.num_clusters.view(B, Hkv)[:, 0].clone(), res.iters, host_indexed=indexed_end.tolist(),
-            radius=cluster_radius(x, res.assign, cent).view(B, Hkv, C),
-        )
+        assign = torch.nn.functional.pad(res.assign.view(L, B, Hkv, S - sink), (sink, 0), value=-1)
+        low = ks[0].dtype in (torch.float16, torch.bfloat16)
+        cent = res.centroids.to(ks[0].dtype) if low else res.centroids
+        radius = cluster_radius(x, res.assign, cent).view(L, B, Hkv, C)
+        cent, sizes = cent.view(L, B, Hkv, C, D), res.sizes.view(L, B, Hkv, C)
+        used = res.num_clusters.view(L, B, Hkv)[:, :, 0]
+        return [ClusterIndex(cent[i], sizes[i], assign[i], indexed_end.clone(), used[i].clone(), res.iters,
+                             host_indexed=list(host), radius=radius[i]) for i in range(L)]
 
     def append(self, state: ClusterIndex, k, lengths):
         S = k.shape[2]
@@ -151,7 +165,7 @@ class Tactic(SparseMethod):
         st.num_indexed[b] = end
         if st.host_indexed is not None:
             st.host_indexed[b] = end
-        st.csr_stale = True
+        st.csr_stale.add(b)
 
     def select(self, q, k, lengths, st: ClusterIndex):
         cfg = self.config
@@ -284,7 +298,7 @@ class Tactic(SparseMethod):
         return ClusterIndex(pick(state.centroids), pick(state.sizes), pick(state.assign), pick(state.num_indexed),
                             pick(state.num_clusters), state.iters, pick(state.members), pick(state.entry_start),
                             pick(state.sizes32), state.max_size, [host[i] for i in rows], radius=pick(state.radius),
-                            csr_stale=state.csr_stale)
+                            csr_stale={i for i, r in enumerate(rows) if r in state.csr_stale})
 
     def write_slot(self, state: ClusterIndex, row: int, new: ClusterIndex) -> bool:
         """In place, when new's clusters and positions fit the batch's widths; the row's CSR
@@ -301,10 +315,7 @@ class Tactic(SparseMethod):
         state.num_clusters[row] = new.num_clusters[0]
         state.host_indexed[row] = (new.host_indexed or new.num_indexed.tolist())[0]
         state.iters = max(state.iters, new.iters)
-        if state.members is not None and not state.csr_stale:
-            members, start, sizes32 = csr_view(state.assign[row:row + 1], state.sizes[row:row + 1])
-            state.members[row], state.entry_start[row], state.sizes32[row] = members[0], start[0], sizes32[0]
-            state.max_size = max(state.max_size, int(sizes32.max()))
+        state.csr_stale.add(row)  # maintain() rebuilds the row's CSR view in place
         return True
 
     def plan_capacity(self, state: ClusterIndex, host_lengths: List[int]) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence, Union
 
 import torch
 from torch import Tensor
@@ -50,16 +51,18 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-def initial_draw(lengths: Tensor, S: int, C: int, seed: int, row_period: int = 1) -> Tensor:
+def initial_draw(lengths: Tensor, S: int, C: int, seed: Union[int, Sequence[int]], row_period: int = 1) -> Tensor:
     """[N, C] long: for each row, C distinct positions among its first lengths[r], drawn
-    uniformly at random from a counter-based hash of (seed, r % row_period, position).
+    uniformly at random from a counter-based hash of (seed, r % row_period, position);
+    seed: one for every row, or one per row.
     Integer arithmetic only, computed where `lengths` lives: CPU and CUDA draw the same
     positions, no host generator, no transfer. Rows shorter than C repeat padding picks,
     which the cluster_valid mask of kmeans ignores."""
     N = lengths.shape[0]
     dev = lengths.device
-    s = seed & 0xFFFFFFFF
-    keys = [_mix32(_mix32(s ^ _mix32(seed >> 32)) ^ _mul32(r % row_period, 0x9E3779B1)) for r in range(N)]
+    seeds = [seed] * N if isinstance(seed, int) else list(seed)
+    keys = [_mix32(_mix32((sd & 0xFFFFFFFF) ^ _mix32(sd >> 32)) ^ _mul32(r % row_period, 0x9E3779B1))
+            for r, sd in enumerate(seeds)]
     key = torch.tensor(keys, dtype=torch.long, device=dev)[:, None]
     pos = torch.arange(S, device=dev)[None, :]
     noise = _mix32(_mix32(_mul32(pos, 0x85EBCA77) ^ key) ^ ((key >> 7) | ((key & 0x7F) << 25)))
@@ -67,14 +70,15 @@ def initial_draw(lengths: Tensor, S: int, C: int, seed: int, row_period: int = 1
     return noise.argsort(dim=1, stable=True)[:, :C]
 
 
-def kmeans(x: Tensor, lengths: Tensor, cluster_size: int, max_iters: int = 10, seed: int = 0,
+def kmeans(x: Tensor, lengths: Tensor, cluster_size: int, max_iters: int = 10, seed: Union[int, Sequence[int]] = 0,
            row_period: int = 1, window: int | None = None, nearest=None, update=None) -> KMeansResult:
     """Cluster the first lengths[n] vectors of each row into ceil(lengths[n]/cluster_size) groups.
 
     x: [N, S, D] any float dtype (centroids and sums in float32, float64 kept; fp16/bf16
     keys are not copied to float32); lengths: [N] long, >= 1.
     Initial centroids are distinct vectors drawn uniformly at random (initial_draw); row r's
-    draw depends on (seed, r % row_period) and its own length only, so a request's
+    draw depends on (its seed, r % row_period) and its own length only (seed: an int, or
+    one per row: rows of several layers clustered in one call), so a request's
     clusters do not depend on what else is in the batch (row_period = heads per request);
     CPU and CUDA draw the same initial centroids. Each iteration updates the
     centroids as means of their members (an empty cluster keeps its centroid, so no NaN)
@@ -128,7 +132,8 @@ def _windowed(x, lengths, cluster_size, max_iters, seed, row_period, window, nea
     xw = torch.nn.functional.pad(x, (0, 0, 0, nw * window - S)).view(N * nw, window, D)
     starts = torch.arange(nw, device=x.device) * window
     lw = (lengths.to(x.device)[:, None] - starts[None, :]).clamp(0, window).reshape(-1)
-    res = kmeans(xw, lw.clamp(min=1), cluster_size, max_iters, seed, row_period * nw,
+    seeds = seed if isinstance(seed, int) else [sd for sd in seed for _ in range(nw)]
+    res = kmeans(xw, lw.clamp(min=1), cluster_size, max_iters, seeds, row_period * nw,
                  nearest=nearest, update=update)
     Cw = res.centroids.shape[1]
     empty = (lw == 0).view(N, nw)
