@@ -74,3 +74,26 @@ def test_write_slot_refuses_a_wider_index():
         long = m.prepare(k[1:], torch.tensor([200]))
         assert not m.write_slot(short, 0, long)
         assert m.write_slot(m.merge_states([long, long]), 1, short)
+
+
+def test_merged_index_carries_its_parts_csr_views():
+    """merge_states builds the batch's CSR view from its parts' (no re-sort of every row):
+    equal to sorting the merged index from scratch, with parts of other widths, a part whose
+    view is stale and one that never had one."""
+    from kvsieve.methods.tactic import csr_view
+
+    _, k, _ = clustered_qkv(3, 4, 2, 300, 64, seed=9, dtype=torch.float32)
+    m = make_method("tactic", cluster_size=8, local=8, fold_every=16)
+    a = m.merge_states([m.prepare(k[:1, :, :300], torch.tensor([300])), m.prepare(k[1:2, :, :200], torch.tensor([200]))])
+    a.build_csr()
+    a.assign = torch.nn.functional.pad(a.assign, (0, 40), value=-1)  # grown since: its view is too narrow
+    b = m.prepare(k[2:, :, :120], torch.tensor([120]))
+    b.assign = torch.nn.functional.pad(b.assign, (0, 20), value=-1)  # room for 140 tokens, as maintain() grows it
+    b.build_csr()
+    m._fold(b, k[2, :, :140], 0, int(b.num_indexed[0]), 132)  # a fold since: row 0 stale
+    c = m.prepare(k[2:, :, :60], torch.tensor([60]))  # pending: no view yet
+    merged = m.merge_states([a, m.take_states(b, [0]), c])
+    members, start, sizes32 = csr_view(merged.assign, merged.sizes)
+    assert torch.equal(merged.members, members) and torch.equal(merged.entry_start, start)
+    assert torch.equal(merged.sizes32, sizes32) and merged.max_size == int(merged.sizes.max())
+    assert not merged.csr_stale

@@ -289,7 +289,28 @@ class Tactic(SparseMethod):
             torch.cat([s.num_indexed for s in states]), torch.cat([s.num_clusters for s in states]),
             max(s.iters for s in states),
             host_indexed=[i for s in states for i in (s.host_indexed or s.num_indexed.tolist())],
-            radius=torch.cat([F.pad(s.radius, (0, C - s.radius.shape[2])) for s in states]))
+            radius=torch.cat([F.pad(s.radius, (0, C - s.radius.shape[2])) for s in states]),
+            **self._merged_csr(states, C, S))
+
+    @staticmethod
+    def _merged_csr(states: List[ClusterIndex], C: int, S: int) -> dict:
+        """The merged index's CSR view from its parts' (built for parts that have none, stale
+        rows rebuilt), instead of re-sorting every row: positions a part lacks are unindexed
+        (they come last, in order) and clusters it lacks are empty (they start at its end)."""
+        parts = []
+        for st in states:
+            if st.members is None or st.members.shape != st.assign.shape:
+                st = ClusterIndex(st.centroids, st.sizes, st.assign, st.num_indexed, st.num_clusters)
+                st.build_csr()
+            elif st.csr_stale:
+                st.build_csr()
+            n, c = st.members.shape[-1], st.sizes32.shape[-1]
+            tail = torch.arange(n, S, dtype=torch.int32, device=st.members.device).expand(*st.members.shape[:2], -1)
+            end = (st.entry_start[..., -1:] + st.sizes32[..., -1:]).expand(-1, -1, C - c)
+            parts.append((torch.cat([st.members, tail], -1), torch.cat([st.entry_start, end], -1),
+                          torch.nn.functional.pad(st.sizes32, (0, C - c)), st.max_size))
+        return {"members": torch.cat([p[0] for p in parts]), "entry_start": torch.cat([p[1] for p in parts]),
+                "sizes32": torch.cat([p[2] for p in parts]), "max_size": max(p[3] for p in parts)}
 
     def take_states(self, state: ClusterIndex, rows: List[int]) -> ClusterIndex:
         r = torch.tensor(rows, device=state.sizes.device)
