@@ -94,6 +94,37 @@ def test_joins_take_free_rows_in_place(tiny_model, method, opts):
     assert eng.scheduler.used_pages == 0
 
 
+def test_joins_into_each_method_group_of_a_mixed_batch(tiny_model):
+    """Requests of three methods share one batch (contiguous groups, each padded to a row
+    bucket); newcomers take a padding row or a finished request's row of their own group in
+    place, and every request's tokens are those it gets alone."""
+    q, t = ("quest", {"budget": 32}), ("tactic", {"budget": 24, "cluster_size": 8})
+    specs = [q, q, q, t, t, t, ("dense", {}), q, t, q]  # the first 7 at once, then one at steps 3, 5, 12
+    lens = [20, 4, 25, 22, 18, 24, 26, 10, 8, 6]
+    ps = prompts(7, lo=110, hi=140, seed=21) + prompts(3, lo=30, hi=100, seed=22)
+    eng = LLMEngine(tiny_model, None, "dense", paged=True, step_tokens=1200)
+    eng.runner.keep_dead_rows = True
+    ids, done, step = {}, {}, 0
+
+    def add(i):
+        params = SamplingParams(max_new_tokens=lens[i], ignore_eos=True)
+        ids[eng.add_request(ps[i], params, specs[i][0], specs[i][1])] = i
+
+    for i in range(7):
+        add(i)
+    while eng.has_unfinished or len(ids) < len(ps):
+        step += 1
+        if step in (3, 5, 12):
+            add(len(ids))
+        for o in eng.step():
+            if o.finished:
+                done[ids[o.id]] = o.tokens
+    assert eng.runner.row_joins == 3  # every newcomer joined in place
+    for i, (p, (method, opts)) in enumerate(zip(ps, specs)):
+        want = alone(tiny_model, method, opts, [p], SamplingParams(max_new_tokens=lens[i], ignore_eos=True), paged=True)
+        assert done[i] == want[0], (i, method)
+
+
 def test_full_pool_queues_and_preempts_without_losing_a_request(tiny_model):
     ps = prompts(6, lo=40, hi=60, seed=5)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
