@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvsieve import make_method
+from kvsieve.methods import fit_tables
 from kvsieve.ops.paged import PagedKeys
 
 from conftest import clustered_qkv
@@ -97,3 +98,34 @@ def test_merged_index_carries_its_parts_csr_views():
     assert torch.equal(merged.members, members) and torch.equal(merged.entry_start, start)
     assert torch.equal(merged.sizes32, sizes32) and merged.max_size == int(merged.sizes.max())
     assert not merged.csr_stale
+
+
+def test_threshold_fit_tables_stay_put_across_folds():
+    """Tactic's threshold plan between graph-key changes: the fit tables a captured step
+    reads are the same tensors, rewritten in place after each fold (maintain), and plans
+    from them equal plans from tables built from scratch."""
+    import dataclasses
+
+    q, k, _ = clustered_qkv(2, 6, 2, 420, 64, sharpness=4.0, seed=3, dtype=torch.float32)
+    pool, table = paged([k[0], k[1]])
+    keys = PagedKeys(pool, table)
+    m = make_method("tactic", cluster_size=8, local=8, fold_every=16)
+    st = m.prepare(k[:, :, :300], torch.tensor([300, 260]))
+    lengths = torch.tensor([300, 260])
+    captured, in_place, last_key = None, 0, None
+    for _ in range(90):
+        lengths = lengths + 1
+        host = lengths.tolist()
+        m.maintain(st, lengths, host, lambda b, s, e: k[b, :, s:e])
+        key = m.graph_key(st, host)
+        if key == last_key:  # a replay runs no plan code: maintain() must have brought the tables up to date
+            assert st.consts["wkey"][0] == tuple(st.host_indexed)
+        got = plan_sets(m, q, st, lengths, keys)
+        tables = [id(t) for t in fit_tables._tensors(st.consts)] + [st.consts["head_w"], st.consts["seg_w"]]
+        if key == last_key:  # a replay would read the captured tables: still the same tensors
+            assert tables == captured
+            in_place += st.consts["wkey"] != wkey
+        captured, last_key, wkey = tables, key, st.consts["wkey"]
+        fresh = dataclasses.replace(st, consts=None)
+        assert got == plan_sets(m, q, fresh, lengths, keys)
+    assert in_place >= 3  # folds moved the indexed lengths while the widths held

@@ -9,11 +9,11 @@ from torch import Tensor
 from .. import dispatch
 from ..config import TacticConfig
 from ..ops.attention import compute_dtype
-from ..ops.fit import FitLayout, estimate_budget, fit_layout, segment_mask
+from ..ops.fit import FitLayout, estimate_budget, segment_mask
 from ..ops.paged import PagedKeys, row_table
-from ..ops.threshold import read_positions, read_widths
 from ..ops.kmeans import nearest_centroid
 from ..ops.select import cluster_radius, radius_bound, select_by_budget, summary_scores
+from . import fit_tables
 from .base import Selection, SparseMethod, TokenPlan, capacity_bucket
 
 
@@ -258,15 +258,19 @@ class Tactic(SparseMethod):
                            n - self.config.local)  # in place: a captured step stays valid
         if state.members is None or state.csr_stale:
             changed |= state.build_csr()
+        c = state.consts
+        if self.config.budget is None and c is not None and "wkey" in c:  # in place while the widths hold
+            fit_tables.refresh(c, self.config, state.host_indexed or list(host_lengths), c["Hq"],
+                               self._tail_width(state, host_lengths), c["device"])
         return changed
 
     def graph_key(self, state: ClusterIndex, host_lengths):
-        """Fixed budget: the list capacity. Threshold: also the tail width and the indexed
-        lengths, which set the fit's read positions (a fold rebuilds them: _consts)."""
+        """Fixed budget: the list capacity. Threshold: also the tail width and the widths of
+        the fit's tables (fit_tables: rewritten in place by maintain() while these hold)."""
         if self.config.budget is not None:
             return self.plan_capacity(state, host_lengths)
-        indexed = tuple(state.host_indexed or host_lengths)
-        return self.plan_capacity(state, host_lengths), self._tail_width(state, host_lengths), indexed
+        widths = fit_tables.table_widths(self.config, tuple(state.host_indexed or host_lengths))
+        return self.plan_capacity(state, host_lengths), self._tail_width(state, host_lengths), widths
 
     def _tail_width(self, state: ClusterIndex, host_lengths) -> int:
         """Width of the always-attended tail list: fixed at local + fold_every + 1 while
@@ -386,30 +390,9 @@ class Tactic(SparseMethod):
                 "sink": torch.full((1, 1), cfg.sink, dtype=torch.int32, device=q.device),
                 "protect": torch.full((B, Hkv), cfg.protect, dtype=torch.int32, device=q.device)}
         if cfg.budget is None:
-            indexed = state.host_indexed or list(host_lengths)
-            tail = self._tail_width(state, host_lengths)
-            wkey = (tuple(indexed), q.shape[1], tail)
-            if c.get("wkey") != wkey:  # changes only when a fold moves num_indexed (or the tail doubles)
-                c.update(self._threshold_layout(indexed, q.shape[1], q.device), wkey=wkey,
-                         tail_j=torch.arange(cfg.sink + tail, device=q.device)[None, :])
+            fit_tables.refresh(c, cfg, state.host_indexed or list(host_lengths), q.shape[1],
+                               self._tail_width(state, host_lengths), q.device)
         return c
-
-    def _threshold_layout(self, indexed: List[int], Hq: int, device) -> dict:
-        """The fit's geometry from host-known list lengths (every KV head of request b indexes
-        the same num_indexed - sink tokens): FitLayout and read positions [B*Hq, W] per query head."""
-        cfg = self.config
-        n = torch.tensor([max(i - cfg.sink, 0) for i in indexed], dtype=torch.long)
-        lay = self._fit_layout(n)
-        head_w, seg_w = read_widths(lay, n)
-        pos = read_positions(lay, n, head_w, seg_w)
-
-        def rows(t):
-            return t.repeat_interleave(Hq, 0).to(device)
-
-        layout = FitLayout(rows(lay.head_len), rows(lay.seg_len), tuple(rows(s) for s in lay.seg_start),
-                           rows(lay.exact), rows(lay.seg_reads))
-        return {"head_w": head_w, "seg_w": seg_w, "layout": layout, "n": rows(n),
-                "positions": rows(pos).to(torch.int32)}
 
     def _always_tokens(self, state: ClusterIndex, lengths, c: dict):
         """[B, sink + tail] int32 always-attended positions (sinks, then the unindexed tail
@@ -442,9 +425,7 @@ class Tactic(SparseMethod):
 
     def _fit_layout(self, n: Tensor) -> FitLayout:
         """The fit's geometry for list lengths n [R] (head, segments, sampled reads)."""
-        cfg = self.config
-        return fit_layout(n, cfg.head_fraction, cfg.segment_centers, cfg.segment_fraction, cfg.min_segment_tokens,
-                          cfg.segment_samples, cfg.head_max_tokens)
+        return fit_tables.layout_for(self.config, n)
 
     @staticmethod
     def _read_positions(layout: FitLayout, n: Tensor, S: int) -> Tensor:

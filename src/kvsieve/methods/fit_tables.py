@@ -1,0 +1,79 @@
+"""Tactic's threshold-mode fit tables, kept across decode steps.
+
+For each query head the plan reads the scores at fixed positions of its ranked list (the
+exact head and the two fitting segments' samples), laid out from host-known list lengths
+(every KV head of request b indexes the same num_indexed - sink tokens). The tables change
+when a fold or a joining request moves an indexed length. Their widths are rounded up to
+WIDTH_STEP (the extra columns read nothing), so they change only every few thousand tokens:
+between width changes the tables are rewritten in place and a captured decode step that
+reads them stays valid.
+"""
+from __future__ import annotations
+
+import functools
+from typing import List, Tuple
+
+import torch
+
+from ..config import TacticConfig
+from ..ops.fit import FitLayout, fit_layout
+from ..ops.threshold import read_positions, read_widths
+
+WIDTH_STEP = (128, 32)  # (head, segment): the head grows by ~5 positions per 256-token fold
+
+
+def layout_for(cfg: TacticConfig, n: torch.Tensor) -> FitLayout:
+    """The fit's geometry for list lengths n [R] (head, segments, sampled reads)."""
+    return fit_layout(n, cfg.head_fraction, cfg.segment_centers, cfg.segment_fraction, cfg.min_segment_tokens,
+                      cfg.segment_samples, cfg.head_max_tokens)
+
+
+def list_lengths(cfg: TacticConfig, indexed) -> torch.Tensor:
+    return torch.tensor([max(i - cfg.sink, 0) for i in indexed], dtype=torch.long)
+
+
+@functools.lru_cache(maxsize=512)
+def table_widths(cfg: TacticConfig, indexed: Tuple[int, ...]) -> Tuple[int, int]:
+    """(head, segment) widths of the read-position table, rounded up to WIDTH_STEP."""
+    n = list_lengths(cfg, indexed)
+    head_w, seg_w = read_widths(layout_for(cfg, n), n)
+    return tuple(-(-w // s) * s if w else 0 for w, s in zip((head_w, seg_w), WIDTH_STEP))
+
+
+def build_tables(cfg: TacticConfig, indexed: List[int], Hq: int, device) -> dict:
+    """FitLayout, list lengths n [B*Hq] and read positions [B*Hq, head_w + 2 seg_w] (int32,
+    -1 where nothing is read) per query head, on `device`."""
+    n = list_lengths(cfg, indexed)
+    lay = layout_for(cfg, n)
+    head_w, seg_w = table_widths(cfg, tuple(indexed))
+    pos = read_positions(lay, n, head_w, seg_w)
+
+    def rows(t):
+        return t.repeat_interleave(Hq, 0).to(device)
+
+    layout = FitLayout(rows(lay.head_len), rows(lay.seg_len), tuple(rows(s) for s in lay.seg_start),
+                       rows(lay.exact), rows(lay.seg_reads))
+    return {"head_w": head_w, "seg_w": seg_w, "layout": layout, "n": rows(n), "positions": rows(pos).to(torch.int32)}
+
+
+def _tensors(t: dict) -> list:
+    lay = t["layout"]
+    return [lay.head_len, lay.seg_len, *lay.seg_start, lay.exact, lay.seg_reads, t["n"], t["positions"]]
+
+
+def refresh(c: dict, cfg: TacticConfig, indexed: List[int], Hq: int, tail: int, device) -> None:
+    """Bring the tables in `c` (a plan's constants) up to the indexed lengths: in place when
+    their widths and the tail's are unchanged, else as new tensors (the engine's graph key
+    holds the widths, so it re-captures then)."""
+    wkey = (tuple(indexed), Hq, tail)
+    if c.get("wkey") == wkey:
+        return
+    new = build_tables(cfg, indexed, Hq, device)
+    same = "positions" in c and (c["head_w"], c["seg_w"], c["tail"], c["positions"].shape) == \
+        (new["head_w"], new["seg_w"], tail, new["positions"].shape)
+    if same:
+        for dst, src in zip(_tensors(c), _tensors(new)):
+            dst.copy_(src)
+    else:
+        c.update(new, tail=tail, tail_j=torch.arange(cfg.sink + tail, device=device)[None, :])
+    c.update(wkey=wkey, Hq=Hq, device=device)
