@@ -29,6 +29,7 @@ def layout_for(cfg: TacticConfig, n: torch.Tensor) -> FitLayout:
 
 
 def list_lengths(cfg: TacticConfig, indexed) -> torch.Tensor:
+    """[R] long: the ranked list's length of each request (its indexed tokens past the sinks)."""
     return torch.tensor([max(i - cfg.sink, 0) for i in indexed], dtype=torch.long)
 
 
@@ -40,20 +41,24 @@ def table_widths(cfg: TacticConfig, indexed: Tuple[int, ...]) -> Tuple[int, int]
     return tuple(-(-w // s) * s if w else 0 for w, s in zip((head_w, seg_w), WIDTH_STEP))
 
 
-def build_tables(cfg: TacticConfig, indexed: List[int], Hq: int, device) -> dict:
-    """FitLayout, list lengths n [B*Hq] and read positions [B*Hq, head_w + 2 seg_w] (int32,
-    -1 where nothing is read) per query head, on `device`."""
+@functools.lru_cache(maxsize=64)
+def _host_tables(cfg: TacticConfig, indexed: Tuple[int, ...]) -> tuple:
+    """The tables per request on the CPU (every layer's index asks for the same ones)."""
     n = list_lengths(cfg, indexed)
     lay = layout_for(cfg, n)
-    head_w, seg_w = table_widths(cfg, tuple(indexed))
-    pos = read_positions(lay, n, head_w, seg_w)
+    head_w, seg_w = table_widths(cfg, indexed)
+    pos = read_positions(lay, n, head_w, seg_w).to(torch.int32)
+    return head_w, seg_w, [lay.head_len, lay.seg_len, *lay.seg_start, lay.exact, lay.seg_reads, n, pos]
 
-    def rows(t):
-        return t.repeat_interleave(Hq, 0).to(device)
 
-    layout = FitLayout(rows(lay.head_len), rows(lay.seg_len), tuple(rows(s) for s in lay.seg_start),
-                       rows(lay.exact), rows(lay.seg_reads))
-    return {"head_w": head_w, "seg_w": seg_w, "layout": layout, "n": rows(n), "positions": rows(pos).to(torch.int32)}
+def build_tables(cfg: TacticConfig, indexed: List[int], Hq: int, device) -> dict:
+    """FitLayout, list lengths n [B*Hq] and read positions [B*Hq, head_w + 2 seg_w] (int32,
+    -1 where nothing is read) per query head: new tensors on `device`."""
+    head_w, seg_w, host = _host_tables(cfg, tuple(indexed))
+    head_len, seg_len, s1, s2, exact, seg_reads, n, pos = (t.repeat_interleave(Hq, 0).to(device, copy=True)
+                                                            for t in host)
+    return {"head_w": head_w, "seg_w": seg_w, "layout": FitLayout(head_len, seg_len, (s1, s2), exact, seg_reads),
+            "n": n, "positions": pos}
 
 
 def _tensors(t: dict) -> list:
