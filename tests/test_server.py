@@ -185,6 +185,11 @@ def test_sixteen_concurrent_streams_equal_single_runs(live, engine, client):
         together = list(pool.map(stream, prompts, timeout=4 * TIMEOUT))
     assert together == alone
     assert engine.stats.decode_steps - steps < len(prompts) * 3  # they decoded in shared steps
+    runner = engine.runner  # the engine's batch counts, mirrored in /metrics once the driver has gauged them
+    wait_for(lambda: live.metric("kvsieve_decode_batch_rebuilds_total") == runner.composes > 0,
+             "the rebuild counter to reach the engine's count")
+    assert live.metric("kvsieve_decode_row_joins_total") == runner.row_joins
+    assert live.metric("kvsieve_decode_graph_captures_total") == runner.captures
 
 
 def test_closing_a_stream_cancels_it_and_frees_its_pages(live):

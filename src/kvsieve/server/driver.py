@@ -63,6 +63,25 @@ class Metrics:
                              buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
         self.kv_fraction = Gauge("kvsieve_kv_fraction", "Mean fraction of the KV cache read per decode step, "
                                  "by requested method", ["method"], registry=r)
+        # the engine's own counts, mirrored: what makes decode steps slow under load
+        self.engine_counts = {
+            "composes": Counter("kvsieve_decode_batch_rebuilds", "Decode batches rebuilt (a request joined with "
+                                "no free row, or most rows had left)", registry=r),
+            "row_joins": Counter("kvsieve_decode_row_joins", "Requests that joined a free row of the running "
+                                 "decode batch in place", registry=r),
+            "captures": Counter("kvsieve_decode_graph_captures", "CUDA-graph captures of the decode step",
+                                registry=r),
+            "preemptions": Counter("kvsieve_preemptions", "Running requests preempted (recomputed later) for "
+                                   "KV pages", registry=r)}
+        self._counted = dict.fromkeys(self.engine_counts, 0)
+
+    def mirror(self, runner, stats) -> None:
+        """Bring the engine-count counters up to the runner's and stats' cumulative values."""
+        for name, counter in self.engine_counts.items():
+            value = getattr(stats if name == "preemptions" else runner, name)
+            if value > self._counted[name]:
+                counter.inc(value - self._counted[name])
+                self._counted[name] = value
 
 
 class RequestStream:
@@ -312,3 +331,4 @@ class EngineDriver:
         for method, (total, steps) in list(self.engine.stats.kv_fraction.items()):
             if steps:
                 m.kv_fraction.labels(method).set(total / steps)
+        m.mirror(self.engine.runner, self.engine.stats)
