@@ -5,16 +5,15 @@ never decides *what* runs (the scheduler does) and never knows which method runs
 method is an object with prepare / maintain / plan, looked up by the request's method key.
 
 A decode step on CUDA is one graph replay: embedding, every layer (append to the cache,
-the method's plan, paged sparse attention), LM head and sampling. Graphs are keyed by
-the batch's composition and every host-side value a plan bakes in (list capacities,
-the alternating fresh/reuse path of page selection); when any of those change, the step
-runs eagerly once (this also compiles Triton kernels) and the next stable step is
-captured. The host reads one small tensor per step: the sampled tokens and the KV
+the method's plan, paged sparse attention), LM head and sampling. Graphs belong to a
+decode batch (batch.py: requests join and leave its rows in place) and are keyed by every
+host-side value a plan bakes in (list capacities, the alternating fresh/reuse path of page
+selection); when any of those change, the step runs eagerly once and the next stable step
+is captured. The host reads one small tensor per step: the sampled tokens and the KV
 fraction each request read.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -29,6 +28,7 @@ from ..methods.base import recent_and_sink
 from ..methods.streaming import sink_local_plan
 from ..ops.attention import attend as attend_masked
 from ..ops.paged import PagedKeys
+from .batch import BatchRows, DecodeBatch
 from .sampling import sample
 from .scheduler import Request
 
@@ -36,48 +36,12 @@ from .scheduler import Request
 AttentionObserver = Callable[..., None]
 
 
-@dataclass
-class DecodeBatch:
-    """The running decode rows: request ids in row order, contiguous method groups
-    (key, start, end), one batched index per group and layer, and the static input
-    buffers a captured step reads."""
-
-    rows: List[Optional[int]]      # request id per row; None or a request that left: a dead row, kept
-                                   # (so the step graphs stay valid) until a newcomer takes it
-    groups: List[Tuple[str, int, int]]
-    states: Dict[str, List[Any]]
-    inputs: Tensor                 # [2, B] long: each row's input token and its position
-                                   # (= cached tokens before the step), one copy per step
-    table: Tensor                  # [B, W] int32 page table
-    table_len: List[int]           # pages of each row already copied into `table`
-    sampling: Dict[str, Tensor]    # temperature, top_k, top_p, seeds: [B]
-    greedy_only: bool
-    filtered: bool
-    graphs: Dict[Any, Tuple[Any, Tensor]] = field(default_factory=dict)
-    last_key: Any = None
-    dead: Dict[int, int] = field(default_factory=dict)  # row -> its frozen host length
-    last_host: List[int] = field(default_factory=list)  # each row's host length at the last step
-
-    @property
-    def tokens(self) -> Tensor:
-        return self.inputs[0]
-
-    @property
-    def positions(self) -> Tensor:
-        return self.inputs[1]
-
-
 # keys gathered for one prepare_layers call (several layers' indexes built in one go: a
 # per-layer call is host-bound below ~32K tokens, 11 ms wall for 4 ms of device time at 20K)
 INDEX_KEY_BYTES = 256 << 20
 
 
-def row_bucket(n: int) -> int:
-    """Rows a method group is padded to: 1, 2, 4, 8, then multiples of 8."""
-    return 1 << max(0, n - 1).bit_length() if n <= 8 else -(-n // 8) * 8
-
-
-class ModelRunner:
+class ModelRunner(BatchRows):
     """model: LlamaModel-like (cfg, dtype, device, forward(tokens, positions, attend), logits);
     methods: method key -> SparseMethod; num_pages x page_size tokens of KV pool.
     paged: decode on the paged fast path (default: on CUDA); graphs: capture decode steps
@@ -270,53 +234,6 @@ class ModelRunner:
             self.last_logprobs = [lp[row_of[r.id]] for r in reqs]
         return [tokens[row_of[r.id]] for r in reqs], [frac[row_of[r.id]] for r in reqs]
 
-    def _join(self, reqs: List[Request]) -> bool:
-        """True when the current batch can serve reqs without a rebuild. With step graphs a
-        request that left becomes a dead row, and a newcomer takes a dead row of its method's
-        group, its index written in place (SparseMethod.write_slot): the captured graphs stay
-        valid. A rebuild is due when there is no batch, no free row or buffer room for a
-        newcomer, or fewer than half the rows are live. Without step graphs (eager steps
-        drop dead rows) the batch must hold exactly reqs."""
-        bt = self.batch
-        if bt is None:
-            return False
-        if not (self.keep_dead_rows and self.paged):
-            return bt.rows == [reqs[i].id for i in self._row_order(reqs)] and not any(r.id in self.pending for r in reqs)
-        if 2 * len(reqs) < len(bt.rows):
-            return False
-        ids = {r.id for r in reqs}
-        free = {g: [b for b in range(a, e) if bt.rows[b] not in ids] for g, a, e in bt.groups}
-        for r in reqs:
-            if r.id in bt.rows and r.id not in self.pending:
-                continue
-            if r.id in bt.rows:  # re-prefilled since it last decoded (preempted, or now dense): its old row dies
-                bt.rows[bt.rows.index(r.id)] = None
-            rows = free.get(r.method_key)
-            if not rows or not self._write_row(rows.pop(0), r):
-                return False
-        return True
-
-    def _write_row(self, b: int, req: Request) -> bool:
-        """Make dead row b of the batch hold req (index, page table, sampling), in place."""
-        bt = self.batch
-        m = self.methods[req.method_key]
-        g0 = next(a for g, a, _ in bt.groups if g == req.method_key)
-        new = self.pending[req.id]
-        if not all(m.write_slot(st, b - g0, n) for st, n in zip(bt.states[req.method_key], new)):
-            return False
-        del self.pending[req.id]
-        bt.rows[b] = req.id
-        bt.dead.pop(b, None)
-        bt.table_len[b] = 0
-        bt.last_host[b] = req.num_cached + 1
-        for k, v in self._sampling_rows([req]).items():
-            bt.sampling[k][b] = v[0]
-        p = req.params
-        bt.greedy_only &= p.temperature == 0
-        bt.filtered |= p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)
-        self.row_joins += 1
-        return True
-
     def _capture(self, key, host_len: List[int]) -> Tensor:
         if not self.batch.graphs:  # a pool dies with its last graph: a new one for a new set
             self.graph_pool = torch.cuda.graph_pool_handle()
@@ -395,66 +312,3 @@ class ModelRunner:
         def read_keys(b: int, start: int, end: int) -> Tensor:
             return self.cache.read(layer, reqs[b].id, end)[0][:, start:end]
         return read_keys
-
-    def _row_order(self, reqs: List[Request]) -> List[int]:
-        """Rows grouped by method key; within a group the rows already in the batch keep
-        their order and new ones follow (so the batched index is survivors + newcomers)."""
-        keys = list(self.methods)
-        old = {rid: i for i, rid in enumerate(self.batch.rows) if rid is not None and rid not in self.pending} \
-            if self.batch is not None else {}
-        return sorted(range(len(reqs)), key=lambda i: (keys.index(reqs[i].method_key),
-                                                       old.get(reqs[i].id, len(old) + i)))
-
-    def _compose(self, reqs: List[Request]) -> None:
-        """Make self.batch hold reqs (in order, see _row_order). With step graphs each method
-        group is padded with dead rows (copies of its last row, never read) to a row bucket,
-        so requests joining later take a free row instead of a rebuild and a new graph."""
-        old = self.batch
-        # a request with a pending index was (re)prefilled since it last decoded: it is new
-        old_row = {rid: i for i, rid in enumerate(old.rows) if rid is not None and rid not in self.pending} \
-            if old is not None else {}
-        slots = self.keep_dead_rows and self.paged
-        groups, states, rows = [], {}, []
-        for key in dict.fromkeys(r.method_key for r in reqs):
-            members = [r for r in reqs if r.method_key == key]
-            n = len(members)
-            size = row_bucket(n) if slots else n
-            groups.append((key, len(rows), len(rows) + size))
-            rows += members + [None] * (size - n)
-            m, parts = self.methods[key], []
-            kept = [r for r in members if r.id in old_row]
-            if kept:
-                g0 = next(a for g, a, _ in old.groups if g == key)
-                parts.append([m.take_states(st, [old_row[r.id] - g0 for r in kept]) for st in old.states[key]])
-            parts += [self.pending.pop(r.id) for r in members if r.id not in old_row]
-            merged = [m.merge_states([p[layer] for p in parts]) for layer in range(self.model.cfg.num_layers)]
-            if size > n:
-                merged = [m.merge_states([st, m.take_states(st, [n - 1] * (size - n))]) for st in merged]
-            states[key] = merged
-        dev = self.model.device
-        B = len(rows)
-        table = torch.full((B, self.max_pages), self.scratch_page, dtype=torch.int32)
-        for b, r in enumerate(rows):
-            if r is not None:
-                table[b, :len(r.pages)] = torch.tensor(r.pages, dtype=torch.int32)
-        live = [r for r in rows if r is not None]
-        pad_host = {}  # a padding row copies the index of the group's last request: its length too
-        for g, a, e in groups:
-            last = max(b for b in range(a, e) if rows[b] is not None)
-            pad_host.update({b: rows[last].num_cached + 1 for b in range(last + 1, e)})
-        sampling = self._sampling_rows([r if r is not None else live[0] for r in rows])
-        self.batch = DecodeBatch(
-            [r.id if r is not None else None for r in rows], groups, states, torch.zeros(2, B, dtype=torch.long, device=dev),
-            table.to(dev), [len(r.pages) if r is not None else 0 for r in rows], sampling,
-            all(r.params.temperature == 0 for r in live),
-            any(r.params.temperature > 0 and (r.params.top_k > 0 or r.params.top_p < 1) for r in live),
-            dead=dict(pad_host))
-        self.batch.last_host = [pad_host[b] if r is None else r.num_cached + 1 for b, r in enumerate(rows)]
-
-    def _sampling_rows(self, reqs: List[Request]) -> Dict[str, Tensor]:
-        dev = self.model.device
-        return {"temperature": torch.tensor([float(r.params.temperature) for r in reqs], device=dev),
-                "top_k": torch.tensor([r.params.top_k for r in reqs], device=dev),
-                "top_p": torch.tensor([float(r.params.top_p) for r in reqs], device=dev),
-                "seeds": torch.tensor([r.params.seed if r.params.seed is not None else r.id for r in reqs],
-                                      device=dev)}
