@@ -54,7 +54,6 @@ def row_bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length() if n <= 8 else -(-n // 8) * 8
 
 
-
 class BatchRows:
     """ModelRunner's batch bookkeeping. Needs on the runner: batch, methods, pending (request
     id -> per-layer index of a request not yet decoding), model, paged, keep_dead_rows,
