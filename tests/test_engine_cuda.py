@@ -24,14 +24,25 @@ def tiny_cuda(tmp_path_factory):
     return load_weights(d, device="cuda"), d
 
 
-def staggered(eng, ps, lens):
-    rids = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(ps, lens)]
-    done = {}
-    while eng.has_unfinished:
+def arriving(eng, ps, lens, at=(2, 5, 9)):
+    """The first len(ps) - len(at) requests at once, one more at each step in `at`."""
+    first = len(ps) - len(at)
+    rids = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(ps[:first], lens)]
+    done, step = {}, 0
+    while eng.has_unfinished or len(rids) < len(ps):
+        step += 1
+        if step in at:
+            i = len(rids)
+            rids.append(eng.add_request(ps[i], SamplingParams(max_new_tokens=lens[i], ignore_eos=True)))
         for o in eng.step():
             if o.finished:
                 done[o.id] = o.tokens
     return [done[r] for r in rids]
+
+
+def staggered(eng, ps, lens):
+    """Every request at once; they finish at different steps (dead rows)."""
+    return arriving(eng, ps, lens, at=())
 
 
 @pytest.mark.parametrize("method,opts", METHODS + [("hybrid", {"streaming_heads": [1, 0], "sink": 4, "local": 16})])
@@ -47,22 +58,6 @@ def test_graph_replay_equals_eager(tiny_cuda, method, opts):
     graph = staggered(eng, ps, lens)
     assert eng.runner.captures >= 1
     assert graph == eager
-
-
-def arriving(eng, ps, lens, at=(2, 5, 9)):
-    """The first len(ps) - len(at) requests at once, one more at each step in `at`."""
-    first = len(ps) - len(at)
-    rids = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(ps[:first], lens)]
-    done, step = {}, 0
-    while eng.has_unfinished or len(rids) < len(ps):
-        step += 1
-        if step in at:
-            i = len(rids)
-            rids.append(eng.add_request(ps[i], SamplingParams(max_new_tokens=lens[i], ignore_eos=True)))
-        for o in eng.step():
-            if o.finished:
-                done[o.id] = o.tokens
-    return [done[r] for r in rids]
 
 
 @pytest.mark.parametrize("method,opts", METHODS + [("hybrid", {"streaming_heads": [1, 0], "sink": 4, "local": 16})])
