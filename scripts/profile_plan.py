@@ -37,9 +37,11 @@ def kernel_table(graph, reps: int = 20) -> list:
 
 
 def _method(spec: str, S: int, P: float):
-    """tactic: threshold P; quest / lserve: a 2.5% budget (lserve: every other KV head streaming)."""
-    if spec == "tactic":
-        return make_method("tactic", threshold=P)
+    """tactic: threshold P (tactic/16: cluster size 16); quest / lserve: a 2.5% budget (lserve:
+    every other KV head streaming)."""
+    if spec.startswith("tactic"):
+        opts = {"cluster_size": int(spec.split("/")[1])} if "/" in spec else {}
+        return make_method("tactic", threshold=P, **opts)
     opts = {"budget": int(0.025 * S)}
     if spec == "lserve":
         from kvsieve.bench.kernels import half_streaming
@@ -174,7 +176,7 @@ def main() -> int:
     ap.add_argument("--batches", default="8,32")
     ap.add_argument("--threshold", type=float, default=0.9)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--methods", default="tactic", help="tactic (threshold), quest, lserve (2.5%% budgets)")
+    ap.add_argument("--methods", default="tactic", help="tactic (threshold; tactic/N: cluster size N), quest, lserve (2.5%% budgets)")
     ap.add_argument("--sweep", action="store_true", help="also time launch configurations")
     args = ap.parse_args()
     f = open(os.path.join(args.out, "profile_plan.jsonl"), "w") if args.out else None

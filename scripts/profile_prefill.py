@@ -1,6 +1,6 @@
 """Where a sparse method's prompt costs more than dense's (GPU, Llama-3.1-8B attention shapes).
 
-    python3 scripts/profile_prefill.py --out OUT [--length 20000]
+    python3 scripts/profile_prefill.py --out OUT [--length 20000] [--cluster-sizes 16,32 --no-chunks]
 
 1. Tactic's index of one layer (8 KV heads, `--length` keys): prepare() end to end, and the
    device time of its top kernels (torch profiler).
@@ -33,11 +33,11 @@ def ms(fn, reps=5):
     return 1e3 * (time.perf_counter() - t0) / reps
 
 
-def index_profile(length):
+def index_profile(length, cluster_size=None):
     k = torch.randn(1, 8, length, 128, device="cuda", dtype=torch.bfloat16)
     n = torch.tensor([length], device="cuda")
-    m = make_method("tactic")
-    row = {"length": length, "prepare_ms": ms(lambda: m.prepare(k, n, 3))}
+    m = make_method("tactic", **({"cluster_size": cluster_size} if cluster_size else {}))
+    row = {"length": length, "cluster_size": m.config.cluster_size, "prepare_ms": ms(lambda: m.prepare(k, n, 3))}
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
                                             torch.profiler.ProfilerActivity.CPU]) as prof:
         m.prepare(k, n, 3)
@@ -70,11 +70,16 @@ def chunk_profile(S, T=8192):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--length", type=int, default=20000)
+    ap.add_argument("--length", default="20000", help="comma-separated index lengths")
+    ap.add_argument("--cluster-sizes", default="", help="comma-separated (default: the method's)")
+    ap.add_argument("--no-chunks", action="store_true", help="skip the prefill-attention part")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    sizes = [int(c) for c in args.cluster_sizes.split(",") if c] or [None]
+    index = [index_profile(int(L), c) for L in args.length.split(",") for c in sizes]
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-           "index": index_profile(args.length), "chunks": [chunk_profile(S) for S in (16384, 24576, 32768)]}
+           "index": index if len(index) > 1 else index[0],
+           "chunks": [] if args.no_chunks else [chunk_profile(S) for S in (16384, 24576, 32768)]}
     print(json.dumps(res, indent=1))
     with open(os.path.join(args.out, "profile-prefill.json"), "w") as f:
         json.dump(res, f, indent=1)
