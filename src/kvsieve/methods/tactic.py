@@ -112,13 +112,18 @@ class Tactic(SparseMethod):
                                  torch.full((B, Hkv, S), -1, dtype=torch.long, device=k.device),
                                  lengths.clone(), torch.zeros_like(lengths), host_indexed=lengths.tolist(),
                                  radius=k.new_zeros(B, Hkv, 1, dtype=torch.float32)) for k in ks]
+        sizes_by_row = [self.cluster_size_for(n - sink) for n in host]
+        if len(set(sizes_by_row)) > 1:  # requests of different cluster sizes: each on its own
+            per_request = [self.prepare_layers([k[b:b + 1] for k in ks], lengths[b:b + 1], layers) for b in range(B)]
+            return [self.merge_states([p[i] for p in per_request]) for i in range(L)]
         rows = (indexed_end - sink).repeat_interleave(Hkv).repeat(L)
-        x = torch.stack([k[:, :, sink:] for k in ks]).reshape(L * B * Hkv, S - sink, D)
+        E = min(S, max(max(host), sink + 1))  # keys past every row's index (local windows) left out
+        x = torch.stack([k[:, :, sink:E] for k in ks]).reshape(L * B * Hkv, E - sink, D)
         seeds = [cfg.seed + 7919 * layer for layer in layers for _ in range(B * Hkv)]
-        res = dispatch.kmeans(x, rows, cfg.cluster_size, cfg.max_iters, seeds, row_period=Hkv,
+        res = dispatch.kmeans(x, rows, sizes_by_row[0], cfg.max_iters, seeds, row_period=Hkv,
                               window=cfg.cluster_window)
         C = res.centroids.shape[1]
-        assign = torch.nn.functional.pad(res.assign.view(L, B, Hkv, S - sink), (sink, 0), value=-1)
+        assign = torch.nn.functional.pad(res.assign.view(L, B, Hkv, E - sink), (sink, S - E), value=-1)
         low = ks[0].dtype in (torch.float16, torch.bfloat16)
         cent = res.centroids.to(ks[0].dtype) if low else res.centroids
         radius = cluster_radius(x, res.assign, cent).view(L, B, Hkv, C)
@@ -126,6 +131,18 @@ class Tactic(SparseMethod):
         used = res.num_clusters.view(L, B, Hkv)[:, :, 0]
         return [ClusterIndex(cent[i], sizes[i], assign[i], indexed_end.clone(), used[i].clone(), res.iters,
                              host_indexed=list(host), radius=radius[i]) for i in range(L)]
+
+    def cluster_size_for(self, n: int) -> int:
+        """The average cluster size K-means uses for a head of n indexed tokens: the
+        configured one, grown where n tokens would otherwise make more than max_clusters
+        clusters (counting whole windows of `cluster_window` tokens, each clustered alone)."""
+        cfg, w = self.config, self.config.cluster_window
+        if not cfg.max_clusters:
+            return cfg.cluster_size
+        if w and n > w:
+            per_window = max(1, cfg.max_clusters // -(-n // w))
+            return max(cfg.cluster_size, -(-w // per_window))
+        return max(cfg.cluster_size, -(-n // cfg.max_clusters))
 
     def append(self, state: ClusterIndex, k, lengths):
         S = k.shape[2]
