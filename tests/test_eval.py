@@ -301,6 +301,6 @@ def test_suite_summary_counts_only_what_dense_answers(tmp_path):
     assert t["kv"] == {1024: 0.3, 2048: 0.1, "all": pytest.approx(0.2)}
     assert rows["tactic P=0.8"]["found"]["all"] == (2, 4) and rows["dense"]["found"]["all"] == (4, 4)
     table = suite_section({"cells": cells})
-    assert "| tactic default | 20.0% | 50% (2/4) | 50% (1/2) | 50% (1/2) | 67% (2/3) | 0% (0/1) | 30.0% | 10.0% |" in table
+    assert "| tactic default | 20.0% | 50% (2/4) | 50% (1/2) | 50% (1/2) | 66.7% (2/3) | 0% (0/1) | 30.0% | 10.0% |" in table
     assert suite_curve({"cells": cells, "model": "m"}, tmp_path / "c.png") == "c.png"
     assert (tmp_path / "c.png").stat().st_size > 10_000

@@ -142,8 +142,9 @@ def suite_curve(results: Dict, path: Path) -> str:
             ax.scatter([p[0] for p in pts if p[2]], [p[1] for p in pts if p[2]], s=160, facecolors="none",
                        edgecolors=line.get_color(), linewidths=1.5, zorder=5)
         ax.axhline(0.99, color="k", ls=":", lw=1)
+        ax.set_ylim(top=1.005)
         ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
-        ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=1))
         ax.set_xlabel("fraction of KV read")
         ax.set_title("all lengths" if key == "all" else f"{key} tokens", fontsize=10)
         ax.grid(alpha=0.3)

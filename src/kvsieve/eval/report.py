@@ -133,7 +133,8 @@ def suite_section(results: Dict) -> str:
 
     def found(row, key) -> str:
         hit, tot = row["found"].get(key, (0, 0))
-        return f"{hit / tot:.0%} ({hit}/{tot})" if tot else "—"
+        share = f"{hit / tot:.1%}".replace(".0%", "%")  # 98.6% is not the 99% target
+        return f"{share} ({hit}/{tot})" if tot else "—"
 
     rows = [[r["label"], _fmt(r["kv"]["all"], ".1%"), found(r, "all")] + [found(r, L) for L in lengths]
             + [found(r, k) for k in kinds] + [_fmt(r["kv"].get(L), ".1%") for L in lengths]
