@@ -41,6 +41,7 @@ def test_bad_lengths(lengths, match):
     ("tactic", {"threshold": 1.5}, r"threshold must be a number in \(0, 1\]"),
     ("tactic", {"cluster_size": 0}, "cluster_size must be a positive integer, got 0"),
     ("tactic", {"cluster_size": 2.5}, "cluster_size must be a positive integer"),
+    ("tactic", {"max_clusters": -1}, "max_clusters must be an integer >= 0, got -1"),
     ("tactic", {"max_iters": -1}, "max_iters must be a positive integer"),
     ("tactic", {"min_budget": 10, "max_budget": 5}, r"max_budget \(5\) must be >= min_budget \(10\)"),
     ("tactic", {"segment_centers": (0.6, 0.1)}, "segment_centers"),

@@ -143,15 +143,16 @@ class TacticConfig(MethodConfig):
     cluster_size: average tokens per K-means cluster. [ours] 16 (the Tactic paper: 32, "to
         balance accuracy and efficiency"; its ablation also used 16). On the retrieval suite
         (embedded SmolLM2, bf16, H100, the 139 cases dense answers; docs/accuracy.md) 16
-        finds 137/139 reading 24.5% of the KV where 32 finds 131/139 reading 26.2% (8:
-        138/139 at 23.4%, at four times 32's K-means and centroid-scoring work). Finer
-        clusters bound each needle more tightly, so the fit ranks it higher for less read.
-    max_clusters: at most this many clusters per head; a longer head gets larger clusters
-        (Tactic.cluster_size_for; 0 = no cap). [ours] 4096: the plan scores and sorts
-        every cluster of a head at each step, and up to 4096 a row sorts in one block; at
-        128K tokens x batch 8 (H100, bench data) cluster size 16 (8,192 clusters) cost the
-        plan 0.51 ms against 0.29 ms at 32 and took the step from 3.6x to 2.3x dense's speed.
-        The cap keeps cluster size 16 up to 64K tokens and reaches the paper's 32 at 128K.
+        found 137 reading 24.5% of the KV where 32 found 131 reading 26.2% (8: 138 at 23.4%,
+        at four times 32's K-means and centroid-scoring work); a finer cluster's centroid
+        sits closer to a needle's key, so the fit takes the needle in earlier.
+    max_clusters: at most this many clusters per head (never fewer than one per
+        `cluster_window`); a longer head gets larger clusters (Tactic.cluster_size_for).
+        0: no cap. [ours] 4096: the plan scores and sorts every cluster of a head at each
+        step, and up to 4096 a row sorts in one block; at 128K tokens x batch 8 (H100, bench
+        data) 8,192 clusters (size 16) cost the plan 0.51 ms against 0.29 ms at size 32,
+        the step 2.3x dense's speed instead of 3.6x. The cap keeps size 16 up to 64K tokens
+        per head and reaches the paper's 32 at 128K.
     max_iters: K-means iteration cap. [Tactic] 10.
     seed: seed of the random initial centroids. [ours] 0.
     head_fraction: the head of the sorted list whose scores are computed exactly.
