@@ -91,6 +91,8 @@ def main() -> int:
         decoded = [o.kv_fraction for o in outs]
         line = json.dumps({"method": method, "options": shown, "found": sum(found), "of": len(cases),
                           "kv_fraction": sum(decoded) / max(len(decoded), 1), "seconds": round(time.time() - t0),
+                          "kv_by_length": {L: sum(f for c, f in zip(cases, decoded) if c.length == L)
+                                           / sum(c.length == L for c in cases) for L in sorted({c.length for c in cases})},
                           "cases": {c.id: [f, a[:24]] for c, f, a in zip(cases, found, answers)}})
         print(line, flush=True)
         if args.jsonl:

@@ -193,11 +193,24 @@ def run_cli(capsys, *argv):
     (["--tasks", "suite", "--suite-lengths", "100"], "--suite-lengths value 100 cannot hold a needle"),
     (["--tasks", "suite", "--suite-sources", "pydoc,web"], "unknown suite source(s) web for --suite-sources"),
     (["--tasks", "suite", "--suite-cases", "0"], "--suite-cases must be >= 1"),
+    (["--tasks", "suite", "--seed", "-1"], "--seed must be an integer >= 0, got -1"),
 ])
 def test_eval_bad_input_exits_2_with_one_line(capsys, tmp_path, argv, message):
     code, out = run_cli(capsys, "eval", "--out", str(tmp_path / "o"), "--no-progress", *argv)
     assert code == 2
     assert error_lines(out.err) == [error_lines(out.err)[0]] and message in out.err, out.err
+
+
+def test_eval_seed_reaches_the_plan():
+    """--seed picks a held-out split: the plan carries it (and so the results' fingerprint;
+    test_suite checks that another seed builds other cases)."""
+    from kvsieve.cli import build_parser
+    from kvsieve.eval.cli import build_plan
+
+    args = build_parser().parse_args(["eval", "--seed", "3", "--tasks", "suite"])
+    plan = build_plan(args, 8192)
+    assert plan.seed == 3
+    assert build_plan(build_parser().parse_args(["eval"]), 8192).seed == 0
 
 
 def test_eval_unwritable_output_directory(capsys, tmp_path):

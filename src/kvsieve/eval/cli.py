@@ -43,6 +43,8 @@ def register(sub) -> None:
     p.add_argument("--suite-sources", help=f"filler texts of the suite, from: {', '.join(SUITE_SOURCES)} "
                                            "(default pydoc,stdlib,generated; files: texts under /usr/share, "
                                            "where the machine has them)")
+    p.add_argument("--seed", type=int, help="seed of the generated cases (suite, retrieval variants; default 0): "
+                                            "another seed gives a held-out split")
     p.add_argument("--suite-thresholds", help="extra tactic/hybrid thresholds in the suite (its defaults always run)")
     p.add_argument("--suite-fractions", help="extra quest/lserve/streaming budgets in the suite, fractions of context")
     p.add_argument("--streaming-heads", metavar="FILE", help="pattern for lserve/hybrid from `kvsieve calibrate` "
@@ -83,6 +85,7 @@ def build_plan(args, max_positions: int) -> EvalPlan:
         "needle_depths": args.needle_depths and _list(args.needle_depths, "--needle-depths"),
         "suite_lengths": args.suite_lengths and _list(args.suite_lengths, "--suite-lengths", int),
         "suite_cases": args.suite_cases,
+        "seed": args.seed,
         "suite_sources": args.suite_sources and _list(args.suite_sources, "--suite-sources", str),
         "suite_thresholds": args.suite_thresholds and _list(args.suite_thresholds, "--suite-thresholds"),
         "suite_fractions": args.suite_fractions and _list(args.suite_fractions, "--suite-fractions"),

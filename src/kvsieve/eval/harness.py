@@ -78,6 +78,8 @@ class EvalPlan:
         if self.samples < 1 or self.decode_tokens < 1 or self.suite_cases < 1:
             raise ValueError(f"--samples, --decode-tokens and --suite-cases must be >= 1, got {self.samples}, "
                              f"{self.decode_tokens}, {self.suite_cases}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"--seed must be an integer >= 0, got {self.seed!r}")
         longest_answer = max(MAX_NEW_TOKENS[v] for v in self.variants)
         for L in self.lengths if "fidelity" in self.tasks else ():
             _check_length(L, self.decode_tokens, max_positions, "--lengths", "--decode-tokens")
