@@ -60,6 +60,31 @@ def test_pattern_for_methods_and_the_shipped_default(tmp_path):
         shipped = load_pattern(EMBEDDED_PATTERN, 30, 3)
         assert sum(map(sum, shipped)) == round(doc["ratio"] * 90)
         assert shipped == choose_streaming(doc["score"], doc["ratio"])  # the file's own scores and ratio
+        assert pattern_for("lserve", None, tmp_path / "smollm2-135m-instruct", 30, 3) == shipped
+        hybrid = pattern_for("hybrid", None, tmp_path / "smollm2-135m-instruct", 30, 3)
+        assert hybrid == choose_streaming(doc["score"], doc["method_ratios"]["hybrid"]) != shipped
+        assert sum(map(sum, hybrid)) == round(doc["method_ratios"]["hybrid"] * 90)
+
+
+def test_method_ratios_rechoose_the_heads_of_one_method(tmp_path):
+    """A pattern file's method_ratios gives a method its own share of the highest-scoring
+    heads (window layers always streaming); other methods keep the file's pattern."""
+    score = [[0.9, 0.1], [0.2, 0.3], [0.8, 0.7]]
+    pat = choose_streaming(score, 0.5)
+    path = tmp_path / "p.json"
+    save_pattern(path, pat, {"score": score}, {"model": "m", "ratio": 0.5, "method_ratios": {"hybrid": 1 / 6}})
+    assert load_pattern(path, 3, 2) == load_pattern(path, 3, 2, "lserve") == pat
+    assert load_pattern(path, 3, 2, "hybrid") == ((True, False), (False, False), (False, False))
+    assert pattern_for("hybrid", str(path), tmp_path, 3, 2) == load_pattern(path, 3, 2, "hybrid")
+    doc = json.loads(path.read_text())
+    doc["window_layers"] = [1]
+    path.write_text(json.dumps(doc))
+    assert load_pattern(path, 3, 2, "hybrid") == ((True, False), (True, True), (False, False))  # 1 of 4 global heads
+    for bad, msg in [({"method_ratios": {"hybrid": 2}}, r"method_ratios\['hybrid'\] must be a fraction in \[0, 1\], got 2"),
+                     ({"score": [[0.9, 0.1]]}, "'score' must have one value per layer and KV head")]:
+        path.write_text(json.dumps({**doc, **bad}))
+        with pytest.raises(ValueError, match="malformed streaming-heads file .*" + msg):
+            load_pattern(path, 3, 2, "hybrid")
 
 
 def test_lambda_mass_matches_the_float64_oracle():

@@ -7,9 +7,12 @@ A pattern is found offline by `kvsieve calibrate` and stored as human-readable J
      "streaming": ["010", "110", ...],          one string per layer, "1" = streaming head
      "score": [[0.91, 0.42, 0.77], ...],        the calibration score per layer and KV head
      "lambda_mass_text": ..., "lambda_mass_retrieval": ..., (its parts; output errors alike)
-     "criterion": "...", "calibration": {...}}
+     "criterion": "...", "calibration": {...},
+     "method_ratios": {"hybrid": 0.125}}        optional: a method's own validated ratio
 
-`load_pattern` checks it against the model it is used with.
+`load_pattern` checks it against the model it is used with; for a method named in
+`method_ratios` it streams that share of heads instead (the highest `score`, the model's
+`window_layers` always), so lserve and hybrid can each run at the ratio validated for them.
 """
 from __future__ import annotations
 
@@ -50,8 +53,10 @@ def save_pattern(path, pattern: Pattern, tables: Dict[str, Sequence[Sequence[flo
     Path(path).write_text(json.dumps(head, indent=1)[:-2] + "," + body + "\n}\n")
 
 
-def load_pattern(path, num_layers: Optional[int] = None, num_kv_heads: Optional[int] = None) -> Pattern:
-    """Read a pattern file; with the model's layer and KV-head counts, check it fits."""
+def load_pattern(path, num_layers: Optional[int] = None, num_kv_heads: Optional[int] = None,
+                 method: Optional[str] = None) -> Pattern:
+    """Read a pattern file; with the model's layer and KV-head counts, check it fits. With a
+    method the file's `method_ratios` names, the heads are re-chosen at that ratio from `score`."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"streaming-heads file {str(path)!r} not found; create one with "
@@ -66,12 +71,21 @@ def load_pattern(path, num_layers: Optional[int] = None, num_kv_heads: Optional[
             raise ValueError("'streaming' must be a non-empty list of 0/1 strings, one per layer")
         if len({len(r) for r in rows}) != 1:
             raise ValueError("every layer of 'streaming' must have the same number of KV heads")
+        ratio = (doc.get("method_ratios") or {}).get(method) if method else None
+        if ratio is not None:
+            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+                raise ValueError(f"method_ratios[{method!r}] must be a fraction in [0, 1], got {ratio!r}")
+            score = doc["score"]
+            if [len(r) for r in score] != [len(r) for r in rows]:
+                raise ValueError("'score' must have one value per layer and KV head of 'streaming'")
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"malformed streaming-heads file {str(path)!r}: {e}; {fix}") from None
     if num_layers is not None and (len(rows), len(rows[0])) != (num_layers, num_kv_heads):
         raise ValueError(f"streaming-heads file {str(path)!r} is for a model with {len(rows)} layers x "
                          f"{len(rows[0])} KV heads (model {doc.get('model', '?')!r}), but this model has "
                          f"{num_layers} x {num_kv_heads}; calibrate this model with `kvsieve calibrate`")
+    if ratio is not None:
+        return choose_streaming(score, ratio, doc.get("window_layers") or ())
     return tuple(tuple(c == "1" for c in r) for r in rows)
 
 
@@ -93,7 +107,13 @@ def pattern_for(method: str, path: Optional[str], model_dir, num_layers: int, nu
     if path is not None and path.lower() == "none":
         return None
     path = path or default_pattern(model_dir)
-    return load_pattern(path, num_layers, num_kv_heads) if path else None
+    return load_pattern(path, num_layers, num_kv_heads, method) if path else None
+
+
+def heads_for(heads, method: str) -> Optional[Pattern]:
+    """The pattern `method` runs with, from one pattern shared by every streaming method or
+    a dict {method: pattern} (pattern_for of each)."""
+    return heads.get(method) if isinstance(heads, dict) else heads
 
 
 def pattern_tag(pattern: Optional[Pattern]) -> str:

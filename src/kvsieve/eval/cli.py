@@ -124,7 +124,7 @@ def cmd_eval(args) -> int:
     import torch
 
     from ..model.loader import load_model
-    from ..patterns import pattern_for, pattern_tag
+    from ..patterns import STREAMING_METHODS, pattern_for, pattern_tag
     from .harness import plan_cell_ids, run_fidelity, run_retrieval, special_prefix
     from .report import write_report
     from .store import ResultStore
@@ -138,7 +138,8 @@ def cmd_eval(args) -> int:
     text = read_text(args.text_file)
     model, tok, model_dir = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     plan = build_plan(args, model.cfg.max_positions)
-    heads = pattern_for("lserve", args.streaming_heads, model_dir, model.cfg.num_layers, model.cfg.num_kv_heads)
+    heads = {m: pattern_for(m, args.streaming_heads, model_dir, model.cfg.num_layers, model.cfg.num_kv_heads)
+             for m in STREAMING_METHODS}  # each method's own (a pattern file may give hybrid another ratio)
     text_ids = tok.encode(text, add_special_tokens=False) if "fidelity" in plan.tasks else []
     import kvsieve
 
@@ -182,9 +183,10 @@ def cmd_eval(args) -> int:
         "text_tokens": len(text_ids), "plan": dataclasses.asdict(plan), "versions": versions,
         "device": _device_name(args.device), "dtype": args.dtype, "date": time.strftime("%Y-%m-%d"),
         "command": "kvsieve " + " ".join(args.argv), "wall_s": time.time() - t_start, "resumed_cells": resumed,
-        "runs": runs, "streaming_heads": None if heads is None else {
-            "file": args.streaming_heads or "shipped pattern", "tag": pattern_tag(heads),
-            "streaming": sum(map(sum, heads)), "kv_heads": sum(map(len, heads))},
+        "runs": runs, "streaming_heads": None if heads["lserve"] is None else {
+            "file": args.streaming_heads or "shipped pattern", "tag": pattern_tag(heads["lserve"]),
+            "streaming": sum(map(sum, heads["lserve"])), "kv_heads": sum(map(len, heads["lserve"])),
+            "methods": {m: {"tag": pattern_tag(h), "streaming": sum(map(sum, h))} for m, h in heads.items()}},
         "cells": [store.get(i) for i in ids if store.get(i)],
     }
     with open(store.dir / "results.json", "w") as f:

@@ -160,6 +160,13 @@ def _window_note(results: Dict) -> List[str]:
             f"{judged}, KV read over the whole cache (so dense reads less than 100%)"]
 
 
+def _streaming_note(heads: Dict) -> str:
+    """e.g. "lserve 22, hybrid 11 of 90 KV heads stream (shipped pattern)"."""
+    methods = heads.get("methods") or {"lserve and hybrid": heads}  # results written before per-method ratios
+    return (", ".join(f"{m} {v['streaming']}" for m, v in methods.items())
+            + f" of {heads['kv_heads']} KV heads stream ({heads['file']})")
+
+
 def write_report(results: Dict, out_dir) -> Report:
     out_dir = Path(out_dir)
     lengths = sorted({c["length"] for c in results["cells"] if c["task"] == "fidelity"})
@@ -179,7 +186,7 @@ def write_report(results: Dict, out_dir) -> Report:
              "- streaming heads (lserve, hybrid): " + (
                  "none: no pattern for this model, so lserve = hierarchical page selection on every head and "
                  "hybrid = tactic" if results["streaming_heads"] is None else
-                 "{streaming} of {kv_heads} KV heads stream ({file}, tag {tag})".format(**results["streaming_heads"])),
+                 _streaming_note(results["streaming_heads"])),
              *([f"- fidelity text: {results['text']} ({results['text_tokens']} tokens)"] if lengths else []),
              *_window_note(results),
              f"- versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items())]

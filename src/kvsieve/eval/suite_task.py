@@ -107,7 +107,7 @@ def _run_point(engine: LLMEngine, cases: Sequence[SuiteCase], p: MethodPoint, L:
     decoded = [o.kv_fraction for o in outs if len(o.tokens) > 1]  # kv_fraction needs a decode step
     return {"task": "suite", "length": L, "method": p.method, "knob": p.knob, "label": p.label,
             "options": {k: v for k, v in opts.items() if k != "streaming_heads"},
-            "streaming_heads": heads is not None and "streaming_heads" in opts,
+            "streaming_heads": "streaming_heads" in opts,
             "cases": [c.id for c in cases], "kinds": [c.kind for c in cases], "sources": [c.source for c in cases],
             "depths": [c.depth for c in cases], "chat": [c.chat for c in cases],
             "prompt_tokens": [len(c.prompt_ids) for c in cases], "expected": [list(c.expected) for c in cases],

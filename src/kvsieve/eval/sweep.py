@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..patterns import heads_for
+
 EVAL_METHODS = ("dense", "streaming", "quest", "lserve", "tactic", "hybrid")
 THRESHOLD_METHODS = ("tactic", "hybrid")
 STREAMING_SINK = 64
@@ -38,8 +40,9 @@ class MethodPoint:
 
     def options(self, context: int, streaming_heads=None) -> Dict:
         """Method options for a prompt of `context` tokens. streaming_heads: the model's
-        pattern for lserve/hybrid (None: no streaming heads)."""
+        pattern for lserve/hybrid (None: no streaming heads), or a dict of them by method."""
         m, f = self.method, self.knob
+        streaming_heads = heads_for(streaming_heads, m)
         extra = {"streaming_heads": streaming_heads} if m in ("lserve", "hybrid") and streaming_heads else {}
         extra.update(self.fixed)
         if m == "dense":

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import SamplingParams, SchedulerFullError
 from ..methods import METHOD_NAMES, config_for
-from ..patterns import STREAMING_METHODS
+from ..patterns import STREAMING_METHODS, heads_for
 from .driver import DriverStopped, EngineDriver, EngineError, Metrics, RequestStream
 from .schemas import BadRequest, ChatCompletionRequest, CompletionRequest, error_body, parse
 
@@ -92,7 +92,7 @@ class Server:
         self.tok = engine.tokenizer
         self.max_positions = engine.model.cfg.max_positions
         self.vocab = engine.model.cfg.vocab_size
-        self.streaming_heads = streaming_heads  # the pattern per-request lserve/hybrid runs with
+        self.streaming_heads = streaming_heads  # the pattern per-request lserve/hybrid run with (or one per method)
         self.retry_after_s, self.drain_s = retry_after_s, drain_s
         self.metrics = Metrics(registry)
         self.driver = EngineDriver(engine, self.metrics, max_method_configs)
@@ -176,9 +176,8 @@ class Server:
                                  "the server's pattern applies otherwise (kvsieve serve --streaming-heads FILE)",
                                  "kvsieve.streaming_heads")
             opts["streaming_heads"] = None
-        elif name in STREAMING_METHODS and self.streaming_heads is not None \
-                and "streaming_heads" not in self.engine.default_options:
-            opts["streaming_heads"] = self.streaming_heads
+        elif name in STREAMING_METHODS and heads_for(self.streaming_heads, name) is not None:
+            opts["streaming_heads"] = heads_for(self.streaming_heads, name)
         merged = {**self.engine.default_options, **opts} if name == self.engine.default_method else opts
         try:
             config_for(name, **merged)
@@ -369,8 +368,8 @@ class Server:
 def create_app(engine, model_name: str = "kvsieve", *, streaming_heads=None, max_method_configs: int = 32,
                retry_after_s: int = 1, drain_s: float = 0.0, registry=None) -> FastAPI:
     """The app for `engine` (not started: uvicorn's lifespan starts and stops the driver).
-    streaming_heads: the pattern that per-request lserve/hybrid run with when the server's
-    default method has none; drain_s: at shutdown, how long requests still in flight may
+    streaming_heads: the pattern that per-request lserve/hybrid run with, or a dict
+    {method: pattern} (patterns.pattern_for of each); drain_s: at shutdown, how long requests still in flight may
     run before they are aborted."""
     server = Server(engine, model_name, streaming_heads, max_method_configs, retry_after_s, drain_s, registry)
 

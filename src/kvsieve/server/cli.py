@@ -101,9 +101,9 @@ def cmd_serve(args) -> int:
     heads = pattern_for(args.method, args.streaming_heads, model_dir, cfg.num_layers, cfg.num_kv_heads)
     if heads is not None:
         opts["streaming_heads"] = heads
-    # the pattern a request asking for lserve/hybrid runs with when the default method has none
-    shipped = heads if args.method in STREAMING_METHODS else \
-        pattern_for("lserve", None, model_dir, cfg.num_layers, cfg.num_kv_heads)
+    # the pattern a request asking for lserve/hybrid runs with (each method's own ratio of the file)
+    shipped = {m: pattern_for(m, args.streaming_heads if args.method in STREAMING_METHODS else None, model_dir,
+                              cfg.num_layers, cfg.num_kv_heads) for m in STREAMING_METHODS}
     pages = args.kv_pages
     if pages is None and device.type != "cuda":  # the engine's default is sized for a GPU's free memory
         per_page = 2 * cfg.num_layers * cfg.num_kv_heads * 16 * cfg.head_dim * model.dtype.itemsize
