@@ -94,6 +94,8 @@ def cell(S: int, B: int, P: float, log, methods=("tactic",), sweep: bool = False
             sweep_launches(m, q, st, lengths, host, keys, S, B, log)
         if sweep and spec == "quest":
             sweep_page_scores(m, q, st, lengths, S, B, log)
+        if sweep and spec in ("quest", "lserve"):
+            sweep_budget(m, q, st, lengths, S, B, log, spec)
         del st
     del pk, k
     torch.cuda.empty_cache()
@@ -119,6 +121,30 @@ def sweep_page_scores(m, q, st, lengths, S, B, log) -> None:
             log(kind="page_scores", S=S, B=B, dot=dot, config=c, dtype=str(st.kmin.dtype), us=round(us, 2),
                 gbs=round(nbytes / us / 1e3), max_rel_diff=float(((got - want).abs() / want.abs().clamp(min=1))[fin].max()),
                 same_inf=bool(torch.equal(fin, torch.isfinite(got))))
+
+
+def sweep_budget(m, q, st, lengths, S, B, log, spec="quest") -> None:
+    """Launch configurations of the budget kernel on a fresh page selection's scores."""
+    from kvsieve.kernels.pages import physical_page_scores
+    from kvsieve.kernels.select import select_by_budget
+
+    skip = None
+    if spec == "lserve":
+        m, st, skip = m.dynamic, st.dynamic, st.flags
+    cfg = m.config
+    pp = cfg.physical_page_size
+    ae = torch.zeros(B, 1, dtype=torch.long, device="cuda")
+    Pp = -(-st.kmin.shape[2] // (pp // cfg.page_size))
+    sizes = torch.full((1, 1, Pp), pp, dtype=torch.int32, device="cuda").expand(B, 8, Pp)
+    bud = torch.full((1, 1), int(0.025 * S) // pp * pp, dtype=torch.int32, device="cuda").expand(B, 8)
+    s = physical_page_scores(q, st.kmin, st.kmax, lengths, ae, lengths[:, None], cfg.page_size, pp, "max", skip)
+    want = None
+    for c in (None, (4, 4), (4, 8), (4, 16), (8, 4), (8, 8), (16, 8)):
+        fn = lambda: select_by_budget(s, sizes, bud, _config=c)  # noqa: E731
+        got = fn()
+        want = got if want is None else want
+        log(kind="budget", method=spec, S=S, B=B, entries=Pp, config=c, us=round(1e3 * median_ms(capture(fn)), 2),
+            same=all(torch.equal(a, b) for a, b in zip(got, want)))
 
 
 def sweep_launches(m, q, st, lengths, host, keys, S, B, log) -> None:

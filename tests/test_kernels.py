@@ -300,6 +300,50 @@ def test_compact_tokens(S, cap, N, by_entry):
                 assert lst.unique().numel() == lst.numel() and (lst < lengths[b]).all()
 
 
+@pytest.mark.parametrize("S", [1, 54, 97, 700])
+@pytest.mark.parametrize("pool", [False, True])
+@pytest.mark.parametrize("by_entry", [False, True])
+def test_compact_streaming_rows(S, pool, by_entry):
+    """Rows flagged as streaming heads (LServe's static heads inside the dynamic plan) get
+    [0, sink) + [L - local, L) and nothing chosen, whatever the selection holds for them;
+    the other rows keep their pages and windows: kernel (both forms) = twin = oracle."""
+    g = torch.Generator().manual_seed(S)
+    B, Hkv, W = 3, 4, 8
+    lengths = torch.tensor([S, max(1, S - 7), max(1, S // 2)])
+    N = -(-S // W)
+    a_end = torch.full((B, 1), 8)
+    a_start = torch.maximum((lengths[:, None] - 13).clamp(min=0) // W * W, a_end)
+    first = torch.arange(N) * W
+    cand = (first >= a_end[..., None]) & (first + W <= a_start[..., None])  # [B, 1, N]: whole pages only
+    scores = torch.randn(B, Hkv, N, generator=g).masked_fill(~cand, float("-inf"))
+    chosen, off, tot = rselect.select_by_budget(scores, torch.full((B, Hkv, N), W), torch.full((B, Hkv), 24))
+    flags = torch.tensor([True, False, False, True])
+    assert S < 97 or tot[0, 0] > 0  # a streaming row whose selection must be dropped
+    table = torch.randperm(4 * B * (S // 4 + 1), generator=g)[:B * (S // 4 + 1)].view(B, -1).int() if pool else None
+    cap = 24 + 8 + 13 + W
+    args = (chosen, off, tot, None, None, None, W, a_end, a_start, lengths, cap, table, 4 if pool else 0)
+    want_i, want_c = rselect.compact_tokens(*args, stream=(flags, 5, 11))
+    dev = [a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args]
+    got_i, got_c = kselect.compact_tokens(*dev, stream=(flags.to(DEV), 5, 11), _by_entry=by_entry)
+    assert torch.equal(got_c.cpu(), want_c)
+    live = torch.arange(cap)[None, None, :] < want_c[..., None]
+    assert torch.equal(got_i.cpu()[live], want_i[live])
+    for b in range(B):  # the oracle
+        L = int(lengths[b])
+        for h in range(Hkv):
+            lst = want_i[b, h, :want_c[b, h]].tolist()
+            if table is not None:  # pool rows: back to tokens through the page table
+                inv = {int(table[b, t // 4]) * 4 + t % 4: t for t in range(L)}
+                lst = [inv[r] for r in lst]
+            if flags[h]:
+                a = min(L, 5)
+                want = list(range(a)) + list(range(max(L - 11, a), L))
+            else:
+                sel = [t for e in torch.nonzero(chosen[b, h])[:, 0].tolist() for t in range(e * W, e * W + W)]
+                want = sel + list(range(min(L, 8))) + list(range(int(a_start[b, 0]), L))
+            assert lst == want
+
+
 def test_compact_tokens_always_range_stops_at_length():
     """always_end past a request's length (a fixed sink on a short request) adds no token twice."""
     chosen = torch.zeros(2, 1, 1, dtype=torch.bool)

@@ -250,21 +250,30 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor,
     off = torch.empty(R, N, dtype=torch.int32, device=s.device)
     tot = torch.empty(R, dtype=torch.int32, device=s.device)
     block = max(16, next_pow2(N))
-    k, warps = _config or (THRESHOLDS_PER_ROUND, min(16, max(4, block // 1024)))  # H200 sweep
+    # H200 sweeps: 8 warps for 2,048 entries (LServe's 64-token pages at 128K) 15.7 us against
+    # 4 warps' 18.3 at x 8 (scripts/profile_plan.py --methods lserve --sweep)
+    k, warps = _config or (THRESHOLDS_PER_ROUND, min(16, max(8 if block >= 2048 else 4, block // 1024)))
     _budget_kernel[(R,)](s, z, bud, chosen, off, tot, N, z.stride(0), bud.stride(0), BLOCK=block, K=k,
                          num_warps=warps, **launch_args(s))
     return chosen.view(torch.bool).view(*lead, N), off.view(*lead, N), tot.view(lead)
 
 
 @triton.jit
-def _list_geometry(TOT, LEN, AEND, ASTART, row, b, h, CAP, sae_b, sae_h, sas_b, sas_h):
+def _list_geometry(TOT, LEN, AEND, ASTART, WIN, row, b, h, CAP, sae_b, sae_h, sas_b, sas_h, swn_b, swn_h,
+                   W_SINK, W_LOCAL, STREAM: tl.constexpr):
     """One row's (selected tokens, always_start, always_end clipped to the length, list
     count cut at CAP): the list is the selection, then [0, always_end), then
-    [always_start, length)."""
+    [always_start, length). STREAM: rows flagged in WIN are streaming heads, their list
+    [0, W_SINK) + [length - W_LOCAL, length) and no selection."""
     sel = tl.load(TOT + row)
     length = tl.load(LEN + b).to(tl.int32)
     a_start = tl.load(ASTART + b * sas_b + h * sas_h).to(tl.int32)
     a_end = tl.minimum(tl.load(AEND + b * sae_b + h * sae_h).to(tl.int32), length)
+    if STREAM:
+        if tl.load(WIN + b * swn_b + h * swn_h) != 0:
+            sel = 0
+            a_end = tl.minimum(length, W_SINK)
+            a_start = tl.maximum(length - W_LOCAL, a_end)
     return sel, a_start, a_end, tl.minimum(sel + a_end + tl.maximum(length - a_start, 0), CAP)
 
 
@@ -281,10 +290,11 @@ def _pool_row(BT_ROW, tok, mask, PAGE: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=('N', 'M', 'CAP', 'WIDTH'))
-def _compact_positions_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT,
-                              Hkv, N, M, CAP, WIDTH, sae_b, sae_h, sas_b, sas_h, sbt,
+def _compact_positions_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT, WIN,
+                              Hkv, N, M, CAP, WIDTH, sae_b, sae_h, sas_b, sas_h, sbt, swn_b, swn_h, W_SINK, W_LOCAL,
                               CSR: tl.constexpr, LOG_N: tl.constexpr, BLOCK: tl.constexpr,
-                              POOL_ROWS: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
+                              POOL_ROWS: tl.constexpr, PAGE: tl.constexpr, STREAM: tl.constexpr,
+                              PDL: tl.constexpr):
     """Output-major (lists short next to the entry count: fixed budgets). Each list
     position finds its chosen entry by binary search on the entry offsets (the largest e
     with offsets[e] <= position is the chosen entry holding it: unchosen entries own no
@@ -295,8 +305,8 @@ def _compact_positions_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX,
     row = tl.program_id(0)
     b = row // Hkv
     dst = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    sel, a_start, a_end, count = _list_geometry(TOT, LEN, AEND, ASTART, row, b, row % Hkv, CAP,
-                                                sae_b, sae_h, sas_b, sas_h)
+    sel, a_start, a_end, count = _list_geometry(TOT, LEN, AEND, ASTART, WIN, row, b, row % Hkv, CAP,
+                                                sae_b, sae_h, sas_b, sas_h, swn_b, swn_h, W_SINK, W_LOCAL, STREAM)
     if tl.program_id(1) == 0:
         tl.store(CNT + row, count)
     if tl.program_id(1) * BLOCK >= count:  # a threshold plan's capacity is the context
@@ -321,10 +331,11 @@ def _compact_positions_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX,
 
 
 @triton.jit(do_not_specialize=('N', 'M', 'CAP', 'WIDTH'))
-def _compact_entries_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT,
-                            Hkv, N, M, CAP, WIDTH, sae_b, sae_h, sas_b, sas_h, sbt,
+def _compact_entries_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT, WIN,
+                            Hkv, N, M, CAP, WIDTH, sae_b, sae_h, sas_b, sas_h, sbt, swn_b, swn_h, W_SINK, W_LOCAL,
                             CSR: tl.constexpr, EB: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr,
-                            POOL_ROWS: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
+                            POOL_ROWS: tl.constexpr, PAGE: tl.constexpr, STREAM: tl.constexpr,
+                            PDL: tl.constexpr):
     """Entry-major (lists long next to the entry count: thresholds). Program (row, i)
     copies the tokens of entries [i EB, (i + 1) EB) as [EB, COLS] tiles, entry e's j-th
     token to position offsets[e] + j (its chosen size is offsets[e + 1] - offsets[e]:
@@ -334,8 +345,8 @@ def _compact_entries_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, C
     start_after_producer(PDL)
     row = tl.program_id(0)
     b = row // Hkv
-    sel, a_start, a_end, count = _list_geometry(TOT, LEN, AEND, ASTART, row, b, row % Hkv, CAP,
-                                                sae_b, sae_h, sas_b, sas_h)
+    sel, a_start, a_end, count = _list_geometry(TOT, LEN, AEND, ASTART, WIN, row, b, row % Hkv, CAP,
+                                                sae_b, sae_h, sas_b, sas_h, swn_b, swn_h, W_SINK, W_LOCAL, STREAM)
     out = IDX + row.to(tl.int64) * CAP
     if tl.program_id(1) * EB >= N:  # the always-attended tokens: [0, a_end), then [a_start, length)
         tl.store(CNT + row, count)
@@ -351,6 +362,7 @@ def _compact_entries_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, C
         off = tl.load(OFF + row * N + e, mask=inb, other=0)
         nxt = tl.load(OFF + row * N + e + 1, mask=e + 1 < N, other=0)
         size = tl.where(inb, tl.where(e + 1 < N, nxt, sel) - off, 0)
+        size = tl.minimum(size, tl.maximum(sel - off, 0))  # a streaming row (STREAM) selects nothing
         size = tl.minimum(size, tl.maximum(count - off, 0))  # lists are cut at the capacity
         if CSR:
             first = tl.load(ESTART + row * N + e, mask=size > 0, other=0)
@@ -370,6 +382,7 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
                    entry_start: Optional[Tensor], sizes: Optional[Tensor], width: int,
                    always_end: Tensor, always_start: Tensor, lengths: Tensor, cap: int,
                    block_table: Optional[Tensor] = None, page_size: int = 0,
+                   stream: Optional[Tuple[Tensor, int, int]] = None,
                    _by_entry: Optional[bool] = None, _config: Optional[Tuple[int, int, int]] = None
                    ) -> Tuple[Tensor, Tensor]:
     """Triton twin of ops.select.compact_tokens. Entries past `counts` are left unwritten.
@@ -387,14 +400,18 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
     i32 = int32_contiguous
     mem, est = (i32(members), i32(entry_start)) if csr else (cnt, cnt)  # unused pointers for pages
     ae, ast = always_end.expand(B, Hkv), always_start.expand(B, Hkv)
+    win, w_sink, w_local = (cnt, 0, 0) if stream is None else stream
+    win = win.expand(B, Hkv)
+    win = win.view(torch.uint8) if win.dtype == torch.bool else win
     block = 256
     # H200 sweep, threshold plans at 128K x 8 / x 32 (scripts/profile_plan.py --sweep):
     # 32 entries x 8 columns 32 / 66 us, 16 x 16 33 / 90, 32 x 32 40 / 117
     eb, cols, warps = _config or (32, 8, 4)
     args = (i32(offsets), i32(total), mem, est, ae, ast, lengths, cnt if block_table is None else block_table, idx,
-            cnt, Hkv, N, M, cap, width, ae.stride(0), ae.stride(1), ast.stride(0), ast.stride(1),
-            0 if block_table is None else block_table.stride(0))
-    flags = dict(CSR=csr, BLOCK=block, POOL_ROWS=block_table is not None, PAGE=max(page_size, 1), **launch_args(idx))
+            cnt, win, Hkv, N, M, cap, width, ae.stride(0), ae.stride(1), ast.stride(0), ast.stride(1),
+            0 if block_table is None else block_table.stride(0), win.stride(0), win.stride(1), w_sink, w_local)
+    flags = dict(CSR=csr, BLOCK=block, POOL_ROWS=block_table is not None, PAGE=max(page_size, 1),
+                 STREAM=stream is not None, **launch_args(idx))
     by_position, by_entry = triton.cdiv(max(cap, 1), block), triton.cdiv(N, eb) + 1
     # H200, 128K x 8: a 2.5% budget (15 programs per row by position) compacts faster by
     # position, a threshold plan (512) ~4x faster by entry

@@ -68,8 +68,8 @@ class SparseMethod:
     # plan() depends only on the lengths (not on q or the layer's index): the engine plans
     # once per step and reuses it in every layer
     layer_independent_plan: ClassVar[bool] = False
-    # plan() takes skip=[Hkv] bool: heads whose lists the caller replaces (a hybrid's
-    # streaming heads), which the method may then leave unselected
+    # plan() takes skip=[Hkv] bool and window=(sink, local): a hybrid's streaming heads,
+    # whose lists the method writes as that window (and may leave unscored)
     plan_skips_heads: ClassVar[bool] = False
 
     def prepare(self, k: Tensor, lengths: Tensor, layer: int = 0) -> Optional[Any]:

@@ -167,11 +167,14 @@ class Hybrid(SparseMethod):
     def plan(self, q, state: HybridState, lengths, host_lengths, keys=None):
         """The dynamic method's token lists, with every streaming head's list replaced by its
         Λ window (sink + local tokens: constant cost per step). A dynamic method that can
-        (plan_skips_heads) selects nothing for the streaming heads."""
+        (plan_skips_heads) selects nothing for the streaming heads and writes their windows
+        itself."""
         from .streaming import sink_local_plan
 
-        skip = {"skip": state.flags} if self.dynamic.plan_skips_heads else {}
-        dyn = self.dynamic.plan(q, state.dynamic, lengths, host_lengths, keys, **skip)
+        if self.dynamic.plan_skips_heads:  # the streaming heads' windows come with the dynamic lists
+            return self.dynamic.plan(q, state.dynamic, lengths, host_lengths, keys, skip=state.flags,
+                                     window=(self.config.sink, self.config.local))
+        dyn = self.dynamic.plan(q, state.dynamic, lengths, host_lengths, keys)
         B, Hkv = dyn.counts.shape
         lam = sink_local_plan(lengths, B, Hkv, self.config.sink, self.config.local, keys if dyn.pool_rows else None)
         cap = max(dyn.cap, lam.cap)

@@ -173,13 +173,18 @@ class PageSelect(SparseMethod):
         pp = cfg.physical_page_size
         return max(1, cfg.budget // pp) * pp + -(-cfg.sink // pp) * pp + cfg.local + 2 * pp + cfg.reuse_steps
 
-    def plan(self, q, state: PageState, lengths, host_lengths, keys=None, skip=None):
-        """skip: optional [Hkv] or [B, Hkv] bool, heads whose lists the caller replaces
-        (a hybrid's streaming heads): a fresh selection scores none of their pages, so
-        their lists hold only the sink and local tokens."""
+    def plan(self, q, state: PageState, lengths, host_lengths, keys=None, skip=None, window=None):
+        """skip: optional [Hkv] or [B, Hkv] bool, a hybrid's streaming heads: a fresh
+        selection scores none of their pages. window: (sink, local) of those heads: their
+        lists are [0, sink) + [length - local, length), written by the same compaction
+        (else they hold this method's own sink and local tokens)."""
         cfg = self.config
         pp = cfg.physical_page_size
         cap = self.plan_capacity()
+        stream = None
+        if skip is not None and window is not None:
+            stream = (skip, *window)
+            cap = max(cap, sum(window))
         if state.fresh is None:  # not driven by maintain(): count steps here
             fresh = state.last_plan is None or state.step % cfg.reuse_steps == 0
             state.step += 1
@@ -195,8 +200,8 @@ class PageSelect(SparseMethod):
                     dst.copy_(src)
         chosen, offsets, total, always_end, always_start = state.last_plan
         table, page = row_table(keys)
-        idx, counts = dispatch.compact_tokens(chosen, offsets, total, None, None, None, pp,
-                                              always_end, always_start, lengths, cap, table, page)
+        idx, counts = dispatch.compact_tokens(chosen, offsets, total, None, None, None, pp, always_end, always_start,
+                                              lengths, cap, table, page, stream=stream)
         return TokenPlan(idx, counts, cap, table is not None)
 
     def _choose(self, q, state: PageState, lengths, skip=None):

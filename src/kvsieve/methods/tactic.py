@@ -92,6 +92,7 @@ class Tactic(SparseMethod):
 
     config: TacticConfig = TacticConfig()
     name = "tactic"
+    plan_skips_heads = True
 
     def prepare(self, k, lengths, layer=0):
         return self.prepare_layers([k], lengths, [layer])[0]
@@ -369,11 +370,14 @@ class Tactic(SparseMethod):
             return capacity_bucket(max(host_lengths))
         return max(cfg.budget, state.max_size) + cfg.sink + cfg.local + cfg.fold_every + 1
 
-    def plan(self, q, state: ClusterIndex, lengths, host_lengths, keys: Optional[PagedKeys] = None):
+    def plan(self, q, state: ClusterIndex, lengths, host_lengths, keys: Optional[PagedKeys] = None,
+             skip=None, window=None):
         """Fixed budget, three launches: centroid scores (group max only), budgeted cluster
         choice, compaction of the chosen clusters' members plus the always-attended tokens.
         Threshold: per-head ranking, exact scores where the fit reads (ops.threshold), the
-        group's union of cluster prefixes, then the same compaction; needs `keys`."""
+        group's union of cluster prefixes, then the same compaction; needs `keys`.
+        skip [Hkv] bool + window (sink, local): a hybrid's streaming heads, whose lists the
+        compaction writes as that window (their selection is computed and dropped)."""
         if state.members is None or state.csr_stale:
             state.build_csr()
         B, Hkv = state.sizes.shape[:2]
@@ -387,10 +391,13 @@ class Tactic(SparseMethod):
             _, group_max = dispatch.summary_scores(q, state.centroids, None, n_valid, group_only=True)
             chosen, offsets, total = dispatch.select_by_budget(group_max, state.sizes32, c["budget"])
         cap = self.plan_capacity(state, host_lengths)
+        stream = None if skip is None or window is None else (skip, *window)
+        if stream is not None:
+            cap = max(cap, sum(window))
         table, page = row_table(keys)
         idx, counts = dispatch.compact_tokens(chosen, offsets, total, state.members, state.entry_start,
                                               state.sizes32, 0, c["sink"], state.num_indexed[:, None], lengths, cap,
-                                              table, page)
+                                              table, page, stream=stream)
         return TokenPlan(idx, counts, cap, table is not None)
 
     def _consts(self, state: ClusterIndex, q, host_lengths) -> dict:

@@ -130,7 +130,9 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor) -> Tuple[Ten
 def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Optional[Tensor],
                    entry_start: Optional[Tensor], sizes: Optional[Tensor], width: int,
                    always_end: Tensor, always_start: Tensor, lengths: Tensor, cap: int,
-                   block_table: Optional[Tensor] = None, page_size: int = 0) -> Tuple[Tensor, Tensor]:
+                   block_table: Optional[Tensor] = None, page_size: int = 0,
+                   stream: Optional[Tuple[Tensor, int, int]] = None
+                   ) -> Tuple[Tensor, Tensor]:
     """Write each row's token list: the chosen entries' tokens, then the tokens attended
     regardless ([0, min(always_end, length)) and [always_start, length)).
 
@@ -142,12 +144,23 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
     always_start: int tensors broadcastable to [B, Hkv]; lengths [B] long. Chosen entry
     e's j-th token goes to position offsets[e] + j. Lists are cut at `cap`. With
     block_table [B, max_pages] the lists hold pool rows (see ops.paged.to_pool_rows).
+    stream: (flags [Hkv] or [B, Hkv] bool, sink, local): flagged rows are streaming heads,
+    their list [0, sink) + [length - local, length) whatever was chosen (LServe's static
+    heads in the dynamic heads' plan, with no merge of two plans).
     Returns indices [B, Hkv, cap] int32 and counts [B, Hkv] int32.
     """
     B, Hkv, N = chosen.shape
     dev = chosen.device
     always_end = torch.minimum(always_end.expand(B, Hkv).long(), lengths[:, None])
     always_start = always_start.expand(B, Hkv).long()
+    if stream is not None:
+        flags, sink, local = stream
+        flags = flags.expand(B, Hkv)
+        L = lengths[:, None].expand(B, Hkv)
+        always_end = torch.where(flags, L.clamp(max=sink), always_end)
+        always_start = torch.where(flags, torch.maximum(L - local, always_end), always_start)
+        chosen = chosen & ~flags[..., None]
+        total = torch.where(flags, 0, total)
     if members is None:
         pos = torch.arange(N * width, device=dev)
         entry = (pos // width).expand(B, Hkv, -1)
