@@ -257,3 +257,17 @@ def test_one_index_serves_methods_with_other_budgets():
         assert plans_equal(plan, m.plan(q, m.prepare(k, lengths), lengths, LENGTHS)), budget
         counts.append(int(plan.counts.sum()))
     assert counts[1] > counts[0] == counts[2]
+
+
+@pytest.mark.parametrize("sink,local,pp", [(0, 0, 16), (16, 256, 64), (100, 37, 16), (64, 64, 64)])
+def test_page_windows_kernel_matches_twin(sink, local, pp):
+    """The always-attended windows of a fresh selection, one launch against the twin's
+    torch ops and an oracle, lengths at and around page boundaries."""
+    lengths = torch.tensor([1, 54, 97, 1000, 63, 64, 65, 128, 300, 2])
+    want = rpages.page_windows(lengths, sink, local, pp)
+    got = kpages.page_windows(lengths.to(DEV), sink, local, pp)
+    for w, x in zip(want, got):
+        assert x.shape == (len(lengths), 1) and torch.equal(w, x.cpu())
+    for i, L in enumerate(lengths.tolist()):
+        end = min(L, -(-sink // pp) * pp)
+        assert want[0][i, 0] == end and want[1][i, 0] == max(max(L - local, 0) // pp * pp, end)

@@ -76,6 +76,15 @@ def summary_scores(q, lo, hi=None, n_valid=None, group_only=False):
     return _select_ref.summary_scores(q, lo, hi, n_valid, group_only)
 
 
+def page_windows(lengths, sink, local, physical_page_size):
+    """See ops.pages.page_windows."""
+    if use_triton(lengths):
+        from .kernels.pages import page_windows as impl
+    else:
+        from .ops.pages import page_windows as impl
+    return impl(lengths, sink, local, physical_page_size)
+
+
 def physical_page_scores(q, kmin, kmax, lengths, always_end, always_start, page_size, physical_page_size,
                          gqa_reduce="max", skip=None):
     """See ops.pages.physical_page_scores."""

@@ -211,9 +211,8 @@ class PageSelect(SparseMethod):
         cfg = self.config
         pp = cfg.physical_page_size
         B, Hkv = q.shape[0], state.kmin.shape[1]
-        L = lengths[:, None]
-        always_end = L.clamp(max=-(-cfg.sink // pp) * pp)  # [B, 1]: the kernels broadcast it over heads
-        always_start = torch.maximum((L - cfg.local).clamp(min=0).div(pp, rounding_mode="floor") * pp, always_end)
+        # [B, 1]: the kernels broadcast them over heads
+        always_end, always_start = dispatch.page_windows(lengths, cfg.sink, cfg.local, pp)
         s = dispatch.physical_page_scores(q, state.kmin, state.kmax, lengths, always_end, always_start,
                                           cfg.page_size, pp, cfg.gqa_reduce, skip)
         Pp = s.shape[-1]

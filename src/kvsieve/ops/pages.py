@@ -79,3 +79,15 @@ def physical_page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, lengths: Tensor,
     if skip is not None:
         cand &= ~skip.expand(B, Hkv)[..., None]
     return s.masked_fill(~cand, float("-inf"))
+
+
+def page_windows(lengths: Tensor, sink: int, local: int, physical_page_size: int) -> Tuple[Tensor, Tensor]:
+    """The tokens a page selection attends anyway, per request (lengths [B]): [0, always_end)
+    with always_end = min(length, sink rounded up to whole physical pages), and
+    [always_start, length) with always_start = max(length - local, 0) rounded down to a
+    physical page, not below always_end. Returns (always_end, always_start) [B, 1] int64."""
+    pp = physical_page_size
+    L = lengths[:, None].long()
+    always_end = L.clamp(max=-(-sink // pp) * pp)
+    always_start = torch.maximum((L - local).clamp(min=0).div(pp, rounding_mode="floor") * pp, always_end)
+    return always_end, always_start
