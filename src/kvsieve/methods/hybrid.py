@@ -169,11 +169,11 @@ class Hybrid(SparseMethod):
         Λ window (sink + local tokens: constant cost per step). A dynamic method that can
         (plan_skips_heads) selects nothing for the streaming heads and writes their windows
         itself."""
-        from .streaming import sink_local_plan
-
         if self.dynamic.plan_skips_heads:  # the streaming heads' windows come with the dynamic lists
             return self.dynamic.plan(q, state.dynamic, lengths, host_lengths, keys, skip=state.flags,
                                      window=(self.config.sink, self.config.local))
+        from .streaming import sink_local_plan
+
         dyn = self.dynamic.plan(q, state.dynamic, lengths, host_lengths, keys)
         B, Hkv = dyn.counts.shape
         lam = sink_local_plan(lengths, B, Hkv, self.config.sink, self.config.local, keys if dyn.pool_rows else None)
