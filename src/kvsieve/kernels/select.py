@@ -362,7 +362,8 @@ def _compact_entries_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, C
         off = tl.load(OFF + row * N + e, mask=inb, other=0)
         nxt = tl.load(OFF + row * N + e + 1, mask=e + 1 < N, other=0)
         size = tl.where(inb, tl.where(e + 1 < N, nxt, sel) - off, 0)
-        size = tl.minimum(size, tl.maximum(sel - off, 0))  # a streaming row (STREAM) selects nothing
+        if STREAM:  # a streaming row's selection is dropped (sel = 0)
+            size = tl.minimum(size, tl.maximum(sel - off, 0))
         size = tl.minimum(size, tl.maximum(count - off, 0))  # lists are cut at the capacity
         if CSR:
             first = tl.load(ESTART + row * N + e, mask=size > 0, other=0)

@@ -170,3 +170,11 @@ def recent_and_sink(lengths: Tensor, S: int, sink: int, local: int, device) -> T
     pos = torch.arange(S, device=device)[None, :]
     L = lengths[:, None]
     return ((pos < sink) | (pos >= L - local)) & (pos < L)
+
+
+def streaming_window(skip, window, cap: int):
+    """(compact_tokens' stream argument, list capacity) for a plan given a hybrid's streaming
+    heads (skip [Hkv] bool) and their (sink, local) window; (None, cap) without them."""
+    if skip is None or window is None:
+        return None, cap
+    return (skip, *window), max(cap, sum(window))

@@ -10,7 +10,7 @@ from .. import dispatch
 from ..config import PageSelectConfig
 from ..ops.paged import row_table
 from ..ops.pages import page_scores, page_summaries
-from .base import Selection, SparseMethod, TokenPlan, all_valid
+from .base import Selection, SparseMethod, TokenPlan, all_valid, streaming_window
 
 
 @dataclass
@@ -180,11 +180,7 @@ class PageSelect(SparseMethod):
         (else they hold this method's own sink and local tokens)."""
         cfg = self.config
         pp = cfg.physical_page_size
-        cap = self.plan_capacity()
-        stream = None
-        if skip is not None and window is not None:
-            stream = (skip, *window)
-            cap = max(cap, sum(window))
+        stream, cap = streaming_window(skip, window, self.plan_capacity())
         if state.fresh is None:  # not driven by maintain(): count steps here
             fresh = state.last_plan is None or state.step % cfg.reuse_steps == 0
             state.step += 1

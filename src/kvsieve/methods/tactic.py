@@ -14,7 +14,7 @@ from ..ops.paged import PagedKeys, row_table
 from ..ops.kmeans import nearest_centroid
 from ..ops.select import cluster_radius, radius_bound, select_by_budget, summary_scores
 from . import fit_tables
-from .base import Selection, SparseMethod, TokenPlan, capacity_bucket
+from .base import Selection, SparseMethod, TokenPlan, capacity_bucket, streaming_window
 
 
 @dataclass
@@ -390,10 +390,7 @@ class Tactic(SparseMethod):
         else:
             _, group_max = dispatch.summary_scores(q, state.centroids, None, n_valid, group_only=True)
             chosen, offsets, total = dispatch.select_by_budget(group_max, state.sizes32, c["budget"])
-        cap = self.plan_capacity(state, host_lengths)
-        stream = None if skip is None or window is None else (skip, *window)
-        if stream is not None:
-            cap = max(cap, sum(window))
+        stream, cap = streaming_window(skip, window, self.plan_capacity(state, host_lengths))
         table, page = row_table(keys)
         idx, counts = dispatch.compact_tokens(chosen, offsets, total, state.members, state.entry_start,
                                               state.sizes32, 0, c["sink"], state.num_indexed[:, None], lengths, cap,
