@@ -576,9 +576,10 @@ def test_rank_clusters_head_boundary(G, C):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("G,D,S,C", [(1, 64, 1, 1), (3, 128, 54, 7), (4, 64, 97, 2), (8, 64, 97, 40)])
-def test_head_cluster_sums_matches_reference_and_oracle(G, D, S, C, dtype):
-    """Each query head's exact prefix scored per cluster (one pass over a cluster's key rows
-    for the whole group; clusters of up to 73 members, several programs per row) against
+@pytest.mark.parametrize("dot", [False, True])
+def test_head_cluster_sums_matches_reference_and_oracle(G, D, S, C, dtype, dot):
+    """Each query head's exact prefix scored per cluster (head by head, or one dot with the
+    group's queries; clusters of up to 73 members, several programs per row) against
     the torch twin (entries -> counts by key comparison) and a float64 oracle that walks
     each head's ranked list position by position."""
     from kvsieve.kernels.logits import head_cluster_sums
@@ -589,7 +590,7 @@ def test_head_cluster_sums_matches_reference_and_oracle(G, D, S, C, dtype):
     sizes, est, members, keys, hx = _ranked_index_case(B, Hkv, G, S, C, S + G)
     order, ranked, csize, bnd = rank_clusters(keys, sizes, hx)
     args = [t.to(DEV) for t in (keys, bnd, sizes, est, members)]
-    got = head_cluster_sums(q, kp, bt, *args)
+    got = head_cluster_sums(q, kp, bt, *args, _config=(16, 32, 4, dot))
     want = head_cluster_sums_reference(q, kp, bt, *args)
     # oracle: positions [0, hx) of each head's ranked list, their tokens and clusters
     Hq, W = Hkv * G, max(int(hx.max()), 1)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import next_pow2
+from . import interpreting, next_pow2
 from .search import count_at_most, search_rounds
 
 
@@ -144,10 +144,22 @@ def ranked_list_logits(q: Tensor, k_pool: Tensor, block_table: Tensor, positions
     return _launch(q, k_pool, block_table, positions, scale, ranked_index, _config)
 
 
+@triton.jit
+def _online(m_run, s_run, logit, mine):
+    """Running (max, sum of exp(logit - max)) along axis 0 of logit, counting `mine` only."""
+    m_new = tl.maximum(m_run, tl.max(tl.where(mine, logit, float("-inf")), 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.where(mine, tl.exp(logit - m_safe[None, :]), 0.0)
+    return m_new, s_run * tl.exp(m_run - m_safe) + tl.sum(p, 0)
+
+
 @triton.jit(do_not_specialize=('C', 'M'))
 def _head_sums_kernel(Q, K, BT, KEYS, BND, Z, EST, MEM, CMAX, CSUM, sq_b, sq_h, sk_p, sk_h, sk_s, sbt,
                       Hkv, C, M, scale, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                      BC: tl.constexpr, MB: tl.constexpr):
+                      BC: tl.constexpr, MB: tl.constexpr, DOT: tl.constexpr, HALF: tl.constexpr):
+    """One program per (KV head, BC clusters). DOT: a cluster's rows are read once and
+    scored for the whole group by one dot with the group's queries (GP >= 16 columns);
+    else head by head, the rows coming from L1 after the first."""
     kvrow = tl.program_id(0)
     b = kvrow // Hkv
     kv = kvrow % Hkv
@@ -169,14 +181,18 @@ def _head_sums_kernel(Q, K, BT, KEYS, BND, Z, EST, MEM, CMAX, CSUM, sq_b, sq_h, 
     cnt = tl.where(both, cnt, 0)  # [BC, GP] members counted per (cluster, head)
     most = tl.max(cnt, 1)
     offs_d = tl.arange(0, D)
-    q = tl.load(Q + b * sq_b + (kv * G + g_offs)[:, None] * sq_h + offs_d[None, :], mask=g_in[:, None],
-                other=0.0).to(tl.float32)  # [GP, D]
     mem_row = MEM + kvrow.to(tl.int64) * M
-    for i in range(BC):
-        n_i = tl.sum(tl.where(lane == i, most, 0), 0)
-        if n_i > 0:
+    if DOT:
+        qt = tl.load(Q + b * sq_b + (kv * G + g_offs)[None, :] * sq_h + offs_d[:, None], mask=g_in[None, :],
+                     other=0.0)  # [D, GP]
+        qt = qt if HALF else qt.to(tl.float32)
+    i = tl.min(tl.where(most > 0, lane, BC), 0)
+    while i < BC:  # only the clusters some head counts (a few percent)
+        first = tl.sum(tl.where(lane == i, start, 0), 0)
+        out = head * C + tl.program_id(1) * BC + i
+        if DOT:
+            n_i = tl.sum(tl.where(lane == i, most, 0), 0)
             cnt_i = tl.sum(tl.where(lane[:, None] == i, cnt, 0), 0)  # [GP]
-            first = tl.sum(tl.where(lane == i, start, 0), 0)
             m_run = tl.full([GP], float("-inf"), tl.float32)
             s_run = tl.zeros([GP], tl.float32)
             for m0 in range(0, n_i, MB):
@@ -185,22 +201,32 @@ def _head_sums_kernel(Q, K, BT, KEYS, BND, Z, EST, MEM, CMAX, CSUM, sq_b, sq_h, 
                 tok = tl.load(mem_row + first + j, mask=ok, other=0)
                 page = tl.load(BT + b * sbt + tok // PAGE, mask=ok, other=0).to(tl.int64)
                 k = tl.load(K + page[:, None] * sk_p + kv * sk_h + (tok % PAGE)[:, None] * sk_s + offs_d[None, :],
-                            mask=ok[:, None], other=0.0).to(tl.float32)  # [MB, D]
-                logit = tl.zeros([MB, GP], tl.float32)
-                for g in tl.static_range(G):
-                    q_g = tl.sum(tl.where(g_offs[:, None] == g, q, 0.0), 0)
-                    logit = tl.where(g_offs[None, :] == g, (tl.sum(k * q_g[None, :], 1) * scale)[:, None], logit)
-                valid = ok[:, None] & (j[:, None] < cnt_i[None, :])
-                logit = tl.where(valid, logit, float("-inf"))
-                m_new = tl.maximum(m_run, tl.max(logit, 0))
-                seen = m_new > float("-inf")
-                alpha = tl.where(seen, tl.exp(m_run - tl.where(seen, m_new, 0.0)), 1.0)
-                p = tl.where(valid, tl.exp(logit - tl.where(seen, m_new, 0.0)[None, :]), 0.0)
-                s_run = s_run * alpha + tl.sum(p, 0)
-                m_run = m_new
-            out = head * C + tl.program_id(1) * BC + i
+                            mask=ok[:, None], other=0.0)  # [MB, D]
+                k = k if HALF else k.to(tl.float32)
+                logit = tl.dot(k, qt, input_precision="ieee") * scale  # [MB, GP]
+                m_run, s_run = _online(m_run, s_run, logit, j[:, None] < cnt_i[None, :])
             tl.store(CMAX + out, m_run, mask=g_in & (cnt_i > 0))
             tl.store(CSUM + out, s_run, mask=g_in & (cnt_i > 0))
+        else:
+            for g in tl.static_range(G):
+                cnt_g = tl.sum(tl.sum(tl.where((lane[:, None] == i) & (g_offs[None, :] == g), cnt, 0), 1), 0)
+                q_g = tl.load(Q + b * sq_b + (kv * G + g) * sq_h + offs_d).to(tl.float32)
+                m_run = tl.full([1], float("-inf"), tl.float32)
+                s_run = tl.zeros([1], tl.float32)
+                for m0 in range(0, cnt_g, MB):
+                    j = m0 + tl.arange(0, MB)
+                    ok = j < cnt_g
+                    tok = tl.load(mem_row + first + j, mask=ok, other=0)
+                    page = tl.load(BT + b * sbt + tok // PAGE, mask=ok, other=0).to(tl.int64)
+                    k = tl.load(K + page[:, None] * sk_p + kv * sk_h + (tok % PAGE)[:, None] * sk_s
+                                + offs_d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)  # [MB, D]
+                    logit = tl.sum(k * q_g[None, :], 1) * scale
+                    m_run, s_run = _online(m_run, s_run, logit[:, None], ok[:, None])
+                if cnt_g > 0:
+                    at = (kvrow * G + g) * C + tl.program_id(1) * BC + i + tl.arange(0, 1)
+                    tl.store(CMAX + at, m_run)
+                    tl.store(CSUM + at, s_run)
+        i = tl.min(tl.where((most > 0) & (lane > i), lane, BC), 0)
 
 
 def head_cluster_sums(q: Tensor, k_pool: Tensor, block_table: Tensor, keys: Tensor, boundary: Tensor,
@@ -208,7 +234,7 @@ def head_cluster_sums(q: Tensor, k_pool: Tensor, block_table: Tensor, keys: Tens
                       _config=None):
     """Triton twin of ops.threshold.head_cluster_sums_reference ((cmax, csum) float32
     [B, Hq, C]); entries of clusters a head does not count are left unwritten.
-    `_config` = (clusters per program, members per pass, warps) overrides the launch."""
+    `_config` = (clusters per program, members per pass, warps, dot) overrides the launch."""
     B, Hq, D = q.shape
     Hkv, page = k_pool.shape[1], k_pool.shape[2]
     C = keys.shape[-1]
@@ -220,11 +246,13 @@ def head_cluster_sums(q: Tensor, k_pool: Tensor, block_table: Tensor, keys: Tens
     z, est, mem, bnd = (t.to(torch.int32).contiguous() for t in (sizes, entry_start, members, boundary))
     cmax = torch.empty(B, Hq, C, dtype=torch.float32, device=q.device)
     csum = torch.empty_like(cmax)
-    bc, mb, warps = _config or (16, 32, 4)
+    bc, mb, warps, dot = _config or (16, 32, 4, False)
     if B * Hq and C:
         _head_sums_kernel[(B * Hkv, triton.cdiv(C, bc))](
             q, k_pool, block_table, keys.float().contiguous(), bnd, z, est, mem, cmax, csum,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_table.stride(0),
-            Hkv, C, mem.shape[-1], D ** -0.5 if scale is None else scale, G=G, GP=max(2, next_pow2(G)), D=D,
-            PAGE=page, BC=bc, MB=mb, num_warps=warps)
+            Hkv, C, mem.shape[-1], D ** -0.5 if scale is None else scale, G=G,
+            GP=max(16 if dot else 2, next_pow2(G)), D=D,
+            PAGE=page, BC=bc, MB=mb, DOT=dot, HALF=q.dtype in (torch.float16, torch.bfloat16) and not interpreting(),
+            num_warps=warps)
     return cmax, csum

@@ -21,16 +21,16 @@ def _ranked_kernel(ORD, Z, ORDER, RANKED, CSIZE, HX, BND, C, G, sz_r, HEAD: tl.c
                    PDL: tl.constexpr):
     """One program per query head: from the sort's order, the int32 order, the ranked
     sizes and their running sum; with HEAD, the cluster where the head's exact prefix of
-    HX tokens ends (ops.threshold.head_boundary)."""
+    HX tokens ends (ops.threshold.head_boundary; HX must not exceed the list)."""
     start_after_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     z_row = Z + (row // G) * sz_r
     carry = tl.sum(tl.zeros([BLOCK], tl.int32), 0)
-    hx = tl.load(HX + row) if HEAD else 0
-    b_cid = carry
-    b_part = carry
-    b_rank = carry
+    if HEAD:  # an empty prefix has no boundary; else exactly one rank crosses, and its lane writes it
+        hx = tl.load(HX + row)
+        lane4 = tl.arange(0, 4)
+        tl.store(BND + row * 3 + lane4, tl.where(lane4 == 1, 0, -1), mask=(lane4 < 3) & (lane4 * 0 + hx <= 0))
     for c0 in range(0, C, BLOCK):
         inb = c0 + offs < C
         order = tl.load(ORD + row * C + c0 + offs, mask=inb, other=0).to(tl.int32)
@@ -39,17 +39,13 @@ def _ranked_kernel(ORD, Z, ORDER, RANKED, CSIZE, HX, BND, C, G, sz_r, HEAD: tl.c
         tl.store(ORDER + row * C + c0 + offs, order, mask=inb)
         tl.store(RANKED + row * C + c0 + offs, ranked, mask=inb)
         tl.store(CSIZE + row * C + c0 + offs, csize, mask=inb)
-        if HEAD:  # the one rank whose cluster holds the prefix's last token
+        if HEAD:  # the rank whose cluster holds the prefix's last token
             cross = inb & (csize - ranked <= hx - 1) & (csize > hx - 1)
-            b_cid += tl.sum(tl.where(cross, order, 0), 0)
-            b_part += tl.sum(tl.where(cross, hx - csize + ranked, 0), 0)
-            b_rank += tl.sum(tl.where(cross, c0 + offs, 0), 0)
+            at = BND + row * 3 + offs * 0
+            tl.store(at, order, mask=cross)
+            tl.store(at + 1, hx - csize + ranked, mask=cross)
+            tl.store(at + 2, c0 + offs, mask=cross)
         carry += tl.sum(ranked, 0)
-    if HEAD:
-        some = hx > 0
-        tl.store(BND + row * 3, tl.where(some, b_cid, -1))
-        tl.store(BND + row * 3 + 1, tl.where(some, b_part, 0))
-        tl.store(BND + row * 3 + 2, tl.where(some, b_rank, -1))
 
 
 def rank_clusters(keys: Tensor, sizes: Tensor, hx: Optional[Tensor] = None):
