@@ -155,27 +155,8 @@ def sweep_launches(m, q, st, lengths, host, keys, S, B, log) -> None:
 
     c = m._consts(st, q, host)
     skeys, bound = dispatch.cluster_scores(q, st.centroids, st.sizes32, st.radius)
-    Hq = q.shape[1]
-    order, ranked, csize, head = dispatch.rank_clusters(skeys, st.sizes32, c["hx"].view(B, Hq))
+    order, ranked, csize = dispatch.rank_clusters(skeys, st.sizes32)
     chosen, offsets, total = m._choose_by_threshold(q, st, lengths, keys, c)
-    from kvsieve.kernels import logits as klogits
-    from kvsieve.ops.threshold import head_counts
-    counts = head_counts(skeys, head, st.sizes32)  # key rows the exact head reads: per query head, per group
-    per_group = counts.view(B, st.sizes32.shape[1], -1, counts.shape[-1]).amax(2).sum()
-    want = None
-    for cfg in ((16, 32, 4, False), (16, 32, 4, True), (16, 16, 4, True), (32, 32, 4, True), (8, 32, 4, True),
-                (16, 64, 4, True), (16, 32, 2, True), (16, 32, 8, True)):
-        fn = lambda: klogits.head_cluster_sums(q, keys.pool, keys.block_table, skeys, head, st.sizes32,  # noqa: E731
-                                               st.entry_start, st.members, _config=cfg)
-        got = [torch.where(counts > 0, t, 0) for t in fn()]
-        want = got if want is None else want
-        log(kind="head_sums", S=S, B=B, config=cfg, us=round(1e3 * median_ms(capture(fn)), 2),
-            rows_per_head=int(counts.sum()), rows_per_group=int(per_group),
-            same=all(torch.equal(a, b) for a, b in zip(got, want)))
-    for cache in klogits._head_sums_kernel.device_caches.values():  # registers decide how many programs fit
-        for compiled in cache[0].values():
-            log(kind="head_sums_build", regs=compiled.n_regs, spills=compiled.n_spills,
-                warps=compiled.metadata.num_warps, shared=compiled.metadata.shared)
     keep = torch.randint(1, 200, (B, q.shape[1]), device="cuda")  # stand-in prefixes for the union's timing
     want = None
     for cfg in ((4096, 8), (4096, 16)):
@@ -184,6 +165,7 @@ def sweep_launches(m, q, st, lengths, host, keys, S, B, log) -> None:
         want = got if want is None else want
         log(kind="union", S=S, B=B, config=cfg, us=round(1e3 * median_ms(capture(fn)), 2),
             same=all(torch.equal(a, b) for a, b in zip(got, want)))
+    from kvsieve.kernels import logits as klogits
     pos = c["positions"].view(B, q.shape[1], -1)
     index = (csize, ranked, order, st.entry_start, st.members)
     fused = lambda: klogits.ranked_list_logits(q, keys.pool, keys.block_table, pos, *index, _split=False)  # noqa: E731

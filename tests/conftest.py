@@ -75,18 +75,16 @@ def tiny_model(tmp_path_factory):
 
 
 def fit_case(seed, R, C, max_size, decay, always_w, dtype=torch.float64, segment_samples=0, head_max_tokens=None):
-    """Random ranked-cluster lists for the threshold fit: cluster sizes by rank [R, C] (row
-    0 empty, row 1 short enough to be exact; empty clusters anywhere else, as clusters
-    scored NaN can interleave with them), each row's cluster ids by rank a random
-    permutation, logits along each list decaying as -decay*log(x) (steep decay drives b < 0),
-    always-attended logits, the exact head's per-cluster (max, sum of exp) and the
-    segments' read positions and scores (sampled / head capped as TacticConfig's
-    segment_samples / head_max_tokens). Returns a dict of everything keep_clusters takes
-    (`keep_args`, in its order), plus the full `logits` [R, L] and the read `mask` [R, L]."""
+    """Random ranked-cluster lists for the threshold fit: cluster sizes [R, C] (row 0 empty,
+    row 1 short enough to be exact; empty clusters anywhere else), logits along each list
+    decaying as -decay*log(x) (steep decay drives b < 0), always-attended logits, and the
+    fit's read positions and scores (segments sampled / head capped as TacticConfig's
+    segment_samples / head_max_tokens). Returns a dict of everything keep_clusters takes,
+    plus the full `logits` [R, L]."""
     from types import SimpleNamespace
 
     from kvsieve.ops.fit import fit_layout
-    from kvsieve.ops.threshold import exact_prefix, head_boundary, read_positions, read_widths
+    from kvsieve.ops.threshold import read_positions, read_widths
 
     g = torch.Generator().manual_seed(seed)
     sizes = torch.randint(0, max_size, (R, C), generator=g)
@@ -102,32 +100,8 @@ def fit_case(seed, R, C, max_size, decay, always_w, dtype=torch.float64, segment
                           min_segment_tokens=16)
     layout = fit_layout(n, cfg.head_fraction, cfg.segment_centers, cfg.segment_fraction, cfg.min_segment_tokens,
                         segment_samples, head_max_tokens)
-    seg_w = read_widths(layout, n)[1]
-    pos = read_positions(layout, n, 0, seg_w)
+    head_w, seg_w = read_widths(layout, n)
+    pos = read_positions(layout, n, head_w, seg_w)
     read = logits.gather(1, pos.clamp(min=0)).masked_fill(pos < 0, float("-inf"))
-    ranked = sizes  # sizes are given by rank; each row's cluster ids by rank a random permutation
-    order = torch.stack([torch.randperm(C, generator=g) for _ in range(R)])
-    csize = ranked.cumsum(-1)
-    hx = exact_prefix(layout, n)
-    boundary = head_boundary(order, ranked, csize, hx)
-    cmax = torch.full((R, C), float("-inf"), dtype=dtype)
-    csum = torch.zeros(R, C, dtype=dtype)
-    mask = torch.zeros(R, L, dtype=torch.bool)
-    for r in range(R):
-        start = 0
-        for rank in range(C):
-            end = min(int(csize[r, rank]), int(hx[r]))
-            if end > start:
-                seg = logits[r, start:end]
-                cid = int(order[r, rank])
-                cmax[r, cid] = seg.max()
-                csum[r, cid] = torch.exp(seg - seg.max()).sum()
-                mask[r, start:end] = True
-            start = int(csize[r, rank])
-    mask |= torch.zeros(R, L + 1, dtype=torch.bool).scatter_(1, torch.where(pos >= 0, pos, L), True)[:, :L]
-    keys = ("cmax", "csum", "order", "ranked", "boundary", "read", "positions", "always", "layout", "n", "csize")
-    case = {"cmax": cmax, "csum": csum, "order": order, "ranked": ranked.int(), "boundary": boundary, "read": read,
-            "positions": pos, "always": always, "layout": layout, "n": n, "csize": csize, "logits": logits,
-            "mask": mask}
-    case["keep_args"] = tuple(case[k] for k in keys)
-    return case
+    return {"read": read, "positions": pos, "always": always, "layout": layout, "n": n,
+            "csize": sizes.cumsum(-1), "head_w": head_w, "logits": logits}

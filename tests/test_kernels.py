@@ -527,109 +527,19 @@ def test_ranked_list_logits_matches_reference(G, D, C, split):
     assert (got[~none].double() - exact[~none]).abs().max() <= 1.5 * (want[~none].double() - exact[~none]).abs().max() + 1e-4
 
 
-def _ranked_index_case(B, Hkv, G, S, C, seed):
-    """A random CSR cluster index (tokens past 3/4 of S unindexed, some clusters empty),
-    tied sort keys, and each query head's exact-prefix length hx in [0, its list] (0 and
-    the whole list included). Returns sizes, entry_start, members, keys and hx (CPU)."""
-    g = torch.Generator().manual_seed(seed)
-    Hq = Hkv * G
-    indexed = max(1, (3 * S) // 4) if S > 1 else 1
-    assign = torch.randint(0, C, (B, Hkv, S), generator=g)
-    assign[..., indexed:] = -1
-    sizes = torch.zeros(B, Hkv, C + 1, dtype=torch.long).scatter_add_(-1, assign.clamp(min=-1) % (C + 1),
-                                                                     torch.ones_like(assign))[..., :C]
-    key = torch.where(assign >= 0, assign * S + torch.arange(S), C * S + torch.arange(S))
-    members = key.argsort(-1).int()
-    entry_start = (sizes.cumsum(-1) - sizes).int()
-    keys = rselect.sort_keys(torch.randn(B, Hq, C, generator=g).round(decimals=1), sizes.int())
-    n = sizes.sum(-1).repeat_interleave(G, 1)
-    hx = (torch.rand(B, Hq, generator=g) * (n + 1)).long().clamp(max=n)
-    hx[0, 0] = 0
-    hx[-1, -1] = n[-1, -1]
-    return sizes.int(), entry_start, members, keys, hx
-
-
-@pytest.mark.parametrize("G,C", [(1, 1), (3, 7), (4, 54), (8, 97), (4, 300)])
-def test_rank_clusters_head_boundary(G, C):
-    """With hx, the ranking also names the cluster where each head's exact prefix ends (id,
-    members inside, rank): kernel = twin = a walk along the ranked list."""
-    from kvsieve.kernels.rank import rank_clusters
-    from kvsieve.ops.threshold import rank_clusters as reference
-
-    sizes, _, _, keys, hx = _ranked_index_case(2, 2, G, 400, C, G * 7 + C)
-    want = reference(keys, sizes, hx)
-    got = rank_clusters(keys.to(DEV), sizes.to(DEV), hx.to(DEV))
-    for w, o in zip(want, got):
-        assert o.dtype == torch.int32 and torch.equal(o.cpu(), w)
-    order, ranked, _, bnd = want
-    for b in range(2):
-        for h in range(2 * G):
-            left, r = int(hx[b, h]), 0
-            if left == 0:
-                assert bnd[b, h].tolist() == [-1, 0, -1]
-                continue
-            while left > int(ranked[b, h, r]):
-                left -= int(ranked[b, h, r])
-                r += 1
-            assert bnd[b, h].tolist() == [int(order[b, h, r]), left, r]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("G,D,S,C", [(1, 64, 1, 1), (3, 128, 54, 7), (4, 64, 97, 2), (8, 64, 97, 40)])
-@pytest.mark.parametrize("dot", [False, True])
-def test_head_cluster_sums_matches_reference_and_oracle(G, D, S, C, dtype, dot):
-    """Each query head's exact prefix scored per cluster (head by head, or one dot with the
-    group's queries; clusters of up to 73 members, several programs per row) against
-    the torch twin (entries -> counts by key comparison) and a float64 oracle that walks
-    each head's ranked list position by position."""
-    from kvsieve.kernels.logits import head_cluster_sums
-    from kvsieve.ops.threshold import head_cluster_sums_reference, rank_clusters, ranked_list_tokens
-
-    B, Hkv = 2, 2
-    q, kp, _, bt, _, _ = paged_case(B, Hkv, G, D, 16, S, dtype, seed=S + G + C, sparse=False)
-    sizes, est, members, keys, hx = _ranked_index_case(B, Hkv, G, S, C, S + G)
-    order, ranked, csize, bnd = rank_clusters(keys, sizes, hx)
-    args = [t.to(DEV) for t in (keys, bnd, sizes, est, members)]
-    got = head_cluster_sums(q, kp, bt, *args, _config=(16, 32, 4, dot))
-    want = head_cluster_sums_reference(q, kp, bt, *args)
-    # oracle: positions [0, hx) of each head's ranked list, their tokens and clusters
-    Hq, W = Hkv * G, max(int(hx.max()), 1)
-    p = torch.arange(W).expand(B, Hq, W)
-    p = torch.where(p < hx[..., None], p, -1).int()
-    tok = ranked_list_tokens(p, csize, ranked, order, est, members)
-    logit = rpaged.list_logits_reference(q.double(), kp.double(), bt, tok.to(DEV)).cpu()
-    rank = torch.searchsorted(csize.long(), p.long().clamp(min=0), right=True).clamp(max=C - 1)
-    cid = torch.where(p >= 0, order.long().gather(-1, rank), C)
-    exact_max = torch.full((B, Hq, C + 1), float("-inf"), dtype=torch.float64).scatter_reduce(-1, cid, logit, "amax")
-    exact_sum = torch.zeros(B, Hq, C + 1, dtype=torch.float64).scatter_add(
-        -1, cid, torch.exp(logit - exact_max.gather(-1, cid)).nan_to_num(0.0))
-    counted = exact_sum[..., :C] > 0
-    assert counted.any() and (~counted).any() or C == 1
-    assert torch.equal(want[1].cpu() > 0, counted)
-    lse = lambda m, s: (m.double().cpu() + s.double().cpu().log())[counted]  # noqa: E731
-    oracle = lse(exact_max[..., :C], exact_sum[..., :C])
-    err_ref = (lse(*want) - oracle).abs().max()
-    assert (lse(*got) - oracle).abs().max() <= bound(dtype, err_ref.item())
-    assert (got[0].cpu()[counted] - exact_max[..., :C][counted]).abs().max() <= bound(dtype, (
-        want[0].cpu()[counted] - exact_max[..., :C][counted]).abs().max().item())
-
-
 def _keep_twin_and_kernel(case, threshold, min_budget, max_budget):
-    """keep_clusters of the torch twin and of the kernel (on DEV) on a conftest.fit_case;
-    the per-cluster sums are NaN outside each head (the scoring kernel leaves them unwritten)."""
+    """keep_clusters of the torch twin and of the kernel (on DEV) on a conftest.fit_case."""
     from kvsieve.kernels.fit import keep_clusters as kkeep
     from kvsieve.ops.threshold import keep_clusters
 
-    args = list(case["keep_args"])
-    counted = case["csum"] > 0
-    args[0] = case["cmax"].masked_fill(~counted, float("nan"))
-    args[1] = case["csum"].masked_fill(~counted, float("nan"))
-    want = keep_clusters(*args, threshold, min_budget, max_budget)
-    layout = case["layout"]
-    args[8] = type(layout)(*(t.to(DEV) if torch.is_tensor(t) else tuple(u.to(DEV) for u in t)
+    read, pos, always, layout, n, csize, head_w = (case[k] for k in ("read", "positions", "always", "layout", "n",
+                                                                     "csize", "head_w"))
+    want = keep_clusters(read, pos, always, layout, n, csize, head_w, threshold, min_budget, max_budget)
+    lay_dev = type(layout)(*(t.to(DEV) if torch.is_tensor(t) else tuple(u.to(DEV) for u in t)
                              for t in (layout.head_len, layout.seg_len, layout.seg_start, layout.exact,
                                        layout.seg_reads)))
-    got = kkeep(*(a.to(DEV) if torch.is_tensor(a) else a for a in args), threshold, min_budget, max_budget).cpu()
+    got = kkeep(read.to(DEV), pos.to(DEV), always.to(DEV), lay_dev, n.to(DEV), csize.to(DEV), head_w,
+                threshold, min_budget, max_budget).cpu()
     return want, got
 
 

@@ -199,22 +199,18 @@ def test_page_summaries_are_channelwise_min_max():
 @pytest.mark.parametrize("samples,head_cap", [(0, None), (5, 7)])
 def test_threshold_keep_from_read_positions_equals_full_list_budget(threshold, min_budget, max_budget, decay,
                                                                     samples, head_cap):
-    """ops.threshold (cluster boundaries, closed-form fitted tail, the exact head as
-    per-cluster sums, only the segments' read positions) keeps exactly the clusters that
-    estimate_budget over the whole list implies (float64), with whole or sampled segments
-    and an uncapped or capped head; entries of clusters outside the head are never read."""
+    """ops.threshold (cluster boundaries, closed-form fitted tail, only the read positions)
+    keeps exactly the clusters that estimate_budget over the whole list implies (float64),
+    with whole or sampled segments and an uncapped or capped head."""
     from kvsieve.ops.threshold import keep_clusters
 
     case = fit_case(int(10 * threshold + decay), 24, 60, 50, decay, 5, segment_samples=samples,
                     head_max_tokens=head_cap)
-    logits, always, layout, n, csize, in_read = (case[k] for k in ("logits", "always", "layout", "n", "csize", "mask"))
+    logits, pos, always, layout, n, csize = (case[k] for k in ("logits", "positions", "always", "layout", "n", "csize"))
     R, L = logits.shape
-    args = list(case["keep_args"])
-    counted = case["csum"] > 0
-    args[0] = case["cmax"].masked_fill(~counted, float("nan"))  # garbage where the kernel writes nothing
-    args[1] = case["csum"].masked_fill(~counted, float("nan"))
-    got = keep_clusters(*args, threshold, min_budget, max_budget)
+    got = keep_clusters(case["read"], pos, always, layout, n, csize, case["head_w"], threshold, min_budget, max_budget)
 
+    in_read = torch.zeros(R, L + 1, dtype=torch.bool).scatter_(1, torch.where(pos >= 0, pos, L), True)[:, :L]
     sl = logits.masked_fill(~in_read, float("-inf"))
     shift = torch.maximum(sl.amax(-1, keepdim=True), always.amax(-1, keepdim=True))
     budget, _ = estimate_budget(torch.exp(sl - shift), n, layout, threshold, torch.exp(always - shift).sum(-1))

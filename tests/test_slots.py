@@ -121,7 +121,7 @@ def test_threshold_fit_tables_stay_put_across_folds():
         if key == last_key:  # a replay runs no plan code: maintain() must have brought the tables up to date
             assert st.consts["wkey"][0] == tuple(st.host_indexed)
         got = plan_sets(m, q, st, lengths, keys)
-        tables = [id(t) for t in fit_tables._tensors(st.consts)] + [st.consts["seg_w"]]
+        tables = [id(t) for t in fit_tables._tensors(st.consts)] + [st.consts["head_w"], st.consts["seg_w"]]
         if key == last_key:  # a replay would read the captured tables: still the same tensors
             assert tables == captured
             in_place += st.consts["wkey"] != wkey

@@ -33,22 +33,13 @@ def ranked_list_logits(q, k_pool, block_table, positions, csize, ranked, order, 
     return impl(q, k_pool, block_table, positions, csize, ranked, order, entry_start, members, scale)
 
 
-def rank_clusters(keys, sizes, hx=None):
+def rank_clusters(keys, sizes):
     """See ops.threshold.rank_clusters."""
     if use_triton(keys):
         from .kernels.rank import rank_clusters as impl
     else:
         from .ops.threshold import rank_clusters as impl
-    return impl(keys, sizes, hx)
-
-
-def head_cluster_sums(q, k_pool, block_table, keys, boundary, sizes, entry_start, members, scale=None):
-    """See ops.threshold.head_cluster_sums_reference."""
-    if use_triton(q):
-        from .kernels.logits import head_cluster_sums as impl
-    else:
-        from .ops.threshold import head_cluster_sums_reference as impl
-    return impl(q, k_pool, block_table, keys, boundary, sizes, entry_start, members, scale)
+    return impl(keys, sizes)
 
 
 def union_prefixes(keys, order, keep, sizes, extra=None):
@@ -69,15 +60,13 @@ def cluster_scores(q, centroids, sizes, radius=None):
     return impl(q, centroids, sizes, radius)
 
 
-def keep_clusters(cmax, csum, order, ranked, boundary, read, positions, always, layout, n, csize, threshold,
-                  min_budget=0, max_budget=None):
+def keep_clusters(read, positions, always, layout, n, csize, head_w, threshold, min_budget=0, max_budget=None):
     """See ops.threshold.keep_clusters."""
     if use_triton(read):
         from .kernels.fit import keep_clusters as impl
     else:
         from .ops.threshold import keep_clusters as impl
-    return impl(cmax, csum, order, ranked, boundary, read, positions, always, layout, n, csize, threshold,
-                min_budget, max_budget)
+    return impl(read, positions, always, layout, n, csize, head_w, threshold, min_budget, max_budget)
 
 
 def summary_scores(q, lo, hi=None, n_valid=None, group_only=False):

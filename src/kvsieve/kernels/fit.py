@@ -1,8 +1,8 @@
 """Tactic's fitted threshold budget in one launch (twin of kvsieve.ops.threshold.keep_clusters).
 
-One program per query head: the max-shift over the scores read, the exact head's running
-mass over its ranked clusters (per-cluster sums from logits.head_cluster_sums, kept in a
-small float64 scratch row for random access), the two segment means, the a/x + b fit, then a search over the ranked clusters' running sizes for the first whose
+One program per query head: the max-shift over the scores read, the exact head's prefix
+sums (kept in a small float64 scratch row for random access), the two segment means, the
+a/x + b fit, then a search over the ranked clusters' running sizes for the first whose
 estimated mass reaches threshold x total (the mass is monotone in the size: BLOCK-wide
 rounds, 2 for 4,096 clusters, instead of the mass at every boundary). Replaces ~40 small
 torch launches per step.
@@ -52,11 +52,11 @@ def _harmonic(x, PARAMS, SMALL: tl.constexpr):
 
 
 @triton.jit
-def _mass(cidx, m, a, b, last, h, harm_h, exact, SCR, scr_row, n_head, PARAMS, SMALL: tl.constexpr):
-    """Estimated mass of the first m list tokens, m = the running size at rank cidx (int32
-    vectors; harm_h = H(h)): the exact head's mass up to that rank plus the fitted tail."""
-    r = tl.minimum(cidx, n_head - 1)  # -1: no head
-    ex = tl.load(SCR + scr_row + r, mask=r >= 0, other=0.0)
+def _mass(m, a, b, last, h, harm_h, hx, exact, SCR, scr_row, HW, PARAMS, SMALL: tl.constexpr):
+    """Estimated mass of the first m list tokens (m: int32 vector; harm_h = H(h))."""
+    mh = tl.minimum(m, hx)
+    ok = (mh > 0) & (mh <= HW)
+    ex = tl.load(SCR + scr_row + mh - 1, mask=ok, other=0.0)
     x = tl.minimum(m.to(tl.float64), last)
     hf = h.to(tl.float64)
     tail = a * (_harmonic(x, PARAMS, SMALL) - harm_h) + b * (x - hf)
@@ -82,8 +82,8 @@ def _segment(READ, POS, row, W, start, SW, shift, BLOCK: tl.constexpr):
     return tl.sum(us, 0) / n_seg, tl.sum(ys, 0) / n_seg
 
 
-@triton.jit(do_not_specialize=('W', 'A', 'C', 'SW', 'min_budget', 'max_budget'))
-def _keep_kernel(CMAX, CSUM, ORD, RK, BND, READ, POS, ALW, HLEN, EXACT, NL, CS, SCR, PARAMS, OUT, W, A, C, SW,
+@triton.jit(do_not_specialize=('W', 'A', 'C', 'HW', 'SW', 'min_budget', 'max_budget'))
+def _keep_kernel(READ, POS, ALW, HLEN, EXACT, NL, CS, SCR, PARAMS, OUT, W, A, C, HW, SW,
                  min_budget, max_budget,
                  ALL: tl.constexpr, HAS_MIN: tl.constexpr, HAS_MAX: tl.constexpr, BLOCK: tl.constexpr,
                  BLOCK_BITS: tl.constexpr, SMALL: tl.constexpr, ROUNDS: tl.constexpr, CS_ROUNDS: tl.constexpr,
@@ -91,17 +91,11 @@ def _keep_kernel(CMAX, CSUM, ORD, RK, BND, READ, POS, ALW, HLEN, EXACT, NL, CS, 
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     threshold = tl.load(PARAMS)
-    n_head = tl.load(BND + row * 3 + 2) + 1  # ranks [0, n_head) hold the exact head
-    scr_row = row * C
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     for w0 in range(0, W, BLOCK):
         m = tl.maximum(m, tl.load(READ + row * W + w0 + offs, mask=w0 + offs < W, other=float("-inf")))
     for a0 in range(0, A, BLOCK):
         m = tl.maximum(m, tl.load(ALW + row * A + a0 + offs, mask=a0 + offs < A, other=float("-inf")))
-    for r0 in range(0, n_head, BLOCK):  # empty clusters (none counted, never written) skipped
-        r_in = (r0 + offs < n_head) & (tl.load(RK + scr_row + r0 + offs, mask=r0 + offs < n_head, other=0) > 0)
-        cid = tl.load(ORD + scr_row + r0 + offs, mask=r_in, other=0)
-        m = tl.maximum(m, tl.load(CMAX + scr_row + cid, mask=r_in, other=float("-inf")))
     shift = tl.max(m, 0)
     shift = tl.where(shift == float("-inf"), 0.0, shift).to(tl.float64)
     known = tl.zeros([BLOCK], tl.float64)
@@ -109,18 +103,15 @@ def _keep_kernel(CMAX, CSUM, ORD, RK, BND, READ, POS, ALW, HLEN, EXACT, NL, CS, 
         x = tl.load(ALW + row * A + a0 + offs, mask=a0 + offs < A, other=float("-inf"))
         known += tl.exp(x.to(tl.float64) - shift)
     known_s = tl.sum(known, 0)
+    scr_row = row * HW
     carry = tl.sum(tl.zeros([BLOCK], tl.float64), 0)
-    for r0 in range(0, n_head, BLOCK):  # running exact mass of the head, by rank
-        inside = r0 + offs < n_head
-        r_in = inside & (tl.load(RK + scr_row + r0 + offs, mask=inside, other=0) > 0)
-        cid = tl.load(ORD + scr_row + r0 + offs, mask=r_in, other=0)
-        cm = tl.load(CMAX + scr_row + cid, mask=r_in, other=float("-inf"))
-        cs = tl.load(CSUM + scr_row + cid, mask=r_in, other=0.0)
-        e = tl.where(r_in, cs.to(tl.float64) * tl.exp(cm.to(tl.float64) - shift), 0.0)
-        tl.store(SCR + scr_row + r0 + offs, tl.cumsum(e, 0) + carry, mask=inside)
+    for w0 in range(0, HW, BLOCK):  # prefix sums of the exact head
+        inside = w0 + offs < HW
+        e = tl.exp(tl.load(READ + row * W + w0 + offs, mask=inside, other=float("-inf")).to(tl.float64) - shift)
+        tl.store(SCR + scr_row + w0 + offs, tl.cumsum(e, 0) + carry, mask=inside)
         carry += tl.sum(e, 0)
-    u1, y1 = _segment(READ, POS, row, W, 0, SW, shift, BLOCK)
-    u2, y2 = _segment(READ, POS, row, W, SW, SW, shift, BLOCK)
+    u1, y1 = _segment(READ, POS, row, W, HW, SW, shift, BLOCK)
+    u2, y2 = _segment(READ, POS, row, W, HW + SW, SW, shift, BLOCK)
     a = (y1 - y2) / (u1 - u2)
     flat = ~(a >= 0)
     a = tl.where(flat, 0.0, a)
@@ -129,16 +120,16 @@ def _keep_kernel(CMAX, CSUM, ORD, RK, BND, READ, POS, ALW, HLEN, EXACT, NL, CS, 
     h = tl.load(HLEN + row)
     n = tl.load(NL + row)
     exact = tl.load(EXACT + row)
+    hx = tl.where(exact != 0, n, h)
     harm_h = _harmonic(h.to(tl.float64), PARAMS, SMALL)
-    zero = tl.zeros([BLOCK], tl.int32)
-    total = tl.max(_mass(zero + C - 1, zero + n, a, b, last, h, harm_h, exact, SCR, scr_row, n_head, PARAMS,
-                         SMALL), 0)
+    total = tl.max(_mass(tl.zeros([BLOCK], tl.int32) + n, a, b, last, h, harm_h, hx, exact, SCR, scr_row, HW,
+                         PARAMS, SMALL), 0)
     target = threshold * (total + known_s)
     # csize is non-decreasing and so is the estimated mass at it: every count below is the
     # number of leading boundaries satisfying a monotone test, found by a BLOCK-ary search
     # (ROUNDS dependent rounds of BLOCK probes: 2 for 4,096 clusters) instead of a test per boundary
     cs_row = CS + row * C
-    keep = tl.sum(zero, 0)
+    keep = tl.sum(tl.zeros([BLOCK], tl.int32), 0)
     for i in tl.static_range(ROUNDS):
         step = 1 << ((ROUNDS - 1 - i) * BLOCK_BITS)
         c = keep + (offs + 1) * step  # candidate counts
@@ -147,7 +138,7 @@ def _keep_kernel(CMAX, CSUM, ORD, RK, BND, READ, POS, ALW, HLEN, EXACT, NL, CS, 
         if ALL:
             hit = cs < n
         else:
-            mass = _mass(c - 1, cs, a, b, last, h, harm_h, exact, SCR, scr_row, n_head, PARAMS, SMALL)
+            mass = _mass(cs, a, b, last, h, harm_h, hx, exact, SCR, scr_row, HW, PARAMS, SMALL)
             hit = (known_s + mass < target) | (cs == 0)
         keep += tl.sum((ok & hit).to(tl.int32), 0) * step
     keep += 1
@@ -170,24 +161,26 @@ def search_rounds_for(count: int, fan: int) -> int:
     return rounds
 
 
-def keep_clusters(cmax: Tensor, csum: Tensor, order: Tensor, ranked: Tensor, boundary: Tensor, read: Tensor,
-                  positions: Tensor, always: Tensor, layout: FitLayout, n: Tensor, csize: Tensor, threshold: float,
-                  min_budget: int = 0, max_budget: Optional[int] = None) -> Tensor:
+def keep_clusters(read: Tensor, positions: Tensor, always: Tensor, layout: FitLayout, n: Tensor,
+                  csize: Tensor, head_w: int, threshold: float, min_budget: int = 0,
+                  max_budget: Optional[int] = None) -> Tensor:
     """Triton twin of ops.threshold.keep_clusters (same arguments, keep [R] long). The
     per-row layout and lengths are read in their own dtypes (no conversion launches)."""
     R, W = read.shape
     C = csize.shape[-1]
     A = always.shape[-1]
-    scratch = torch.empty(R, max(C, 1), dtype=torch.float64, device=read.device)
+    seg_w = (W - head_w) // 2
+
+    scratch = torch.empty(R, max(head_w, 1), dtype=torch.float64, device=read.device)
     out = torch.empty(R, dtype=torch.long, device=read.device)
     params = _params(threshold, read.device)
     i32 = int32_contiguous
-    _keep_kernel[(R,)](cmax.contiguous(), csum.contiguous(), i32(order), i32(ranked), i32(boundary),
-                       read.contiguous(), i32(positions), always.contiguous(), layout.head_len.contiguous(),
-                       layout.exact.contiguous(), n.contiguous(), i32(csize), scratch, params, out, W, A, C, W // 2,
+    _keep_kernel[(R,)](read.contiguous(), i32(positions), always.contiguous(), layout.head_len.contiguous(),
+                       layout.exact.contiguous(), n.contiguous(), i32(csize), scratch, params, out, W, A, C, head_w, seg_w,
                        int(min_budget), -1 if max_budget is None else int(max_budget),
                        ALL=threshold >= 1.0, HAS_MIN=min_budget > 0, HAS_MAX=max_budget is not None, BLOCK=BLOCK,
                        SMALL=HARMONIC_SERIES_FROM, BLOCK_BITS=BLOCK.bit_length() - 1,
                        ROUNDS=search_rounds_for(C, BLOCK),
                        CS_ROUNDS=search_rounds(C + 1, FAN_BITS), FAN_BITS=FAN_BITS, num_warps=NUM_WARPS)
     return out
+

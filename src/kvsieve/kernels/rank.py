@@ -17,54 +17,36 @@ from ..ops.threshold import ranking_order
 
 
 @triton.jit(do_not_specialize=('C', 'sz_r'))
-def _ranked_kernel(ORD, Z, ORDER, RANKED, CSIZE, HX, BND, C, G, sz_r, HEAD: tl.constexpr, BLOCK: tl.constexpr,
-                   PDL: tl.constexpr):
+def _ranked_kernel(ORD, Z, ORDER, RANKED, CSIZE, C, G, sz_r, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program per query head: from the sort's order, the int32 order, the ranked
-    sizes and their running sum; with HEAD, the cluster where the head's exact prefix of
-    HX tokens ends (ops.threshold.head_boundary; HX must not exceed the list)."""
+    sizes and their running sum."""
     start_after_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     z_row = Z + (row // G) * sz_r
     carry = tl.sum(tl.zeros([BLOCK], tl.int32), 0)
-    if HEAD:  # an empty prefix has no boundary; else exactly one rank crosses, and its lane writes it
-        hx = tl.load(HX + row)
-        lane4 = tl.arange(0, 4)
-        tl.store(BND + row * 3 + lane4, tl.where(lane4 == 1, 0, -1), mask=(lane4 < 3) & (lane4 * 0 + hx <= 0))
     for c0 in range(0, C, BLOCK):
         inb = c0 + offs < C
         order = tl.load(ORD + row * C + c0 + offs, mask=inb, other=0).to(tl.int32)
         ranked = tl.load(z_row + order, mask=inb, other=0)
-        csize = carry + tl.cumsum(ranked, 0)
         tl.store(ORDER + row * C + c0 + offs, order, mask=inb)
         tl.store(RANKED + row * C + c0 + offs, ranked, mask=inb)
-        tl.store(CSIZE + row * C + c0 + offs, csize, mask=inb)
-        if HEAD:  # the rank whose cluster holds the prefix's last token
-            cross = inb & (csize - ranked <= hx - 1) & (csize > hx - 1)
-            at = BND + row * 3 + offs * 0
-            tl.store(at, order, mask=cross)
-            tl.store(at + 1, hx - csize + ranked, mask=cross)
-            tl.store(at + 2, c0 + offs, mask=cross)
+        tl.store(CSIZE + row * C + c0 + offs, carry + tl.cumsum(ranked, 0), mask=inb)
         carry += tl.sum(ranked, 0)
 
 
-def rank_clusters(keys: Tensor, sizes: Tensor, hx: Optional[Tensor] = None):
+def rank_clusters(keys: Tensor, sizes: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """Triton twin of ops.threshold.rank_clusters: torch's segmented sort (a bitonic sort
-    of packed int64 keys in the kernel was ~3x slower on the H200), then one launch for the
-    rest (the head's boundary included, with hx)."""
+    of packed int64 keys in the kernel was ~3x slower on the H200), then one launch for the rest."""
     B, Hq, C = keys.shape
     Hkv = sizes.shape[1]
     order64 = ranking_order(keys)
     z = int32_contiguous(sizes)
     order, ranked, csize = (torch.empty(B, Hq, C, dtype=torch.int32, device=z.device) for _ in range(3))
-    bnd = torch.empty(B, Hq, 3, dtype=torch.int32, device=z.device)
     if B * Hq and C:
-        _ranked_kernel[(B * Hq,)](order64, z, order, ranked, csize, z if hx is None else int32_contiguous(hx), bnd,
-                                  C, Hq // Hkv, C, HEAD=hx is not None, BLOCK=min(4096, max(16, next_pow2(C))),
-                                  num_warps=4, **launch_args(z))
-    elif hx is not None:
-        bnd.copy_(torch.tensor([-1, 0, -1], dtype=torch.int32, device=z.device).expand_as(bnd))
-    return (order, ranked, csize) if hx is None else (order, ranked, csize, bnd)
+        _ranked_kernel[(B * Hq,)](order64, z, order, ranked, csize, C, Hq // Hkv, C,
+                                  BLOCK=min(4096, max(16, next_pow2(C))), num_warps=4, **launch_args(z))
+    return order, ranked, csize
 
 
 @triton.jit(do_not_specialize=('C',))

@@ -1,11 +1,10 @@
 """Tactic's threshold-mode fit tables, kept across decode steps.
 
-For each query head the plan reads the scores of its exact head (the first hx tokens of
-its ranked list, scored per cluster) and at fixed positions of the two fitting segments,
-laid out from host-known list lengths (every KV head of request b indexes the same
-num_indexed - sink tokens). The tables change when a fold or a joining request moves an
-indexed length. The segments' width is rounded up to WIDTH_STEP (the extra columns read
-nothing), so it changes only every few thousand tokens:
+For each query head the plan reads the scores at fixed positions of its ranked list (the
+exact head and the two fitting segments' samples), laid out from host-known list lengths
+(every KV head of request b indexes the same num_indexed - sink tokens). The tables change
+when a fold or a joining request moves an indexed length. Their widths are rounded up to
+WIDTH_STEP (the extra columns read nothing), so they change only every few thousand tokens:
 between width changes the tables are rewritten in place and a captured decode step that
 reads them stays valid.
 """
@@ -18,9 +17,9 @@ import torch
 
 from ..config import TacticConfig
 from ..ops.fit import FitLayout, fit_layout
-from ..ops.threshold import exact_prefix, read_positions, read_widths
+from ..ops.threshold import read_positions, read_widths
 
-WIDTH_STEP = 32  # segment columns
+WIDTH_STEP = (128, 32)  # (head, segment): the head grows by ~5 positions per 256-token fold
 
 
 def layout_for(cfg: TacticConfig, n: torch.Tensor) -> FitLayout:
@@ -35,11 +34,11 @@ def list_lengths(cfg: TacticConfig, indexed) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=512)
-def table_width(cfg: TacticConfig, indexed: Tuple[int, ...]) -> int:
-    """Columns per segment of the read-position table, rounded up to WIDTH_STEP."""
+def table_widths(cfg: TacticConfig, indexed: Tuple[int, ...]) -> Tuple[int, int]:
+    """(head, segment) widths of the read-position table, rounded up to WIDTH_STEP."""
     n = list_lengths(cfg, indexed)
-    seg_w = read_widths(layout_for(cfg, n), n)[1]
-    return -(-seg_w // WIDTH_STEP) * WIDTH_STEP
+    head_w, seg_w = read_widths(layout_for(cfg, n), n)
+    return tuple(-(-w // s) * s if w else 0 for w, s in zip((head_w, seg_w), WIDTH_STEP))
 
 
 @functools.lru_cache(maxsize=64)
@@ -47,26 +46,24 @@ def _host_tables(cfg: TacticConfig, indexed: Tuple[int, ...]) -> tuple:
     """The tables per request on the CPU (every layer's index asks for the same ones)."""
     n = list_lengths(cfg, indexed)
     lay = layout_for(cfg, n)
-    seg_w = table_width(cfg, indexed)
-    pos = read_positions(lay, n, 0, seg_w).to(torch.int32)
-    hx = exact_prefix(lay, n).to(torch.int32)
-    return seg_w, [lay.head_len, lay.seg_len, *lay.seg_start, lay.exact, lay.seg_reads, n, hx, pos]
+    head_w, seg_w = table_widths(cfg, indexed)
+    pos = read_positions(lay, n, head_w, seg_w).to(torch.int32)
+    return head_w, seg_w, [lay.head_len, lay.seg_len, *lay.seg_start, lay.exact, lay.seg_reads, n, pos]
 
 
 def build_tables(cfg: TacticConfig, indexed: List[int], Hq: int, device) -> dict:
-    """FitLayout, list lengths n [B*Hq], exact-head lengths hx [B*Hq] int32 and the segments'
-    read positions [B*Hq, 2 seg_w] (int32, -1 where nothing is read) per query head: new
-    tensors on `device`."""
-    seg_w, host = _host_tables(cfg, tuple(indexed))
-    head_len, seg_len, s1, s2, exact, seg_reads, n, hx, pos = (t.repeat_interleave(Hq, 0).to(device, copy=True)
-                                                                for t in host)
-    return {"seg_w": seg_w, "layout": FitLayout(head_len, seg_len, (s1, s2), exact, seg_reads),
-            "n": n, "hx": hx, "positions": pos}
+    """FitLayout, list lengths n [B*Hq] and read positions [B*Hq, head_w + 2 seg_w] (int32,
+    -1 where nothing is read) per query head: new tensors on `device`."""
+    head_w, seg_w, host = _host_tables(cfg, tuple(indexed))
+    head_len, seg_len, s1, s2, exact, seg_reads, n, pos = (t.repeat_interleave(Hq, 0).to(device, copy=True)
+                                                            for t in host)
+    return {"head_w": head_w, "seg_w": seg_w, "layout": FitLayout(head_len, seg_len, (s1, s2), exact, seg_reads),
+            "n": n, "positions": pos}
 
 
 def _tensors(t: dict) -> list:
     lay = t["layout"]
-    return [lay.head_len, lay.seg_len, *lay.seg_start, lay.exact, lay.seg_reads, t["n"], t["hx"], t["positions"]]
+    return [lay.head_len, lay.seg_len, *lay.seg_start, lay.exact, lay.seg_reads, t["n"], t["positions"]]
 
 
 def refresh(c: dict, cfg: TacticConfig, indexed: List[int], Hq: int, tail: int, device) -> None:
@@ -77,8 +74,8 @@ def refresh(c: dict, cfg: TacticConfig, indexed: List[int], Hq: int, tail: int, 
     if c.get("wkey") == wkey:
         return
     new = build_tables(cfg, indexed, Hq, device)
-    same = "positions" in c and (c["seg_w"], c["tail"], c["positions"].shape) == \
-        (new["seg_w"], tail, new["positions"].shape)
+    same = "positions" in c and (c["head_w"], c["seg_w"], c["tail"], c["positions"].shape) == \
+        (new["head_w"], new["seg_w"], tail, new["positions"].shape)
     if same:
         for dst, src in zip(_tensors(c), _tensors(new)):
             dst.copy_(src)

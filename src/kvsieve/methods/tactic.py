@@ -283,12 +283,12 @@ class Tactic(SparseMethod):
         return changed
 
     def graph_key(self, state: ClusterIndex, host_lengths):
-        """Fixed budget: the list capacity. Threshold: also the tail width and the width of
+        """Fixed budget: the list capacity. Threshold: also the tail width and the widths of
         the fit's tables (fit_tables: rewritten in place by maintain() while these hold)."""
         if self.config.budget is not None:
             return self.plan_capacity(state, host_lengths)
-        width = fit_tables.table_width(self.config, tuple(state.host_indexed or host_lengths))
-        return self.plan_capacity(state, host_lengths), self._tail_width(state, host_lengths), width
+        widths = fit_tables.table_widths(self.config, tuple(state.host_indexed or host_lengths))
+        return self.plan_capacity(state, host_lengths), self._tail_width(state, host_lengths), widths
 
     def _tail_width(self, state: ClusterIndex, host_lengths) -> int:
         """Width of the always-attended tail list: fixed at local + fold_every + 1 while
@@ -429,18 +429,15 @@ class Tactic(SparseMethod):
         B, Hq, D = q.shape
         Hkv, C = st.sizes.shape[1:]
         skeys, bound = dispatch.cluster_scores(q, st.centroids, st.sizes32, st.radius if cfg.protect else None)
-        order, ranked, csize, head = dispatch.rank_clusters(skeys, st.sizes32, c["hx"].view(B, Hq))
-        cmax, csum = dispatch.head_cluster_sums(q, keys.pool, keys.block_table, skeys, head, st.sizes32,
-                                                st.entry_start, st.members)
+        order, ranked, csize = dispatch.rank_clusters(skeys, st.sizes32)
         W = c["positions"].shape[-1]
-        read = dispatch.ranked_list_logits(q, keys.pool, keys.block_table, c["positions"].view(B, Hq, W), csize,
-                                           ranked, order, st.entry_start, st.members)
+        pos = c["positions"].view(B, Hq, W)
+        read = dispatch.ranked_list_logits(q, keys.pool, keys.block_table, pos, csize, ranked, order,
+                                           st.entry_start, st.members)
         always_pos = self._always_tokens(st, lengths, c)
         always = dispatch.list_logits(q, keys.pool, keys.block_table, always_pos[:, None, :].expand(B, Hq, -1))
-        R = B * Hq
-        keep = dispatch.keep_clusters(cmax.view(R, C), csum.view(R, C), order.view(R, C), ranked.view(R, C),
-                                      head.view(R, 3), read.view(R, W), c["positions"], always.view(R, -1),
-                                      c["layout"], c["n"], csize.view(R, C), cfg.threshold, cfg.min_budget,
+        keep = dispatch.keep_clusters(read.view(B * Hq, W), c["positions"], always.view(B * Hq, -1), c["layout"],
+                                      c["n"], csize.view(B * Hq, C), c["head_w"], cfg.threshold, cfg.min_budget,
                                       cfg.max_budget).view(B, Hq)
         protected = None
         if cfg.protect:
