@@ -317,3 +317,34 @@ def test_suite_summary_counts_only_what_dense_answers(tmp_path):
     assert "| tactic default | 20.0% | 50% (2/4) | 50% (1/2) | 50% (1/2) | 66.7% (2/3) | 0% (0/1) | 30.0% | 10.0% |" in table
     assert suite_curve({"cells": cells, "model": "m"}, tmp_path / "c.png") == "c.png"
     assert (tmp_path / "c.png").stat().st_size > 10_000
+
+
+def test_pool_suite_sums_found_over_seeds_and_counts_a_point_once(tmp_path):
+    """scripts/pool_suite.py: found summed over seeds on each seed's dense-correct cases, KV
+    read averaged; a second run of one seed adds only points the first lacks; a point missing
+    from a seed is listed but not pooled; a missing file exits 2."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "pool_suite.py"
+    spec = importlib.util.spec_from_file_location("pool_suite", path)
+    pool_suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pool_suite)
+
+    def cell(method, label, scores, kv):
+        return {"task": "suite", "method": method, "label": label, "length": 1024, "scores": scores,
+                "kinds": ["number"] * len(scores), "kv_fraction": kv}
+
+    runs = {"s0": [cell("dense", "dense", [1, 1, 0], 1.0), cell("tactic", "tactic default", [1, 0, 1], 0.2)],
+            "s1a": [cell("dense", "dense", [1, 1], 1.0), cell("tactic", "tactic default", [1, 1], 0.3)],
+            "s1b": [cell("dense", "dense", [1, 1], 1.0), cell("tactic", "tactic default", [0, 0], 0.9),
+                    cell("tactic", "tactic P=0.8", [1, 0], 0.1)]}
+    for name, cells in runs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({"model": "m", "cells": cells}))
+    p = lambda n: str(tmp_path / f"{n}.json")  # noqa: E731
+    assert pool_suite.main([p("s0"), f"{p('s1a')}+{p('s1b')}", "--out", str(tmp_path / "out")]) == 0
+    table = (tmp_path / "out" / "pooled.md").read_text()
+    assert "| tactic default | 1/2 | 2/2 | 75.0% (3/4) | 25.0% | 25.0% |" in table
+    assert "| tactic P=0.8 |  | 1/2 |  |  |  |" in table
+    assert (tmp_path / "out" / "suite-curve-pooled.png").stat().st_size > 0
+    assert pool_suite.main([p("s0"), p("nope"), "--out", str(tmp_path / "out")]) == 2

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import matplotlib
 
@@ -123,11 +123,12 @@ def retrieval_grid(results: Dict, variant: str, path: Path) -> str:
     return path.name
 
 
-def suite_curve(results: Dict, path: Path) -> str:
+def suite_curve(results: Dict, path: Path, rows: Optional[List[Dict]] = None, title: Optional[str] = None) -> str:
     """Retrieval (share of dense's correct cases found) against KV read, one panel for all
     lengths and one per length; every point of a method joined in order of KV read, its
-    default point ringed; the dotted line is the 99% target."""
-    rows = [r for r in suite_summary(results) if r["method"] != "dense"]
+    default point ringed; the dotted line is the 99% target. rows: report.suite_summary's
+    rows to draw instead of the results' own (e.g. pooled over seeds)."""
+    rows = [r for r in (rows if rows is not None else suite_summary(results)) if r["method"] != "dense"]
     lengths = sorted({k for r in rows for k in r["kv"] if k != "all"})
     keys = ["all", *lengths]
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
@@ -150,8 +151,8 @@ def suite_curve(results: Dict, path: Path) -> str:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("found (of dense's correct cases)")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"{Path(results['model']).name}: retrieval suite, found vs KV read (ringed: default; dotted: 99%)",
-                 fontsize=11)
+    fig.suptitle(title or f"{Path(results['model']).name}: retrieval suite, found vs KV read "
+                 "(ringed: default; dotted: 99%)", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
