@@ -52,8 +52,17 @@ def main(argv=None) -> int:
     if missing:
         print(f"error: no such results file: {missing[0]}; pass each seed's results.json", file=sys.stderr)
         return 2
-    seeds = [seed_rows(s) for s in args.seeds]
+    try:
+        seeds = [seed_rows(s) for s in args.seeds]
+    except (ValueError, KeyError, TypeError) as e:  # not JSON, or not an eval results file
+        print(f"error: not a `kvsieve eval` results.json ({e!r}); pass the results.json of --tasks suite runs",
+              file=sys.stderr)
+        return 2
     pooled = pool(seeds)
+    if not pooled:
+        print("error: no suite point is in every seed's results; pass results of `kvsieve eval --tasks suite`",
+              file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     longest = max(k for r in pooled for k in r["kv"] if k != "all")
@@ -64,7 +73,7 @@ def main(argv=None) -> int:
         per = [f"{s[lab]['found']['all'][0]}/{s[lab]['found']['all'][1]}" if lab in s else "" for s in seeds]
         p = next((r for r in pooled if r["label"] == lab), None)
         hit, tot = p["found"]["all"] if p else (0, 0)
-        cells = [f"{100 * hit / tot:.1f}% ({hit}/{tot})" if p else "", f"{100 * p['kv']['all']:.1f}%" if p else "",
+        cells = [f"{100 * hit / max(tot, 1):.1f}% ({hit}/{tot})" if p else "", f"{100 * p['kv']['all']:.1f}%" if p else "",
                  f"{100 * p['kv'][longest]:.1f}%" if p and longest in p["kv"] else ""]
         lines.append("| " + " | ".join([lab, *per, *cells]) + " |")
     (out / "pooled.md").write_text("\n".join(lines) + "\n")

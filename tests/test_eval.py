@@ -348,3 +348,7 @@ def test_pool_suite_sums_found_over_seeds_and_counts_a_point_once(tmp_path):
     assert "| tactic P=0.8 |  | 1/2 |  |  |  |" in table
     assert (tmp_path / "out" / "suite-curve-pooled.png").stat().st_size > 0
     assert pool_suite.main([p("s0"), p("nope"), "--out", str(tmp_path / "out")]) == 2
+    (tmp_path / "bad.json").write_text("not json")
+    (tmp_path / "empty.json").write_text(json.dumps({"model": "m", "cells": []}))
+    assert pool_suite.main([p("bad"), "--out", str(tmp_path / "out")]) == 2
+    assert pool_suite.main([p("empty"), "--out", str(tmp_path / "out")]) == 2
