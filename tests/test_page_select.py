@@ -264,6 +264,11 @@ def test_page_windows_kernel_matches_twin(sink, local, pp):
     """The always-attended windows of a fresh selection, one launch against the twin's
     torch ops and an oracle, lengths at and around page boundaries."""
     lengths = torch.tensor([1, 54, 97, 1000, 63, 64, 65, 128, 300, 2])
+    lengths = torch.cat([lengths, torch.randint(1, 5000, (130,), generator=torch.Generator().manual_seed(pp))])
+    for n in (1, 10, 64, 65, 140):  # one program of 64 rows, and several
+        sub = lengths[:n]
+        assert all(torch.equal(w, x.cpu()) for w, x in zip(rpages.page_windows(sub, sink, local, pp),
+                                                            kpages.page_windows(sub.to(DEV), sink, local, pp)))
     want = rpages.page_windows(lengths, sink, local, pp)
     got = kpages.page_windows(lengths.to(DEV), sink, local, pp)
     for w, x in zip(want, got):

@@ -20,7 +20,7 @@ from .pdl import launch_args, start_after_producer
 _use_dot = True  # the tensor-core form by default (scripts/profile_plan.py --methods quest --sweep)
 
 
-@triton.jit(do_not_specialize=('P', 'NP'))
+@triton.jit(do_not_specialize=('P', 'NP', 'sae_b', 'sae_h', 'sas_b', 'sas_h', 'ssk_b', 'ssk_h'))
 def _physical_scores_kernel(Q, LO, HI, LEN, AEND, ASTART, SKIP, OUT, Hkv, P, NP,
                             sq_b, sq_h, sl_b, sl_h, sl_n, sae_b, sae_h, sas_b, sas_h, ssk_b, ssk_h,
                             G: tl.constexpr, D: tl.constexpr, R: tl.constexpr, WIDTH: tl.constexpr,
@@ -141,10 +141,10 @@ def physical_page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, lengths: Tensor,
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=('B',))
 def _windows_kernel(LEN, AEND, ASTART, B, SINK_END, LOCAL, PP, BLOCK: tl.constexpr, PDL: tl.constexpr):
     start_after_producer(PDL)
-    b = tl.arange(0, BLOCK)
+    b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     length = tl.load(LEN + b, mask=b < B, other=0).to(tl.int64)
     a_end = tl.minimum(length, SINK_END)
     a_start = tl.maximum(tl.maximum(length - LOCAL, 0) // PP * PP, a_end)
@@ -159,6 +159,7 @@ def page_windows(lengths: Tensor, sink: int, local: int, physical_page_size: int
     a_end = torch.empty(B, 1, dtype=torch.int64, device=lengths.device)
     a_start = torch.empty_like(a_end)
     pp = physical_page_size
-    _windows_kernel[(1,)](lengths, a_end, a_start, B, -(-sink // pp) * pp, local, pp,
-                          BLOCK=max(16, next_pow2(B)), num_warps=1, **launch_args(a_end))
+    # one variant for every batch size (a constexpr following B compiled one per row bucket)
+    _windows_kernel[(triton.cdiv(B, 64),)](lengths, a_end, a_start, B, -(-sink // pp) * pp, local, pp,
+                                           BLOCK=64, num_warps=1, **launch_args(a_end))
     return a_end, a_start

@@ -17,7 +17,7 @@ from . import int32_contiguous, interpreting, next_pow2
 from .pdl import launch_args, start_after_producer
 
 
-@triton.jit(do_not_specialize=('N',))
+@triton.jit(do_not_specialize=('N', 'snv_b', 'snv_h'))
 def _scores_kernel(Q, LO, HI, NV, OUT, GMAX, Hkv, N, sq_b, sq_h, sl_b, sl_h, sl_n, snv_b, snv_h,
                    G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, MINMAX: tl.constexpr,
                    PER_HEAD: tl.constexpr):
@@ -46,7 +46,7 @@ def _scores_kernel(Q, LO, HI, NV, OUT, GMAX, Hkv, N, sq_b, sq_h, sl_b, sl_h, sl_
     tl.store(GMAX + row * N + offs, gmax, mask=offs < N)
 
 
-@triton.jit(do_not_specialize=('N',))
+@triton.jit(do_not_specialize=('N', 'snv_b', 'snv_h'))
 def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Z, RAD, Hkv, N, sq_b, sq_h, sc_b, sc_h, sc_n, snv_b, snv_h,
                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                        PER_PROGRAM: tl.constexpr, PER_HEAD: tl.constexpr, UPCAST: tl.constexpr,
@@ -283,13 +283,18 @@ def _always_token(j, a_start, a_end):
     return tl.where(j < a_end, j, a_start + j - a_end)
 
 
+# the list geometry's strides follow the batch (a [B, Hkv] tensor, or one broadcast over B
+# or Hkv: stride 0, 1 or Hkv): specialising on them compiled a variant per batch shape
+_COMPACT_RUNTIME = ('N', 'M', 'CAP', 'WIDTH', 'sae_b', 'sae_h', 'sas_b', 'sas_h', 'sbt', 'swn_b', 'swn_h')
+
+
 @triton.jit
 def _pool_row(BT_ROW, tok, mask, PAGE: tl.constexpr):
     """Logical token -> pool row page * PAGE + slot through the request's page table."""
     return tl.load(BT_ROW + tok // PAGE, mask=mask, other=0) * PAGE + tok % PAGE
 
 
-@triton.jit(do_not_specialize=('N', 'M', 'CAP', 'WIDTH'))
+@triton.jit(do_not_specialize=_COMPACT_RUNTIME)
 def _compact_positions_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT, WIN,
                               Hkv, N, M, CAP, WIDTH, sae_b, sae_h, sas_b, sas_h, sbt, swn_b, swn_h, W_SINK, W_LOCAL,
                               CSR: tl.constexpr, LOG_N: tl.constexpr, BLOCK: tl.constexpr,
@@ -330,7 +335,7 @@ def _compact_positions_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX,
     tl.store(IDX + row * CAP + dst, tok, mask=dst < count)
 
 
-@triton.jit(do_not_specialize=('N', 'M', 'CAP', 'WIDTH'))
+@triton.jit(do_not_specialize=_COMPACT_RUNTIME)
 def _compact_entries_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT, WIN,
                             Hkv, N, M, CAP, WIDTH, sae_b, sae_h, sas_b, sas_h, sbt, swn_b, swn_h, W_SINK, W_LOCAL,
                             CSR: tl.constexpr, EB: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr,
