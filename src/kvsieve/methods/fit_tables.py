@@ -51,12 +51,20 @@ def _host_tables(cfg: TacticConfig, indexed: Tuple[int, ...]) -> tuple:
     return head_w, seg_w, [lay.head_len, lay.seg_len, *lay.seg_start, lay.exact, lay.seg_reads, n, pos]
 
 
+@functools.lru_cache(maxsize=2)
+def _device_tables(cfg: TacticConfig, indexed: Tuple[int, ...], Hq: int, device) -> tuple:
+    """The tables per query head on `device`, made once for every layer of a step (a join
+    or a fold moves them: one host-to-device copy instead of one per layer, megabytes each
+    for a batch of long requests). Read-only: callers copy them."""
+    head_w, seg_w, host = _host_tables(cfg, indexed)
+    return head_w, seg_w, [t.repeat_interleave(Hq, 0).to(device) for t in host]
+
+
 def build_tables(cfg: TacticConfig, indexed: List[int], Hq: int, device) -> dict:
     """FitLayout, list lengths n [B*Hq] and read positions [B*Hq, head_w + 2 seg_w] (int32,
     -1 where nothing is read) per query head: new tensors on `device`."""
-    head_w, seg_w, host = _host_tables(cfg, tuple(indexed))
-    head_len, seg_len, s1, s2, exact, seg_reads, n, pos = (t.repeat_interleave(Hq, 0).to(device, copy=True)
-                                                            for t in host)
+    head_w, seg_w, made = _device_tables(cfg, tuple(indexed), Hq, torch.device(device))
+    head_len, seg_len, s1, s2, exact, seg_reads, n, pos = (t.clone() for t in made)
     return {"head_w": head_w, "seg_w": seg_w, "layout": FitLayout(head_len, seg_len, (s1, s2), exact, seg_reads),
             "n": n, "positions": pos}
 
@@ -73,12 +81,13 @@ def refresh(c: dict, cfg: TacticConfig, indexed: List[int], Hq: int, tail: int, 
     wkey = (tuple(indexed), Hq, tail)
     if c.get("wkey") == wkey:
         return
-    new = build_tables(cfg, indexed, Hq, device)
+    head_w, seg_w, made = _device_tables(cfg, tuple(indexed), Hq, torch.device(device))
     same = "positions" in c and (c["head_w"], c["seg_w"], c["tail"], c["positions"].shape) == \
-        (new["head_w"], new["seg_w"], tail, new["positions"].shape)
+        (head_w, seg_w, tail, made[-1].shape)
     if same:
-        for dst, src in zip(_tensors(c), _tensors(new)):
+        for dst, src in zip(_tensors(c), made):
             dst.copy_(src)
     else:
-        c.update(new, tail=tail, tail_j=torch.arange(cfg.sink + tail, device=device)[None, :])
+        c.update(build_tables(cfg, indexed, Hq, device), tail=tail,
+                 tail_j=torch.arange(cfg.sink + tail, device=device)[None, :])
     c.update(wkey=wkey, Hq=Hq, device=device)

@@ -54,6 +54,37 @@ class ClusterIndex:
     radius: Optional[Tensor] = None
     csr_stale: Set[int] = field(default_factory=set)  # rows changed since the CSR view was built
 
+    def widen(self, C: int, S: int) -> None:
+        """Room for C clusters and S positions per row (new clusters empty, new positions
+        not indexed; the CSR view, when built, stays valid)."""
+        F = torch.nn.functional
+        c = self.centroids.shape[2]
+        if C > c or S > self.assign.shape[-1]:
+            self.consts = None  # per-shape tensors of the plan
+        if C > c:
+            self.centroids = F.pad(self.centroids, (0, 0, 0, C - c))
+            self.sizes = F.pad(self.sizes, (0, C - c))
+            self.radius = None if self.radius is None else F.pad(self.radius, (0, C - c))
+            if self.sizes32 is not None and self.sizes32.shape[-1] == c:
+                end = self.entry_start[..., -1:] + self.sizes32[..., -1:]
+                self.entry_start = torch.cat([self.entry_start, end.expand(*end.shape[:-1], C - c)], -1)
+                self.sizes32 = F.pad(self.sizes32, (0, C - c))
+            else:
+                self.members = None
+        if S > self.assign.shape[-1]:
+            self.grow_positions(S)
+
+    def grow_positions(self, S: int) -> None:
+        """Widen assign (and the CSR view, which stays valid: the new positions are not
+        indexed, so they sort last, in order) to S positions."""
+        F, n = torch.nn.functional, self.assign.shape[-1]
+        if self.members is not None and self.members.shape == self.assign.shape:
+            tail = torch.arange(n, S, dtype=self.members.dtype, device=self.members.device)
+            self.members = torch.cat([self.members, tail.expand(*self.members.shape[:-1], -1)], -1)
+        else:
+            self.members = None
+        self.assign = F.pad(self.assign, (0, S - n), value=-1)
+
     def build_csr(self) -> bool:
         """(Re)build the CSR view from assign and sizes. When its buffers exist with the right
         shapes only the stale rows (a fold, a request written into a row) are rebuilt, in
@@ -130,8 +161,12 @@ class Tactic(SparseMethod):
         radius = cluster_radius(x, res.assign, cent).view(L, B, Hkv, C)
         cent, sizes = cent.view(L, B, Hkv, C, D), res.sizes.view(L, B, Hkv, C)
         used = res.num_clusters.view(L, B, Hkv)[:, :, 0]
+        # the CSR view of every layer in one sort (a join or a rebuild then copies it)
+        members, start, sizes32 = csr_view(assign, sizes)
+        max_size = int(sizes32.max()) if sizes32.numel() else 0
         return [ClusterIndex(cent[i], sizes[i], assign[i], indexed_end.clone(), used[i].clone(), res.iters,
-                             host_indexed=list(host), radius=radius[i]) for i in range(L)]
+                             members[i], start[i], sizes32[i], max_size, host_indexed=list(host), radius=radius[i])
+                for i in range(L)]
 
     def cluster_size_for(self, n: int) -> int:
         """The average cluster size K-means uses for a head of n indexed tokens: the
@@ -268,8 +303,8 @@ class Tactic(SparseMethod):
         changed = False
         if state.assign.shape[-1] < max(host_lengths):  # in steps of 1024 tokens (padded batch rows)
             grow = max(max(host_lengths) - state.assign.shape[-1], 1024)
-            state.assign = torch.nn.functional.pad(state.assign, (0, grow), value=-1)
-            state.members, changed = None, True
+            state.grow_positions(state.assign.shape[-1] + grow)
+            changed = True
         for b, n in enumerate(host_lengths):
             if self._fold_due(state, b, n):
                 self._fold(state, read_keys(b, 0, n - self.config.local), b, int(state.num_indexed[b]),
@@ -343,6 +378,22 @@ class Tactic(SparseMethod):
                             pick(state.sizes32), state.max_size, [host[i] for i in rows], radius=pick(state.radius),
                             csr_stale={i for i, r in enumerate(rows) if r in state.csr_stale})
 
+    def clusters_for(self, length: int) -> int:
+        """Cluster slots prepare() gives the index of one `length`-token request."""
+        cfg = self.config
+        sink = min(cfg.sink, length)
+        n = max(length - cfg.local, sink) - sink
+        if n <= 0:
+            return 1
+        cs, w = self.cluster_size_for(n), cfg.cluster_window
+        if w and n > w:
+            return -(-n // w) * max(1, -(-w // cs))
+        return max(1, -(-n // cs))
+
+    def reserve(self, state: ClusterIndex, length: int) -> ClusterIndex:
+        state.widen(self.clusters_for(length), length)
+        return state
+
     def write_slot(self, state: ClusterIndex, row: int, new: ClusterIndex) -> bool:
         """In place, when new's clusters and positions fit the batch's widths; the row's CSR
         view is rebuilt in its buffers (the other rows' are untouched)."""
@@ -358,7 +409,22 @@ class Tactic(SparseMethod):
         state.num_clusters[row] = new.num_clusters[0]
         state.host_indexed[row] = (new.host_indexed or new.num_indexed.tolist())[0]
         state.iters = max(state.iters, new.iters)
-        state.csr_stale.add(row)  # maintain() rebuilds the row's CSR view in place
+        csr_built = state.members is not None and state.members.shape == state.assign.shape
+        if csr_built and new.members is not None and new.members.shape == new.assign.shape and not new.csr_stale:
+            # new's CSR view widened as merge_states would: positions it lacks are unindexed
+            # (last, in order), clusters it lacks are empty (they start at its end)
+            c = new.sizes32.shape[2]
+            state.members[row, :, :S].copy_(new.members[0])
+            state.members[row, :, S:].copy_(torch.arange(S, state.members.shape[2], dtype=state.members.dtype,
+                                                         device=state.members.device))
+            state.entry_start[row, :, :c].copy_(new.entry_start[0])
+            state.entry_start[row, :, c:].copy_((new.entry_start[0, :, -1:] + new.sizes32[0, :, -1:]))
+            state.sizes32[row].fill_(0)
+            state.sizes32[row, :, :c].copy_(new.sizes32[0])
+            state.max_size = max(state.max_size, new.max_size)
+            state.csr_stale.discard(row)
+        else:
+            state.csr_stale.add(row)  # maintain() rebuilds the row's CSR view in place
         return True
 
     def plan_capacity(self, state: ClusterIndex, host_lengths: List[int]) -> int:
