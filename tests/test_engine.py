@@ -94,6 +94,43 @@ def test_joins_take_free_rows_in_place(tiny_model, method, opts):
     assert eng.scheduler.used_pages == 0
 
 
+@pytest.mark.parametrize("method,opts", METHODS + [("hybrid", {"cluster_size": 8, "local": 8})])
+def test_a_burst_of_arrivals_joins_one_batch_in_place(tiny_model, method, opts):
+    """Requests submitted together (short and long prompts in any order) decode in one
+    batch built once: it keeps rows and index room for the requests still prefilling
+    (Scheduler.joining_soon, SparseMethod.reserve), so each later one joins in place.
+    Tokens are each request's own."""
+    ps = prompts(6, lo=20, hi=150, seed=31)
+    lens = [14, 9, 12, 10, 11, 13]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lens]
+    eng = LLMEngine(tiny_model, None, method, paged=True, step_tokens=160, prefill_chunk=64, **opts)
+    eng.runner.keep_dead_rows = True
+    compose, first = eng.runner._compose, []
+
+    def counted(reqs, soon=None):
+        first.append(len(reqs))
+        return compose(reqs, soon)
+    eng.runner._compose = counted
+    outs = eng.generate(ps, params)
+    assert len(first) == 1 and eng.runner.row_joins == len(ps) - first[0], (first, eng.runner.row_joins)
+    for p, par, o in zip(ps, params, outs):
+        assert o.tokens == alone(tiny_model, method, opts, [p], par, paged=True)[0], method
+
+
+def test_a_nearly_finished_batch_is_not_rebuilt_smaller(tiny_model):
+    """Most rows dead: the batch is rebuilt smaller only while some live request may still
+    run SHRINK_MIN_STEPS steps (a rebuild costs more than the steps left would save)."""
+    from kvsieve.engine.batch import SHRINK_MIN_STEPS
+
+    ps = prompts(4, lo=30, hi=60, seed=41)
+    for last, shrinks in ((SHRINK_MIN_STEPS // 2, False), (3 * SHRINK_MIN_STEPS, True)):
+        eng = LLMEngine(tiny_model, None, "quest", paged=True, budget=32)
+        eng.runner.keep_dead_rows = True
+        lens = [2, 2, 2, last]
+        eng.generate(ps, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lens])
+        assert eng.runner.composes == (2 if shrinks else 1), (last, eng.runner.composes)
+
+
 def test_joins_into_each_method_group_of_a_mixed_batch(tiny_model):
     """Requests of three methods share one batch (contiguous groups, each padded to a row
     bucket); newcomers take a padding row or a finished request's row of their own group in

@@ -73,6 +73,32 @@ def test_requests_join_and_leave_at_every_step():
     assert len(set(sizes)) > 1
 
 
+def test_joining_soon_names_the_next_requests_to_decode():
+    """Per method key: how many requests join the decode batch next (admitted ones still
+    prefilling, then waiting ones the free pages admit now, in order, up to max_num_seqs
+    running) and the longest prefill of every request not yet decoding."""
+    sched = S.Scheduler(num_pages=400, page_size=16, max_num_seqs=4, step_tokens=64, max_model_len=1000)
+    a = sched.add(list(range(30)), S.SamplingParams(max_new_tokens=50))
+    sched.add(list(range(200)), S.SamplingParams(max_new_tokens=50), "quest")
+    sched.add(list(range(90)), S.SamplingParams(max_new_tokens=50))
+    sched.add(list(range(70)), S.SamplingParams(max_new_tokens=50), "quest")
+    sched.add(list(range(500)), S.SamplingParams(max_new_tokens=50))
+    assert sched.joining_soon() == {"default": (2, 90), "quest": (2, 200)}  # the fifth is past max_num_seqs
+    plan = sched.schedule()  # a (30 tokens) and the first 34 of the 200-token prompt
+    for r, s, e in plan.chunks:
+        sched.prefilled(r, e)
+        if e == r.prefill_target:
+            sched.append_token(r, 1)
+    assert not a.prefilling and a.output == [1]
+    assert sched.joining_soon() == {"quest": (2, 200), "default": (1, 500)}  # a decodes: 3 rows left
+    sched.abort(a.id)
+    assert sched.joining_soon() == {"quest": (2, 200), "default": (2, 500)}
+    tight = S.Scheduler(num_pages=20, page_size=16, max_num_seqs=8, step_tokens=64, max_model_len=1000)
+    for n in (100, 150, 60, 30):  # 7 + 10 pages fit the 20 free, the third (4) waits, and (FCFS) so does the 30
+        tight.add(list(range(n)), S.SamplingParams(max_new_tokens=4))
+    assert tight.joining_soon() == {"default": (2, 150)}  # rows only for what the pool admits now
+
+
 def test_full_pool_preempts_and_recomputes_without_losing_a_request():
     # 10 pages of 4 tokens: two requests of 12 + 20 tokens cannot both hold their pages
     sched = S.Scheduler(num_pages=10, page_size=4, max_num_seqs=4, step_tokens=64, max_model_len=100)

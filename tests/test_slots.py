@@ -67,6 +67,41 @@ def test_write_slot_plans_as_a_rebuilt_batch(method, opts):
         assert plan_sets(m, q, slotted, lengths, keys) == plan_sets(m, q, rebuilt, lengths, keys), step
 
 
+@pytest.mark.parametrize("method,opts", CASES + [("tactic", {"cluster_size": 4, "max_clusters": 12,
+                                                              "cluster_window": 64, "local": 8}),
+                                               ("hybrid", {"cluster_size": 8, "local": 8})])
+def test_reserve_makes_room_for_a_longer_request(method, opts):
+    """A batch of short requests reserved for `length` tokens takes the index of a request
+    of any length up to it in place, and plans as a batch rebuilt around it."""
+    lens = [90, 297, 154, 296]
+    q, k, _ = clustered_qkv(4, 6, 2, max(lens), 64, sharpness=4.0, seed=6, dtype=torch.float32)
+    ks = [k[b, :, :n] for b, n in enumerate(lens)]
+    pool, table = paged(ks)
+    m = make_method(method, **opts)
+    states = [m.prepare(kb[None], torch.tensor([n])) for kb, n in zip(ks, lens)]
+    short = m.merge_states([states[0], m.take_states(states[0], [0, 0, 0])])
+    assert not m.write_slot(m.merge_states([states[0], states[0]]), 1, states[1]) or method == "dense"
+    short = m.reserve(short, max(lens))
+    for row in (1, 2, 3):
+        assert m.write_slot(short, row, states[row]), (method, lens[row])
+    rebuilt = m.merge_states(states)
+    lengths, keys = torch.tensor(lens), PagedKeys(pool, table)
+    for step in range(3):
+        assert plan_sets(m, q, short, lengths, keys) == plan_sets(m, q, rebuilt, lengths, keys), step
+
+
+def test_tactic_reserves_the_clusters_prepare_makes():
+    """clusters_for(n) is the centroid count prepare() gives an n-token request, across the
+    cluster-size cap and K-means windows."""
+    _, k, _ = clustered_qkv(1, 2, 2, 700, 16, seed=2, dtype=torch.float32)
+    for opts in ({"cluster_size": 8, "local": 8}, {"cluster_size": 4, "max_clusters": 12, "local": 8},
+                 {"cluster_size": 4, "max_clusters": 40, "cluster_window": 64, "local": 8, "sink": 4}):
+        m = make_method("tactic", **opts)
+        for n in (1, 5, 12, 13, 54, 97, 200, 699):
+            st = m.prepare(k[:, :, :n], torch.tensor([n]))
+            assert st.centroids.shape[2] == m.clusters_for(n), (opts, n)
+
+
 def test_write_slot_refuses_a_wider_index():
     _, k, _ = clustered_qkv(2, 2, 2, 200, 64, seed=8, dtype=torch.float32)
     for name in ("tactic", "quest"):
@@ -92,12 +127,35 @@ def test_merged_index_carries_its_parts_csr_views():
     b.assign = torch.nn.functional.pad(b.assign, (0, 20), value=-1)  # room for 140 tokens, as maintain() grows it
     b.build_csr()
     m._fold(b, k[2, :, :140], 0, int(b.num_indexed[0]), 132)  # a fold since: row 0 stale
-    c = m.prepare(k[2:, :, :60], torch.tensor([60]))  # pending: no view yet
+    c = m.prepare(k[2:, :, :60], torch.tensor([60]))
+    c.members = c.entry_start = c.sizes32 = None  # a part that never had a view
     merged = m.merge_states([a, m.take_states(b, [0]), c])
     members, start, sizes32 = csr_view(merged.assign, merged.sizes)
     assert torch.equal(merged.members, members) and torch.equal(merged.entry_start, start)
     assert torch.equal(merged.sizes32, sizes32) and merged.max_size == int(merged.sizes.max())
     assert not merged.csr_stale
+
+
+def test_tactic_csr_view_is_copied_on_join_and_kept_when_positions_grow():
+    """prepare builds the CSR view (every layer in one sort); write_slot copies a newcomer's
+    view into its row and grow_positions widens it, each equal to sorting from scratch
+    (no row left stale for maintain() to re-sort)."""
+    from kvsieve.methods.tactic import csr_view
+
+    _, k, _ = clustered_qkv(3, 4, 2, 300, 64, seed=4, dtype=torch.float32)
+    m = make_method("tactic", cluster_size=8, local=8)
+    long, short = m.prepare(k[:1], torch.tensor([300])), m.prepare(k[1:2, :, :97], torch.tensor([97]))
+    for st in (long, short):
+        assert [torch.equal(a, b) for a, b in zip((st.members, st.entry_start, st.sizes32),
+                                                   csr_view(st.assign, st.sizes))] == [True] * 3
+        assert st.max_size == int(st.sizes.max())
+    batch = m.merge_states([long, long, m.prepare(k[2:, :, :200], torch.tensor([200]))])
+    assert m.write_slot(batch, 1, short) and not batch.csr_stale
+    batch.grow_positions(batch.assign.shape[-1] + 1024)
+    members, start, sizes32 = csr_view(batch.assign, batch.sizes)
+    assert batch.members.shape == batch.assign.shape == (3, 2, 1324)
+    assert torch.equal(batch.members, members) and torch.equal(batch.entry_start, start)
+    assert torch.equal(batch.sizes32, sizes32) and batch.max_size == int(batch.sizes.max())
 
 
 def test_threshold_fit_tables_stay_put_across_folds():

@@ -247,6 +247,29 @@ class Scheduler:
         self.requests.pop(req.id, None)
 
     # ------------------------------------------------------------------ results
+    def joining_soon(self) -> Dict[str, Tuple[int, int]]:
+        """Method key -> (rows, longest) for the decode batch's next rebuild: rows = the
+        requests that join next (admitted and still prefilling, then the waiting ones the
+        free pages admit now, in order, as schedule() admits them, up to max_num_seqs
+        running); longest = the longest prefill target (tokens) of every request of that key
+        not yet decoding (up to max_num_seqs of them), whose index a row must fit."""
+        soon: Dict[str, Tuple[int, int]] = {}
+
+        def add(r: Request, row: int) -> None:
+            n, longest = soon.get(r.method_key, (0, 0))
+            soon[r.method_key] = (n + row, max(longest, r.prefill_target))
+
+        for r in self.running:
+            if r.prefilling:
+                add(r, 1)
+        free, room = len(self.free_pages), max(0, self.max_num_seqs - len(self.running))
+        for i, r in enumerate(itertools.islice(self.waiting, self.max_num_seqs)):
+            free -= self.pages_for(r.prefill_target + 1) - len(r.pages)
+            admitted = i < room and free >= 0
+            room = room if admitted else 0  # FCFS: none after the first that waits
+            add(r, int(admitted))
+        return soon
+
     def prefilled(self, req: Request, end: int) -> None:
         """A prefill chunk ran: the cache now holds `end` tokens of req."""
         req.num_cached = end

@@ -127,6 +127,12 @@ class SparseMethod:
         """The index restricted to batch rows `rows` (in that order)."""
         return state
 
+    def reserve(self, state: Any, length: int) -> Any:
+        """The batched index with buffers wide enough that write_slot fits the index of any
+        request of up to `length` tokens (rows kept as they are; the engine calls it when a
+        rebuilt batch keeps rows for requests about to join)."""
+        return state
+
     def write_slot(self, state: Any, row: int, new: Any) -> bool:
         """Write `new`, one request's index (B = 1), into row `row` of the batched index
         `state` in place, so a captured step graph keeps reading valid memory (a request

@@ -161,6 +161,9 @@ class Hybrid(SparseMethod):
     def take_states(self, state: HybridState, rows):
         return HybridState(state.flags, self.dynamic.take_states(state.dynamic, rows))
 
+    def reserve(self, state: HybridState, length: int) -> HybridState:
+        return HybridState(state.flags, self.dynamic.reserve(state.dynamic, length))
+
     def write_slot(self, state: HybridState, row, new: HybridState) -> bool:
         return self.dynamic.write_slot(state.dynamic, row, new.dynamic)
 

@@ -141,6 +141,10 @@ class PageSelect(SparseMethod):
         return PageState(state.kmin.index_select(0, r), state.kmax.index_select(0, r), state.lengths.index_select(0, r),
                          state.step, None, None, plan, state.fresh)
 
+    def reserve(self, state: PageState, length: int) -> PageState:
+        self._grow(state, [length])
+        return state
+
     def write_slot(self, state: PageState, row: int, new: PageState) -> bool:
         """In place when new's pages fit; the next step selects anew for every row (the
         reused selection of this row belonged to the request that left it)."""
