@@ -111,8 +111,10 @@ def crossover(model, tok, log, lengths=(1024, 2048, 4096, 7600), new_tokens=64):
 
 
 def run_batch(eng, prompts, new_tokens):
-    """Warm up, submit every prompt at once, run to completion: throughput and latency."""
-    eng.warmup()
+    """Warm up as `kvsieve serve` does (every length bucket, here up to the longest prompt's),
+    submit every prompt at once, run to completion: throughput and latency."""
+    longest = max(map(len, prompts))
+    eng.warmup([n for n in eng.warmup_lengths() if n < 2 * longest])
     t0 = time.perf_counter()
     outs = eng.generate(prompts, SamplingParams(new_tokens, ignore_eos=True))
     wall = time.perf_counter() - t0
@@ -186,7 +188,7 @@ def e2e8b(model, tok, log):
     return rows
 
 
-def cb8b(model, tok, log, n=24, lo=8192, hi=32768, new_tokens=32):
+def cb8b(model, tok, log, n=24, lo=8192, hi=32768, new_tokens=32, methods=("dense", "tactic", "lserve")):
     """Continuous batching on the 8B shape: n requests with contexts drawn from [lo, hi]."""
     from kvsieve.bench import e2e
     from kvsieve.bench.kernels import half_streaming
@@ -202,6 +204,8 @@ def cb8b(model, tok, log, n=24, lo=8192, hi=32768, new_tokens=32):
     rows = []
     for method, o in (("dense", {}), ("tactic", {"budget": 512}),
                       ("lserve", {"budget": 512, "streaming_heads": half_streaming(cfg.num_layers, cfg.num_kv_heads)})):
+        if method not in methods:
+            continue
         eng = LLMEngine(big, None, method, max_num_seqs=n, step_tokens=8192, prefill_chunk=8192, **o)
         rows.append({"method": method, "options": {k: v for k, v in o.items() if k != "streaming_heads"},
                      "contexts": [lo, hi], **run_batch(eng, prompts, new_tokens)})
@@ -212,9 +216,9 @@ def cb8b(model, tok, log, n=24, lo=8192, hi=32768, new_tokens=32):
     return rows
 
 
-def cb64(model, tok, log):
+def cb64(model, tok, log, methods=("dense", "tactic", "lserve")):
     """The issue's continuous-batching run: 64 requests of 8K-64K tokens, 64 new tokens each."""
-    return cb8b(model, tok, log, n=64, lo=8192, hi=65536, new_tokens=64)
+    return cb8b(model, tok, log, n=64, lo=8192, hi=65536, new_tokens=64, methods=methods)
 
 
 def main():
@@ -223,6 +227,8 @@ def main():
     ap.add_argument("--parts", default="check,single,crossover,concurrent")
     ap.add_argument("--model", help="model for the embedded-model parts (default: the embedded model)")
     ap.add_argument("--lengths", help="crossover prompt lengths, comma-separated")
+    ap.add_argument("--methods", help="cb8b/cb64: methods to run, comma-separated (default dense,tactic,lserve; "
+                    "one call per method keeps a long run within a time limit)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     embedded = any(p not in ("e2e8b", "cb8b", "cb64") for p in args.parts.split(","))
@@ -236,9 +242,12 @@ def main():
     for part in args.parts.split(","):
         t0 = time.perf_counter()
         kw = {"lengths": tuple(int(x) for x in args.lengths.split(","))} if part == "crossover" and args.lengths else {}
+        if part in ("cb8b", "cb64") and args.methods:
+            kw["methods"] = tuple(args.methods.split(","))
         result[part] = globals()[part](model, tok, log, **kw)
         print(f"## {part}: {time.perf_counter() - t0:.1f} s", flush=True)
-        with open(os.path.join(args.out, f"engine-{args.parts.replace(',', '-')}.json"), "w") as f:
+        tag = args.parts.replace(',', '-') + (f"-{args.methods.replace(',', '-')}" if args.methods else "")
+        with open(os.path.join(args.out, f"engine-{tag}.json"), "w") as f:
             json.dump(result, f, indent=1)
 
 
