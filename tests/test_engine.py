@@ -117,6 +117,31 @@ def test_a_burst_of_arrivals_joins_one_batch_in_place(tiny_model, method, opts):
         assert o.tokens == alone(tiny_model, method, opts, [p], par, paged=True)[0], method
 
 
+def test_index_room_reserved_for_a_long_request_is_bounded_by_the_pool(tiny_model):
+    """A rebuilt batch widens its index for the longest request still to come only up to
+    RESERVE_POOL_MULTIPLE times the pool's tokens over its rows; the long request joins
+    later (a rebuild) with its own tokens."""
+    from kvsieve.engine.batch import RESERVE_POOL_MULTIPLE
+
+    opts = {"cluster_size": 8, "local": 8}
+    ps = prompts(8, lo=30, hi=40, seed=51) + prompts(1, lo=400, hi=401, seed=52)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    eng = LLMEngine(tiny_model, None, "tactic", paged=True, kv_pages=40, page_size=16, step_tokens=400,
+                    max_num_seqs=9, **opts)
+    eng.runner.keep_dead_rows = True
+    cap = RESERVE_POOL_MULTIPLE * 40 * 16 // 8  # 320 tokens per row for 8 rows: under the 400-token prompt
+    widths = []
+    compose = eng.runner._compose
+
+    def watched(reqs, soon=None):
+        compose(reqs, soon)
+        widths.append(eng.runner.batch.states["default"][0].assign.shape[-1])
+    eng.runner._compose = watched
+    outs = eng.generate(ps, params)
+    assert widths[0] <= cap < 400, widths
+    assert outs[-1].tokens == alone(tiny_model, "tactic", opts, [ps[-1]], params, paged=True)[0]
+
+
 def test_a_nearly_finished_batch_is_not_rebuilt_smaller(tiny_model):
     """Most rows dead: the batch is rebuilt smaller only while some live request may still
     run SHRINK_MIN_STEPS steps (a rebuild costs more than the steps left would save)."""

@@ -56,6 +56,11 @@ class DecodeBatch:
 # may still run this many steps: a rebuild and a new capture cost about as much as 30-150
 # steps save (8B shape, H100: 60-240 ms against ~1-3 ms per step for 8 fewer rows).
 SHRINK_MIN_STEPS = 64
+# A rebuilt group's index room is reserved for requests still to come only up to this many
+# times the pool's tokens over all its rows (reserved widths hold index memory beside the KV
+# pool before the long request arrives; tactic's index is ~6% of the KV per row-token on the
+# 8B shape, so 4x the pool costs about a quarter of the pool's memory at most).
+RESERVE_POOL_MULTIPLE = 4
 
 
 def row_bucket(n: int) -> int:
@@ -71,7 +76,7 @@ def steps_left(req: Request) -> int:
 class BatchRows:
     """ModelRunner's batch bookkeeping. Needs on the runner: batch, methods, pending (request
     id -> per-layer index of a request not yet decoding), model, paged, keep_dead_rows,
-    max_pages, scratch_page, row_joins."""
+    max_pages, scratch_page (= the pool's page count), page_size, row_joins."""
 
     def _join(self, reqs: List[Request]) -> bool:
         """True when the current batch can serve reqs without a rebuild. With step graphs a
@@ -159,6 +164,7 @@ class BatchRows:
             merged = [m.merge_states([p[layer] for p in parts]) for layer in range(self.model.cfg.num_layers)]
             if size > n:
                 merged = [m.merge_states([st, m.take_states(st, [n - 1] * (size - n))]) for st in merged]
+            longest = min(longest, RESERVE_POOL_MULTIPLE * self.scratch_page * self.page_size // size)
             if longest:
                 merged = [m.reserve(st, longest) for st in merged]
             states[key] = merged
