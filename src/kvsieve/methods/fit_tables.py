@@ -51,13 +51,22 @@ def _host_tables(cfg: TacticConfig, indexed: Tuple[int, ...]) -> tuple:
     return head_w, seg_w, [lay.head_len, lay.seg_len, *lay.seg_start, lay.exact, lay.seg_reads, n, pos]
 
 
-@functools.lru_cache(maxsize=2)
 def _device_tables(cfg: TacticConfig, indexed: Tuple[int, ...], Hq: int, device) -> tuple:
     """The tables per query head on `device`, made once for every layer of a step (a join
     or a fold moves them: one host-to-device copy instead of one per layer, megabytes each
-    for a batch of long requests). Read-only: callers copy them."""
+    for a batch of long requests). Read-only: callers copy them. Never cached from inside a
+    CUDA-graph capture (that memory belongs to the graph's pool)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _made(cfg, indexed, Hq, device)
+    return _cached(cfg, indexed, Hq, device)
+
+
+def _made(cfg: TacticConfig, indexed: Tuple[int, ...], Hq: int, device) -> tuple:
     head_w, seg_w, host = _host_tables(cfg, indexed)
     return head_w, seg_w, [t.repeat_interleave(Hq, 0).to(device) for t in host]
+
+
+_cached = functools.lru_cache(maxsize=2)(_made)
 
 
 def build_tables(cfg: TacticConfig, indexed: List[int], Hq: int, device) -> dict:
