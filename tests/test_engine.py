@@ -144,16 +144,27 @@ def test_index_room_reserved_for_a_long_request_is_bounded_by_the_pool(tiny_mode
 
 def test_a_nearly_finished_batch_is_not_rebuilt_smaller(tiny_model):
     """Most rows dead: the batch is rebuilt smaller only while some live request may still
-    run SHRINK_MIN_STEPS steps (a rebuild costs more than the steps left would save)."""
+    run SHRINK_MIN_STEPS steps (a rebuild costs more than the steps left would save), or
+    once it has stayed that empty for more than SHRINK_MIN_STEPS steps (short requests
+    still arriving one by one after a burst)."""
     from kvsieve.engine.batch import SHRINK_MIN_STEPS
 
-    ps = prompts(4, lo=30, hi=60, seed=41)
-    for last, shrinks in ((SHRINK_MIN_STEPS // 2, False), (3 * SHRINK_MIN_STEPS, True)):
+    ps = prompts(9, lo=30, hi=60, seed=41)
+    short = SHRINK_MIN_STEPS  # a request's first token comes from its prefill: never 64 steps left
+    for last, late, shrinks in ((SHRINK_MIN_STEPS // 2, False, False), (3 * SHRINK_MIN_STEPS, False, True),
+                                (short, True, True)):
         eng = LLMEngine(tiny_model, None, "quest", paged=True, budget=32)
         eng.runner.keep_dead_rows = True
-        lens = [2, 2, 2, last]
-        eng.generate(ps, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lens])
-        assert eng.runner.composes == (2 if shrinks else 1), (last, eng.runner.composes)
+        lens = [2] * 7 + [last]
+        ids = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(ps, lens)]
+        steps = 0
+        while eng.has_unfinished:
+            steps += 1
+            if late and steps == short // 2:  # joins a dead row; 2 of 8 rows live: still mostly dead
+                ids.append(eng.add_request(ps[8], SamplingParams(max_new_tokens=short, ignore_eos=True)))
+            eng.step()
+        assert eng.runner.composes == (2 if shrinks else 1), (last, late, eng.runner.composes)
+        assert all(eng.scheduler.requests.get(i) is None for i in ids) and eng.scheduler.used_pages == 0
 
 
 def test_joins_into_each_method_group_of_a_mixed_batch(tiny_model):

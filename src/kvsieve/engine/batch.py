@@ -5,8 +5,8 @@ layer) plus the static input buffers a captured decode step reads. With step gra
 request that leaves becomes a dead row, and a newcomer takes a dead row of its group, its
 index written in place (SparseMethod.write_slot), so the captured graphs stay valid; the
 batch is rebuilt (indexes merged, groups padded to row buckets) only when a newcomer finds
-no free row that fits, or most rows are dead and the live requests have enough tokens left
-to repay the rebuild (SHRINK_MIN_STEPS). A rebuild sizes each method group for the requests
+no free row that fits, or most rows are dead and either the live requests have enough tokens
+left to repay the rebuild or the batch has stayed that empty for as long (SHRINK_MIN_STEPS). A rebuild sizes each method group for the requests
 it holds plus those about to join it (admitted and still prefilling, or waiting), so a
 burst of arrivals joins in place instead of rebuilding at every power of two.
 """
@@ -42,6 +42,7 @@ class DecodeBatch:
     last_key: Any = None
     dead: Dict[int, int] = field(default_factory=dict)  # row -> its frozen host length
     last_host: List[int] = field(default_factory=list)  # each row's host length at the last step
+    mostly_dead: int = 0  # consecutive steps with more dead rows than live ones
 
     @property
     def tokens(self) -> Tensor:
@@ -53,7 +54,8 @@ class DecodeBatch:
 
 
 # A batch with more dead rows than live ones is rebuilt smaller only when some live request
-# may still run this many steps: a rebuild and a new capture cost about as much as 30-150
+# may still run this many steps, or it has been that empty for this many steps (a stream of
+# short requests after a burst): a rebuild and a new capture cost about as much as 30-150
 # steps save (8B shape, H100: 60-240 ms against ~1-3 ms per step for 8 fewer rows).
 SHRINK_MIN_STEPS = 64
 # A rebuilt group's index room is reserved for requests still to come only up to this many
@@ -84,14 +86,15 @@ class BatchRows:
         group, its index written in place (SparseMethod.write_slot): the captured graphs stay
         valid. A rebuild is due when there is no batch, no free row or buffer room for a
         newcomer, or fewer than half the rows are live while some live request may still run
-        SHRINK_MIN_STEPS steps. Without step graphs (eager steps drop dead rows) the batch
-        must hold exactly reqs."""
+        SHRINK_MIN_STEPS steps or for more than SHRINK_MIN_STEPS steps in a row. Without
+        step graphs (eager steps drop dead rows) the batch must hold exactly reqs."""
         bt = self.batch
         if bt is None:
             return False
         if not (self.keep_dead_rows and self.paged):
             return bt.rows == [reqs[i].id for i in self._row_order(reqs)] and not any(r.id in self.pending for r in reqs)
-        if 2 * len(reqs) < len(bt.rows) and max(steps_left(r) for r in reqs) >= SHRINK_MIN_STEPS:
+        bt.mostly_dead = bt.mostly_dead + 1 if 2 * len(reqs) < len(bt.rows) else 0
+        if bt.mostly_dead and (bt.mostly_dead > SHRINK_MIN_STEPS or max(map(steps_left, reqs)) >= SHRINK_MIN_STEPS):
             return False
         ids = {r.id for r in reqs}
         free = {g: [b for b in range(a, e) if bt.rows[b] not in ids] for g, a, e in bt.groups}

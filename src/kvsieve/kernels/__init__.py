@@ -6,8 +6,9 @@ CPU test suite). Set `KVSIEVE_KERNELS=reference` to force the torch path everywh
 A kernel never knows which method produced its inputs.
 
 Integer arguments that follow the requests (lengths, list widths, cluster and page counts,
-split counts, strides of per-row metadata) are marked `do_not_specialize`: Triton would otherwise compile a variant of the
-kernel for each new value's divisibility by 16 (or value 1), in the middle of serving.
+split counts, strides of per-row metadata) are marked `do_not_specialize`: Triton would
+otherwise compile a variant of the kernel for each new value's divisibility by 16 (or value
+1), in the middle of serving.
 """
 from __future__ import annotations
 
