@@ -396,7 +396,8 @@ class Tactic(SparseMethod):
 
     def write_slot(self, state: ClusterIndex, row: int, new: ClusterIndex) -> bool:
         """In place, when new's clusters and positions fit the batch's widths; the row's CSR
-        view is rebuilt in its buffers (the other rows' are untouched)."""
+        view is copied from new's (built at prepare) into its buffers, or, when new has none,
+        rebuilt there by maintain() (the other rows' are untouched)."""
         C, S = new.centroids.shape[2], new.assign.shape[-1]
         if (C > state.centroids.shape[2] or S > state.assign.shape[-1] or new.centroids.dtype != state.centroids.dtype
                 or state.host_indexed is None):
@@ -409,7 +410,8 @@ class Tactic(SparseMethod):
         state.num_clusters[row] = new.num_clusters[0]
         state.host_indexed[row] = (new.host_indexed or new.num_indexed.tolist())[0]
         state.iters = max(state.iters, new.iters)
-        csr_built = state.members is not None and state.members.shape == state.assign.shape
+        csr_built = (state.members is not None and state.members.shape == state.assign.shape
+                     and state.sizes32.shape == state.sizes.shape)
         if csr_built and new.members is not None and new.members.shape == new.assign.shape and not new.csr_stale:
             # new's CSR view widened as merge_states would: positions it lacks are unindexed
             # (last, in order), clusters it lacks are empty (they start at its end)
