@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional, Set
 
@@ -102,6 +103,24 @@ class ClusterIndex:
             self.max_size = max(self.max_size, int(sizes32.max()))
         self.csr_stale = set()
         return not fits
+
+
+def _with_csr(st: ClusterIndex) -> ClusterIndex:
+    """st with an up-to-date CSR view: stale rows rebuilt in place, or a copy with a view
+    built from scratch when it has none of its shape."""
+    if st.members is None or st.members.shape != st.assign.shape:
+        st = dataclasses.replace(st, members=None, entry_start=None, sizes32=None, max_size=0, csr_stale=set())
+        st.build_csr()
+    elif st.csr_stale:
+        st.build_csr()
+    return st
+
+
+def _widened(st: ClusterIndex, C: int, S: int) -> ClusterIndex:
+    """A copy of st widened to C clusters and S positions (st's tensors are not changed)."""
+    wide = dataclasses.replace(st, consts=None, csr_stale=set(st.csr_stale))
+    wide.widen(C, S)
+    return wide
 
 
 def csr_view(assign: Tensor, sizes: Tensor):
@@ -336,38 +355,19 @@ class Tactic(SparseMethod):
         return fixed if tail <= fixed else capacity_bucket(tail)
 
     def merge_states(self, states: List[ClusterIndex]) -> ClusterIndex:
-        F = torch.nn.functional
+        """Rows of every part, each widened to the widest part (their CSR views carried over,
+        not re-sorted; built for parts that have none, stale rows rebuilt)."""
         C = max(s.centroids.shape[2] for s in states)
         S = max(s.assign.shape[-1] for s in states)
-        return ClusterIndex(
-            torch.cat([F.pad(s.centroids, (0, 0, 0, C - s.centroids.shape[2])) for s in states]),
-            torch.cat([F.pad(s.sizes, (0, C - s.sizes.shape[2])) for s in states]),
-            torch.cat([F.pad(s.assign, (0, S - s.assign.shape[-1]), value=-1) for s in states]),
-            torch.cat([s.num_indexed for s in states]), torch.cat([s.num_clusters for s in states]),
-            max(s.iters for s in states),
-            host_indexed=[i for s in states for i in (s.host_indexed or s.num_indexed.tolist())],
-            radius=torch.cat([F.pad(s.radius, (0, C - s.radius.shape[2])) for s in states]),
-            **self._merged_csr(states, C, S))
+        parts = [_widened(_with_csr(s), C, S) for s in states]
 
-    @staticmethod
-    def _merged_csr(states: List[ClusterIndex], C: int, S: int) -> dict:
-        """The merged index's CSR view from its parts' (built for parts that have none, stale
-        rows rebuilt), instead of re-sorting every row: positions a part lacks are unindexed
-        (they come last, in order) and clusters it lacks are empty (they start at its end)."""
-        parts = []
-        for st in states:
-            if st.members is None or st.members.shape != st.assign.shape:
-                st = ClusterIndex(st.centroids, st.sizes, st.assign, st.num_indexed, st.num_clusters)
-                st.build_csr()
-            elif st.csr_stale:
-                st.build_csr()
-            n, c = st.members.shape[-1], st.sizes32.shape[-1]
-            tail = torch.arange(n, S, dtype=torch.int32, device=st.members.device).expand(*st.members.shape[:2], -1)
-            end = (st.entry_start[..., -1:] + st.sizes32[..., -1:]).expand(-1, -1, C - c)
-            parts.append((torch.cat([st.members, tail], -1), torch.cat([st.entry_start, end], -1),
-                          torch.nn.functional.pad(st.sizes32, (0, C - c)), st.max_size))
-        return {"members": torch.cat([p[0] for p in parts]), "entry_start": torch.cat([p[1] for p in parts]),
-                "sizes32": torch.cat([p[2] for p in parts]), "max_size": max(p[3] for p in parts)}
+        def cat(name):
+            return torch.cat([getattr(p, name) for p in parts])
+        return ClusterIndex(cat("centroids"), cat("sizes"), cat("assign"), cat("num_indexed"), cat("num_clusters"),
+                            max(s.iters for s in states), cat("members"), cat("entry_start"), cat("sizes32"),
+                            max(p.max_size for p in parts),
+                            host_indexed=[i for s in states for i in (s.host_indexed or s.num_indexed.tolist())],
+                            radius=cat("radius"))
 
     def take_states(self, state: ClusterIndex, rows: List[int]) -> ClusterIndex:
         r = torch.tensor(rows, device=state.sizes.device)
@@ -402,27 +402,17 @@ class Tactic(SparseMethod):
         if (C > state.centroids.shape[2] or S > state.assign.shape[-1] or new.centroids.dtype != state.centroids.dtype
                 or state.host_indexed is None):
             return False
-        for dst, src, fill in ((state.centroids, new.centroids, 0), (state.sizes, new.sizes, 0),
-                               (state.radius, new.radius, 0), (state.assign, new.assign, -1)):
-            dst[row].fill_(fill)
-            dst[row, :, :src.shape[2]].copy_(src[0])
+        csr = (state.members is not None and state.members.shape == state.assign.shape
+               and state.sizes32.shape == state.sizes.shape and new.members is not None
+               and new.members.shape == new.assign.shape and not new.csr_stale)
+        wide = _widened(new, state.centroids.shape[2], state.assign.shape[-1])
+        for name in ("centroids", "sizes", "radius", "assign") + (("members", "entry_start", "sizes32") if csr else ()):
+            getattr(state, name)[row].copy_(getattr(wide, name)[0])
         state.num_indexed[row] = new.num_indexed[0]
         state.num_clusters[row] = new.num_clusters[0]
         state.host_indexed[row] = (new.host_indexed or new.num_indexed.tolist())[0]
         state.iters = max(state.iters, new.iters)
-        csr_built = (state.members is not None and state.members.shape == state.assign.shape
-                     and state.sizes32.shape == state.sizes.shape)
-        if csr_built and new.members is not None and new.members.shape == new.assign.shape and not new.csr_stale:
-            # new's CSR view widened as merge_states would: positions it lacks are unindexed
-            # (last, in order), clusters it lacks are empty (they start at its end)
-            c = new.sizes32.shape[2]
-            state.members[row, :, :S].copy_(new.members[0])
-            state.members[row, :, S:].copy_(torch.arange(S, state.members.shape[2], dtype=state.members.dtype,
-                                                         device=state.members.device))
-            state.entry_start[row, :, :c].copy_(new.entry_start[0])
-            state.entry_start[row, :, c:].copy_((new.entry_start[0, :, -1:] + new.sizes32[0, :, -1:]))
-            state.sizes32[row].fill_(0)
-            state.sizes32[row, :, :c].copy_(new.sizes32[0])
+        if csr:
             state.max_size = max(state.max_size, new.max_size)
             state.csr_stale.discard(row)
         else:
