@@ -191,7 +191,7 @@ class LLMEngine:
         sync = self.model.device.type == "cuda"
         if plan.decode:
             t0 = time.perf_counter()
-            tokens, fracs = self.runner.decode(plan.decode, self.scheduler.joining_soon())
+            tokens, fracs = self.runner.decode(plan.decode, self.scheduler.joining_soon)
             if self._scored:
                 for req, lp in zip(plan.decode, self.runner.last_logprobs):
                     self._scored[req.id].append(lp)

@@ -167,16 +167,16 @@ class ModelRunner(BatchRows):
         self.cache.lengths.pop(rid, None)
 
     # ------------------------------------------------------------------ decode
-    def decode(self, reqs: List[Request], soon: Optional[Dict[str, Tuple[int, int]]] = None
+    def decode(self, reqs: List[Request], soon: Optional[Callable[[], Dict[str, Tuple[int, int]]]] = None
                ) -> Tuple[List[int], List[float]]:
-        """One decode step for reqs (each feeds its last token). soon: method key -> (rows,
-        longest prefill) of the requests still to join (Scheduler.joining_soon): a rebuilt
-        batch keeps rows, and index room, for them. Returns
-        the sampled tokens and the fraction of its KV cache each request read (mean over
-        layers and KV heads)."""
+        """One decode step for reqs (each feeds its last token). soon: called only when the
+        batch is rebuilt, method key -> (rows, longest prefill) of the requests still to join
+        (Scheduler.joining_soon): the rebuilt batch keeps rows, and index room, for them.
+        Returns the sampled tokens and the fraction of its KV cache each request read (mean
+        over layers and KV heads)."""
         rebuilt = changed = not self._join(reqs)
         if rebuilt:
-            self._compose([reqs[i] for i in self._row_order(reqs)], soon)
+            self._compose([reqs[i] for i in self._row_order(reqs)], soon() if soon else None)
             self.composes += 1
         bt = self.batch
         live = {r.id: r for r in reqs}
