@@ -153,21 +153,3 @@ def silu_mul(gate_up):
         return kernel(gate_up)
     from .ops.layer import silu_mul as ref
     return ref(gate_up)
-
-
-def linear(x, w, b=None):
-    """See ops.layer.linear. A decode batch's few rows on CUDA (fp16/bf16) run the skinny
-    kernel (kernels/linear.py: cuBLAS reads weights at half bandwidth at 8-64 rows); every
-    other shape, and KVSIEVE_LINEAR=cublas, runs F.linear. Under the interpreter the model
-    keeps torch's matmul (the kernel's tests call it directly)."""
-    import os
-
-    import torch
-
-    if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.dim() == 2 and use_triton(x)
-            and os.environ.get("KVSIEVE_LINEAR", "auto") != "cublas"):
-        from .kernels.linear import MAX_ROWS, skinny_linear
-        if x.shape[0] <= MAX_ROWS:
-            return skinny_linear(x, w, b)
-    from .ops.layer import linear as ref
-    return ref(x, w, b)

@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import dispatch
 from .config import ModelConfig
 from .llama import fuse_projections, rope_inv_freq, rotate_half
 
@@ -100,7 +99,7 @@ class Gemma3Model:
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     def _proj(self, x: Tensor, name: str) -> Tensor:
-        return dispatch.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
     def _norm(self, x: Tensor, name: str) -> Tensor:
         return gemma_rms_norm(x, self.norm[name], self.cfg.rms_norm_eps)
@@ -138,6 +137,6 @@ class Gemma3Model:
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, hidden] -> float32 [N, vocab]; softcapped (in float32) when configured."""
-        out = dispatch.linear(hidden, self.w["lm_head.weight"]).float()
+        out = F.linear(hidden, self.w["lm_head.weight"]).float()
         cap = self.cfg.final_logit_softcapping
         return out if cap is None else torch.tanh(out / cap) * cap

@@ -10,6 +10,7 @@ import math
 from typing import Callable, Dict
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import dispatch
@@ -84,7 +85,7 @@ class LlamaModel:
 
     def _proj(self, x: Tensor, name: str) -> Tensor:
         b = self.w.get(name + ".bias")
-        return dispatch.linear(x, self.w[name + ".weight"], b)
+        return F.linear(x, self.w[name + ".weight"], b)
 
     def forward(self, tokens: Tensor, positions: Tensor, attend: Callable) -> Tensor:
         """tokens, positions: [N] (a flat list of tokens; `attend` knows which request each
@@ -112,4 +113,4 @@ class LlamaModel:
         return dispatch.add_rms_norm(x, pending, self.w["model.norm.weight"], eps)[0]
 
     def logits(self, hidden: Tensor) -> Tensor:
-        return dispatch.linear(hidden, self.w["lm_head.weight"]).float()
+        return F.linear(hidden, self.w["lm_head.weight"]).float()

@@ -34,8 +34,3 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     """gate_up [N, 2I] (gate then up) -> silu(gate) * up [N, I] in its dtype."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def linear(x: Tensor, w: Tensor, b: Optional[Tensor] = None) -> Tensor:
-    """x [M, K], w [N, K], b [N] or None -> x @ w.T + b [M, N] in x's dtype."""
-    return F.linear(x, w, b)
