@@ -93,6 +93,28 @@ def test_paged_decode_splits_long_lists_and_merges_exactly():
     o64, l64 = rpaged.paged_decode_reference(q.double(), kp.double(), vp.double(), bt, counts, idx)
     assert rel(out, o64) < 1e-5 and (lse.double() - l64).abs().max() < 1e-4
     assert kdecode.choose_split(1500, 2, 32) < 1500
+    odd = {"rows": 2, "target": 7, "pow2": False}  # splits of 448 tokens: not a power of two
+    assert kdecode.choose_split(1500, 2, 32, 7, pow2=False) == 448
+    out, lse = kdecode.paged_decode(q, kp, vp, bt, counts, idx, _config=odd)
+    assert rel(out, o64) < 1e-5 and (lse.double() - l64).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_split_is_sized_per_row_not_per_batch(dtype):
+    """On the GPU a dense list's split follows the capacity and the KV heads only: one live row
+    among dead ones (a continuous batch after its other requests finished) spreads over as many
+    programs as a batch of that one row, about DENSE_PROGRAMS_PER_ROW."""
+    cfg = kdecode.launch_config(dtype, True, 128, 8, interpret=False)
+    for cap in (32_768, 33_000, 131_072, 131_200):  # just past a power of two must not halve the programs
+        splits = {kdecode.choose_split(cap, cfg.get("rows", B * 8), cfg["block_n"], cfg["target"], pow2=cfg["pow2"])
+                  for B in (1, 24, 64)}
+        assert len(splits) == 1
+        split = splits.pop()
+        assert split % cfg["block_n"] == 0
+        programs_one_row = 8 * -(-cap // split)
+        assert 0.9 * kdecode.DENSE_PROGRAMS_PER_ROW <= programs_one_row <= 1.1 * kdecode.DENSE_PROGRAMS_PER_ROW
+    sparse = kdecode.launch_config(dtype, False, 128, 8, interpret=False)
+    assert "rows" not in sparse  # index lists keep their batch-wide sizing
 
 
 def test_paged_decode_lists_far_shorter_than_capacity():

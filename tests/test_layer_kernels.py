@@ -66,3 +66,48 @@ def test_silu_mul(dtype, N, inter):
     a, b = gu.double().chunk(2, -1)
     oracle = a * torch.sigmoid(a) * b
     assert rel(got, oracle) <= TOL[dtype] and rel(ref.silu_mul(gu), oracle) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,Hkv,D,page", [(1, 1, 64, 16), (3, 3, 128, 16), (8, 8, 64, 1), (5, 2, 24, 7)])
+def test_store_kv(pool_dtype, B, Hkv, D, page):
+    """One launch writes every row's new key and value where the twin's indexed copies do:
+    values from a strided view (the model's fused qkv), rows on distinct pages and slots,
+    nothing else touched; keys computed in another dtype are cast as torch casts them."""
+    from kvsieve.kernels.cache import store_kv
+    from kvsieve.ops.paged import store_kv as twin
+
+    g = torch.Generator().manual_seed(B * D + Hkv)
+    pages = B + 3
+    kp = torch.randn(pages, Hkv, page, D, generator=g).to(pool_dtype)
+    vp = torch.randn(pages, Hkv, page, D, generator=g).to(pool_dtype)
+    qkv = torch.randn(B, (Hkv + 2 * Hkv) * D, generator=g).to(pool_dtype)
+    k = qkv[:, Hkv * D:2 * Hkv * D].view(B, Hkv, D).contiguous()
+    v = qkv[:, 2 * Hkv * D:].view(B, Hkv, D)  # strided like the model's v
+    page_of = torch.randperm(pages, generator=g)[:B]
+    slot = torch.randint(0, page, (B,), generator=g)
+    want_k, want_v = kp.clone(), vp.clone()
+    twin(want_k, want_v, page_of, slot, k, v)
+    got_k, got_v = kp.clone().to(DEV), vp.clone().to(DEV)
+    store_kv(got_k, got_v, page_of.to(DEV), slot.to(DEV), k.to(DEV), v.to(DEV))
+    assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
+    assert not torch.equal(want_k, kp)  # the write happened
+    if pool_dtype != torch.float32:  # float32 keys into a low-precision pool
+        k32 = torch.randn(B, Hkv, D, generator=g)
+        twin(want_k, want_v, page_of, slot, k32, v)
+        store_kv(got_k, got_v, page_of.to(DEV), slot.to(DEV), k32.to(DEV), v.to(DEV))
+        if DEV == "cuda" or pool_dtype != torch.bfloat16:  # the interpreter truncates to bf16
+            assert torch.equal(got_k.cpu(), want_k)
+        oracle = k32.double()
+        got = got_k.cpu()[page_of, :, slot].double()
+        assert ((got - oracle).abs() <= oracle.abs() * (2 ** -7 if pool_dtype == torch.bfloat16 else 2 ** -10)).all()
+
+
+def test_store_kv_rejects_mismatched_shapes():
+    from kvsieve.kernels.cache import store_kv
+
+    kp = torch.zeros(4, 2, 16, 64, device=DEV)
+    k = torch.zeros(3, 2, 32, device=DEV)
+    i = torch.zeros(3, dtype=torch.long, device=DEV)
+    with pytest.raises(ValueError, match=r"k \(3, 2, 32\).*pools \(4, 2, 16, 64\)"):
+        store_kv(kp, kp.clone(), i, i, k, k)

@@ -153,3 +153,11 @@ def silu_mul(gate_up):
         return kernel(gate_up)
     from .ops.layer import silu_mul as ref
     return ref(gate_up)
+
+
+def store_kv(k_pool, v_pool, page, slot, k, v):
+    """See ops.paged.store_kv (in place)."""
+    if use_triton(k):
+        from .kernels.cache import store_kv as kernel
+        return kernel(k_pool, v_pool, page, slot, k, v)
+    return _paged_ref.store_kv(k_pool, v_pool, page, slot, k, v)

@@ -101,7 +101,7 @@ class ModelRunner(BatchRows):
         """One forward over tokens [start, end) of req; returns their hidden states [T, hidden]."""
         dev, cache = self.model.device, self.cache
         windows = self._prefill_windows(req.method_key)
-        ids = torch.tensor(req.tokens[start:end], device=dev)
+        ids = torch.tensor(req.token_slice(start, end), device=dev)
         pos = torch.arange(start, end, device=dev)
 
         def attend_prefill(layer, q, k, v):
@@ -187,7 +187,7 @@ class ModelRunner(BatchRows):
                 bt.table[b].fill_(self.scratch_page)
         host_len = [bt.dead[b] if r is None else r.num_cached + 1 for b, r in enumerate(rows)]
         bt.last_host = host_len
-        host_in = torch.tensor([[0 if r is None else r.tokens[-1] for r in rows],
+        host_in = torch.tensor([[0 if r is None else r.last_token for r in rows],
                                 [0 if r is None else r.num_cached for r in rows]])
         bt.inputs.copy_(host_in.pin_memory() if bt.inputs.is_cuda else host_in, non_blocking=True)
         for b, r in enumerate(rows):
@@ -261,8 +261,7 @@ class ModelRunner(BatchRows):
         slot = lengths % self.page_size
 
         def attend(layer, q, k, v):
-            cache.k[layer, page_of, :, slot] = k.to(cache.k.dtype)
-            cache.v[layer, page_of, :, slot] = v.to(cache.v.dtype)
+            dispatch.store_kv(cache.k[layer], cache.v[layer], page_of, slot, k, v)
             outs = []
             for g, a, b in bt.groups:
                 m, st = self.methods[g], bt.states[g][layer]

@@ -133,11 +133,24 @@ def _merge_kernel(PART, PLSE, CNT, OUT, LSE, NS, SPLIT, G: tl.constexpr, D: tl.c
     tl.store(LSE + pid + tl.arange(0, 1), tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf")))
 
 
-def choose_split(cap: int, rows: int, block_n: int, target: int = TARGET_PROGRAMS, most: int = 8192) -> int:
-    """Split length (a multiple of block_n, at most `most`) giving about `target` programs."""
+def choose_split(cap: int, rows: int, block_n: int, target: int = TARGET_PROGRAMS, most: int = 8192,
+                 pow2: bool = True) -> int:
+    """Split length (a multiple of block_n, at most `most`) giving about `target` programs:
+    the power of two at or above the exact length, or (pow2=False) the exact length rounded
+    up to block_n, so a capacity just past a power of two does not halve the programs."""
     want = -(-cap * rows // target)
-    return max(block_n, min(next_pow2(want), most))
+    want = next_pow2(want) if pow2 else -(-want // block_n) * block_n
+    return max(block_n, min(want, most))
 
+
+# Dense lists: the split is sized so that one row at the batch's capacity alone spreads over
+# ~256 programs (about two per SM), whatever the batch's row count. Sized for all rows, a
+# continuous batch whose other rows are dead (finished requests keep their rows and attend
+# one token) left its one live row 32-72 programs. H100 sweep (scripts/sweep_dense_decode.py,
+# docs/benchmarks.md): 32K + 23 dead rows 0.311 -> 0.117 ms, 64K + 63 dead 0.338 -> 0.246,
+# 128K x 1 0.229 -> 0.213, 8K x 1 0.041 -> 0.029; full batches within 2%. Shorter splits lose:
+# programs past a row's count still cost their launch.
+DENSE_PROGRAMS_PER_ROW = 256
 
 # Index lists may fill a small part of their capacity (a threshold plan's capacity is the
 # context): splits sized for a full list leave one busy program per row. Shorter splits
@@ -148,6 +161,25 @@ def choose_split(cap: int, rows: int, block_n: int, target: int = TARGET_PROGRAM
 INDEX_SPLIT_MOST = 2048
 
 
+def launch_config(dtype: torch.dtype, dense: bool, D: int, Hkv: int, interpret: bool) -> dict:
+    """The split kernel's launch parameters (block_n, num_warps, num_stages, target programs,
+    rows the split is sized for when not all of B * Hkv, lowp_pv)."""
+    if interpret:
+        cfg = {"block_n": 32, "num_warps": 4, "num_stages": 1, "target": TARGET_PROGRAMS, "lowp_pv": False}
+    elif dense:  # contiguous pages favour deeper pipelining; splits sized per row (DENSE_PROGRAMS_PER_ROW)
+        cfg = {"block_n": 64, "num_warps": 4, "num_stages": 3, "target": DENSE_PROGRAMS_PER_ROW, "rows": Hkv,
+               "pow2": False, "lowp_pv": False}
+    elif dtype == torch.float32:
+        cfg = {"block_n": 64, "num_warps": 4, "num_stages": 3, "target": TARGET_PROGRAMS, "lowp_pv": False}
+    else:  # H200 sweep at 128K x batch 8/32 (docs/benchmarks.md): 128-token blocks, 4 warps,
+        # p rounded to the values' dtype for P.V (error within 1.3x of the bf16 reference's)
+        cfg = {"block_n": 128, "num_warps": 4, "num_stages": 2, "target": 512, "lowp_pv": True}
+    if D > 128 and not interpret:  # Gemma 3's 256: keep K/V tiles within shared memory
+        cfg.update(block_n=min(cfg["block_n"], 64 if dtype != torch.float32 else 32),
+                   num_stages=min(cfg["num_stages"], 2))
+    return cfg
+
+
 def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, counts: Tensor,
                  indices: Optional[Tensor] = None, scale: Optional[float] = None,
                  cap: Optional[int] = None, pool_rows: bool = False,
@@ -156,7 +188,8 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
     case (default: the block table's capacity); with indices it is indices.shape[-1].
     pool_rows: the indices are pool rows (page * page_size + slot), not logical positions.
     `_config` overrides the launch parameters (block_n, num_warps, num_stages, target
-    programs, most: the longest split, lowp_pv) for tuning sweeps."""
+    programs, most: the longest split, rows: the rows the split is sized for, lowp_pv) for
+    tuning sweeps."""
     B, Hq, D = q.shape
     Hkv, page = k_pool.shape[1], k_pool.shape[2]
     G = Hq // Hkv
@@ -175,20 +208,11 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
         idx = indices
         si_b, si_h = indices.stride(0), indices.stride(1)
     counts = counts.to(torch.int32).contiguous()
-    if interpreting():
-        cfg = {"block_n": 32, "num_warps": 4, "num_stages": 1, "target": TARGET_PROGRAMS, "lowp_pv": False}
-    elif q.dtype == torch.float32 or dense:  # dense lists: contiguous pages favour deeper pipelining
-        cfg = {"block_n": 64, "num_warps": 4, "num_stages": 3, "target": TARGET_PROGRAMS, "lowp_pv": False}
-    else:  # H200 sweep at 128K x batch 8/32 (docs/benchmarks.md): 128-token blocks, 4 warps,
-        # p rounded to the values' dtype for P.V (error within 1.3x of the bf16 reference's)
-        cfg = {"block_n": 128, "num_warps": 4, "num_stages": 2, "target": 512, "lowp_pv": True}
-    if D > 128 and not interpreting():  # Gemma 3's 256: keep K/V tiles within shared memory
-        cfg.update(block_n=min(cfg["block_n"], 64 if q.dtype != torch.float32 else 32),
-                   num_stages=min(cfg["num_stages"], 2))
+    cfg = launch_config(q.dtype, dense, D, Hkv, interpreting())
     cfg.update(_config or {})
     block_n = cfg["block_n"]
     most = cfg.get("most", 8192 if dense else INDEX_SPLIT_MOST)
-    split = choose_split(max(cap, 1), B * Hkv, block_n, cfg["target"], most)
+    split = choose_split(max(cap, 1), cfg.get("rows", B * Hkv), block_n, cfg["target"], most, cfg.get("pow2", True))
     ns = max(1, -(-cap // split))
     part = torch.empty(B * Hkv * ns * G * D, dtype=torch.float32, device=q.device)
     plse = torch.empty(B * Hkv * ns * G, dtype=torch.float32, device=q.device)

@@ -112,3 +112,11 @@ def list_logits_reference(q: Tensor, k_pool: Tensor, block_table: Tensor, tokens
     k = k_pool[pages, heads, pos % page_size].to(ct)
     logits = torch.einsum("bhd,bhwd->bhw", q.to(ct), k) * scale
     return logits.masked_fill(~valid, float("-inf"))
+
+
+def store_kv(k_pool: Tensor, v_pool: Tensor, page: Tensor, slot: Tensor, k: Tensor, v: Tensor) -> None:
+    """Write one new token per row into a layer's pools, in place: k_pool, v_pool
+    [num_pages, Hkv, page_size, D]; page, slot [B] (integer); k, v [B, Hkv, D] (cast to the
+    pools' dtype). Row b goes to k_pool[page[b], :, slot[b]]."""
+    k_pool[page, :, slot] = k.to(k_pool.dtype)
+    v_pool[page, :, slot] = v.to(v_pool.dtype)
