@@ -171,3 +171,15 @@ def test_queue_limit():
 def test_sampling_params_validated(field, value):
     with pytest.raises(ValueError, match=field):
         S.SamplingParams(**{field: value})
+
+
+def test_last_token_and_token_slice_match_the_token_list():
+    """The decode step reads last_token and prefill reads token_slice instead of building
+    prompt + output (a copy of the whole context per request per step)."""
+    for prompt, output in (([5], []), ([1, 2, 3], []), ([1, 2, 3], [7]), ([4], [8, 9, 10])):
+        r = S.Request(0, list(prompt), S.SamplingParams(4), output=list(output))
+        toks = prompt + output
+        assert r.last_token == toks[-1]
+        for a in range(len(toks) + 1):
+            for b in range(a, len(toks) + 2):
+                assert r.token_slice(a, b) == toks[a:b], (prompt, output, a, b)

@@ -79,6 +79,18 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def last_token(self) -> int:
+        """tokens[-1] without building the list (a copy of the whole context per call)."""
+        return self.output[-1] if self.output else self.prompt[-1]
+
+    def token_slice(self, start: int, end: int) -> List[int]:
+        """tokens[start:end] without building the whole list."""
+        n = len(self.prompt)
+        if end <= n:
+            return self.prompt[start:end]
+        return self.prompt[start:n] + self.output[max(start - n, 0):end - n]
+
+    @property
     def prefill_target(self) -> int:
         """Tokens the cache must hold before decoding: the prompt, or after a preemption
         everything but the last sampled token (which the next decode step feeds)."""
