@@ -125,7 +125,7 @@ def run_batch(eng, prompts, new_tokens):
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
             "kv_fraction": sum(o.kv_fraction for o in outs) / len(outs), "pool_pages": eng.scheduler.num_pages,
             "captures": eng.runner.captures, "composes": eng.runner.composes, "row_joins": eng.runner.row_joins,
-            "preemptions": eng.stats.preemptions}
+            "preemptions": eng.stats.preemptions, "attended_densely": sum(bool(o.attended_densely) for o in outs)}
 
 
 def concurrent(model, tok, log, n=32, new_tokens=128):
@@ -216,9 +216,9 @@ def cb8b(model, tok, log, n=24, lo=8192, hi=32768, new_tokens=32, methods=("dens
     return rows
 
 
-def cb64(model, tok, log, methods=("dense", "tactic", "lserve")):
+def cb64(model, tok, log, methods=("dense", "tactic", "lserve"), new_tokens=64):
     """The issue's continuous-batching run: 64 requests of 8K-64K tokens, 64 new tokens each."""
-    return cb8b(model, tok, log, n=64, lo=8192, hi=65536, new_tokens=64, methods=methods)
+    return cb8b(model, tok, log, n=64, lo=8192, hi=65536, new_tokens=new_tokens, methods=methods)
 
 
 def main():
@@ -229,6 +229,7 @@ def main():
     ap.add_argument("--lengths", help="crossover prompt lengths, comma-separated")
     ap.add_argument("--methods", help="cb8b/cb64: methods to run, comma-separated (default dense,tactic,lserve; "
                     "one call per method keeps a long run within a time limit)")
+    ap.add_argument("--new-tokens", type=int, help="cb8b/cb64: new tokens per request (default 32 / 64)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     embedded = any(p not in ("e2e8b", "cb8b", "cb64") for p in args.parts.split(","))
@@ -244,9 +245,12 @@ def main():
         kw = {"lengths": tuple(int(x) for x in args.lengths.split(","))} if part == "crossover" and args.lengths else {}
         if part in ("cb8b", "cb64") and args.methods:
             kw["methods"] = tuple(args.methods.split(","))
+        if part in ("cb8b", "cb64") and args.new_tokens:
+            kw["new_tokens"] = args.new_tokens
         result[part] = globals()[part](model, tok, log, **kw)
         print(f"## {part}: {time.perf_counter() - t0:.1f} s", flush=True)
-        tag = args.parts.replace(',', '-') + (f"-{args.methods.replace(',', '-')}" if args.methods else "")
+        tag = args.parts.replace(',', '-') + (f"-{args.methods.replace(',', '-')}" if args.methods else "") \
+            + (f"-{args.new_tokens}" if args.new_tokens else "")
         with open(os.path.join(args.out, f"engine-{tag}.json"), "w") as f:
             json.dump(result, f, indent=1)
 

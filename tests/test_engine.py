@@ -94,7 +94,8 @@ def test_joins_take_free_rows_in_place(tiny_model, method, opts):
     assert eng.scheduler.used_pages == 0
 
 
-@pytest.mark.parametrize("method,opts", METHODS + [("hybrid", {"cluster_size": 8, "local": 8})])
+@pytest.mark.parametrize("method,opts", METHODS + [("hybrid", {"cluster_size": 8, "local": 8}),
+                                                   ("tactic", {"cluster_size": 8, "dense_below": 1})])  # all dense
 def test_a_burst_of_arrivals_joins_one_batch_in_place(tiny_model, method, opts):
     """Requests submitted together (short and long prompts in any order) decode in one
     batch built once: it keeps rows and index room for the requests still prefilling
@@ -266,7 +267,10 @@ def test_bad_requests_raise_one_clear_error(tiny_model):
     assert not eng.has_unfinished
 
 
-def test_dense_below_the_crossover_and_when_plans_read_most(tiny_model):
+def test_dense_below_the_crossover_and_when_plans_read_most(tiny_model, monkeypatch):
+    from kvsieve.methods.tactic import Tactic
+
+    monkeypatch.setattr(Tactic, "index_payback_tokens", 0)  # the payback rule has its own test
     ps = prompts(2, lo=60, hi=61, seed=9)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     short = LLMEngine(tiny_model, None, "tactic", cluster_size=8, dense_below=100).generate(ps, params)
@@ -280,6 +284,29 @@ def test_dense_below_the_crossover_and_when_plans_read_most(tiny_model):
     assert all(o.attended_densely for o in out)
     off = LLMEngine(tiny_model, None, "tactic", cluster_size=8, threshold=0.99, dense_below=0).generate(ps, params)
     assert not any(o.attended_densely for o in off) and min(o.kv_fraction for o in off) > 0.5
+
+
+def test_dense_when_too_few_tokens_repay_the_index(tiny_model, monkeypatch):
+    """With the fallbacks on (CUDA's default, or dense_below > 0), a tactic or hybrid request
+    asking for fewer tokens than its index's payback attends densely from the start (no
+    K-means); one asking for more, a method with no index cost, or dense_below=0 runs sparse."""
+    from kvsieve.methods.tactic import Tactic
+
+    monkeypatch.setattr(Tactic, "index_payback_tokens", 10)
+    ps = prompts(2, lo=300, hi=301, seed=9)  # long enough that a 16-token budget reads a small part
+    few, many = SamplingParams(max_new_tokens=9, ignore_eos=True), SamplingParams(max_new_tokens=10, ignore_eos=True)
+    eng = LLMEngine(tiny_model, None, "tactic", cluster_size=8, budget=16, dense_below=1)
+    dense = LLMEngine(tiny_model, None, "dense").generate(ps, few)
+    out = eng.generate(ps, few)
+    assert all(o.attended_densely and o.kv_fraction == 1.0 and o.method == "tactic" for o in out)
+    assert [o.tokens for o in out] == [o.tokens for o in dense]
+    assert not any(o.attended_densely for o in eng.generate(ps, many))
+    hybrid = LLMEngine(tiny_model, None, "hybrid", cluster_size=8, budget=16, dense_below=1)
+    assert all(o.attended_densely for o in hybrid.generate(ps, few))
+    quest = LLMEngine(tiny_model, None, "quest", budget=16, dense_below=1)
+    assert not any(o.attended_densely for o in quest.generate(ps, few))
+    forced = LLMEngine(tiny_model, None, "tactic", cluster_size=8, budget=16, dense_below=0)
+    assert not any(o.attended_densely for o in forced.generate(ps, few))
 
 
 @pytest.mark.parametrize("paged", [False, True])

@@ -163,8 +163,10 @@ class LLMEngine:
         SchedulerFullError past the waiting-queue limit."""
         key = self.method_key(method, method_options)
         requested = self._method_names[key]
-        if len(prompt) < self.dense_below and "dense" in self.runner.methods:
-            key = "dense"  # below the crossover
+        if "dense" in self.runner.methods and (
+                len(prompt) < self.dense_below  # below the crossover
+                or (self.dense_fallback and params.max_new_tokens < self.runner.methods[key].index_payback_tokens)):
+            key = "dense"  # (or too few tokens to repay the method's index)
         req = self.scheduler.add(prompt, params, key)
         self._track[req.id] = _Track(requested, time.perf_counter())
         return req.id

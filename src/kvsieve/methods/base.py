@@ -71,6 +71,9 @@ class SparseMethod:
     # plan() takes skip=[Hkv] bool and window=(sink, local): a hybrid's streaming heads,
     # whose lists the method writes as that window (and may leave unscored)
     plan_skips_heads: ClassVar[bool] = False
+    # generated tokens before the index's build cost is repaid by cheaper decode steps; on
+    # CUDA the engine attends densely for a request that asks for fewer (0: nothing to repay)
+    index_payback_tokens: ClassVar[int] = 0
 
     def prepare(self, k: Tensor, lengths: Tensor, layer: int = 0) -> Optional[Any]:
         """Build the per-layer index from keys k [B, Hkv, S, D] (valid: first lengths[b])."""

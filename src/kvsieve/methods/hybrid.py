@@ -91,6 +91,11 @@ class Hybrid(SparseMethod):
     config: HybridConfig = field(default_factory=HybridConfig)
     name = "hybrid"
 
+    @property
+    def index_payback_tokens(self) -> int:
+        """The dynamic heads' index cost (tactic's K-means; nothing for a page selector)."""
+        return self.dynamic.index_payback_tokens
+
     def __post_init__(self):
         from . import build_method
 

@@ -143,6 +143,12 @@ class Tactic(SparseMethod):
     config: TacticConfig = TacticConfig()
     name = "tactic"
     plan_skips_heads = True
+    # Generated tokens before K-means pays for itself (H100, 8B shape): its kernels alone cost
+    # ~19 ns per key, KV head and layer against ~0.19 ns of attention reads saved per decode
+    # step (~100 steps); through the engine under continuous batching it took longer
+    # (docs/benchmarks.md, 2026-11-24): 64 x 8-64K, +15.3 s of prefill against 5.3 s saved
+    # over 64 tokens (~185); 24 x 8-32K, +4.0 s against 2.9 s saved over 192 tokens (~260).
+    index_payback_tokens = 256
 
     def prepare(self, k, lengths, layer=0):
         return self.prepare_layers([k], lengths, [layer])[0]

@@ -134,8 +134,11 @@ def cmd_generate(args) -> int:
     if warm:
         print(f"--- warm-up (kernel compilation, step-graph capture): {warm:.1f} s", file=sys.stderr)
     if args.method != "dense" and "dense" in report["attended"]:
+        payback = eng.runner.methods["default"].index_payback_tokens
+        few = f", or --max-new-tokens is under the {payback} tokens that repay its index" \
+            if args.max_new_tokens < payback else ""
         print(f"--- attended densely: the prompt is below this device's dense/sparse crossover of "
-              f"{eng.dense_below} tokens, or {args.method}'s plans read most of the cache; pass --dense-below 0 "
+              f"{eng.dense_below} tokens{few}, or {args.method}'s plans read most of the cache; pass --dense-below 0 "
               f"to force {args.method}", file=sys.stderr)
     attended = ", ".join(sorted(set(report["attended"])))
     print(f"--- {args.method} ({attended} attention) on {device} {report['dtype']}: prompt {report['prompt_tokens']} "
