@@ -37,12 +37,19 @@ def test_add_rms_norm(dtype, N, H, res):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("N,Hq,Hkv,D", [(1, 9, 3, 64), (97, 8, 1, 128), (5, 6, 2, 24)])
-def test_rope(dtype, N, Hq, Hkv, D):
+@pytest.mark.parametrize("fused", [False, True])
+def test_rope(dtype, N, Hq, Hkv, D, fused):
+    """q and k rotated in one launch, also when they are strided views of the model's
+    fused qkv projection (no copies)."""
     from kvsieve.kernels.layer import rope
 
     g = torch.Generator().manual_seed(N + D)
-    q = torch.randn(N, Hq, D, generator=g).to(dtype)
-    k = torch.randn(N, Hkv, D, generator=g).to(dtype)
+    if fused:
+        qkv = torch.randn(N, (Hq + 2 * Hkv) * D, generator=g).to(dtype)
+        q, k = qkv[:, :Hq * D].view(N, Hq, D), qkv[:, Hq * D:(Hq + Hkv) * D].view(N, Hkv, D)
+    else:
+        q = torch.randn(N, Hq, D, generator=g).to(dtype)
+        k = torch.randn(N, Hkv, D, generator=g).to(dtype)
     f = torch.arange(N, dtype=torch.float64)[:, None] * (1e4 ** -(torch.arange(0, D, 2) / D))[None, :]
     emb = torch.cat((f, f), -1)
     cos, sin = emb.cos(), emb.sin()

@@ -35,34 +35,44 @@ def add_rms_norm(x, residual, w, eps):
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, o_ptr, H, D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr):
+def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, Hq, Hkv, sq_n, sq_h, sk_n, sk_h,
+                 D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr):
+    """One program per (token, head) of q and k together: heads [0, Hq) are q's, the rest
+    k's. q and k may be strided views (the model's fused qkv); outputs are contiguous."""
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    if h < Hq:
+        src = q_ptr + n * sq_n + h * sq_h
+        dst = qo_ptr + (n * Hq + h) * D
+    else:
+        src = k_ptr + n * sk_n + (h - Hq) * sk_h
+        dst = ko_ptr + (n * Hkv + h - Hq) * D
     i = tl.arange(0, HALF_P)
     m = i < HALF
-    base = (n * H + h) * D
-    a = tl.load(x_ptr + base + i, mask=m, other=0.0)
-    b = tl.load(x_ptr + base + HALF + i, mask=m, other=0.0)
+    a = tl.load(src + i, mask=m, other=0.0)
+    b = tl.load(src + HALF + i, mask=m, other=0.0)
     c1 = tl.load(cos_ptr + n * D + i, mask=m, other=0.0)
     c2 = tl.load(cos_ptr + n * D + HALF + i, mask=m, other=0.0)
     s1 = tl.load(sin_ptr + n * D + i, mask=m, other=0.0)
     s2 = tl.load(sin_ptr + n * D + HALF + i, mask=m, other=0.0)
     af = a.to(tl.float32)
     bf = b.to(tl.float32)
-    tl.store(o_ptr + base + i, (af * c1 - bf * s1).to(a.dtype), mask=m)
-    tl.store(o_ptr + base + HALF + i, (bf * c2 + af * s2).to(a.dtype), mask=m)
+    tl.store(dst + i, (af * c1 - bf * s1).to(a.dtype), mask=m)
+    tl.store(dst + HALF + i, (bf * c2 + af * s2).to(a.dtype), mask=m)
 
 
 def rope(q, k, cos, sin):
+    """q [N, Hq, D] and k [N, Hkv, D] (strided views allowed) in one launch."""
     cos, sin = cos.contiguous(), sin.contiguous()
-    outs = []
-    for x in (q, k):
-        x = x.contiguous()
-        N, H, D = x.shape
-        o = x.new_empty(x.shape)
-        _rope_kernel[(N, H)](x, cos, sin, o, H, D=D, HALF=D // 2, HALF_P=next_pow2(D // 2))
-        outs.append(o)
-    return outs[0], outs[1]
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    N, Hq, D = q.shape
+    Hkv = k.shape[1]
+    qo, ko = q.new_empty(q.shape), k.new_empty(k.shape)
+    if N:
+        _rope_kernel[(N, Hq + Hkv)](q, k, cos, sin, qo, ko, Hq, Hkv, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                                    D=D, HALF=D // 2, HALF_P=next_pow2(D // 2))
+    return qo, ko
 
 
 @triton.jit
