@@ -138,9 +138,10 @@ def run_case(model, spec: str, steps: int, host: bool = False) -> dict:
         groups[k["group"]][1] += k["launches_per_step"]
     busy = sum(k["ms_per_step"] for k in kernels)
     rest = wall_ms - sum(v[0] for g, v in groups.items() if g in ("attention", "plan"))
+    wb = weight_bytes(model)
     return {"case": spec, "context": context, "batch": batch, "wall_ms": wall_ms, "kernel_ms": busy,
-            "gemm_GBps": weight_bytes(model) / groups["gemm"][0] / 1e6 if groups["gemm"][0] else None,
-            "non_attention_ms": rest, "non_attention_GBps": weight_bytes(model) / rest / 1e6,
+            "gemm_GBps": wb / groups["gemm"][0] / 1e6 if groups["gemm"][0] else None,
+            "non_attention_ms": rest, "non_attention_GBps": wb / rest / 1e6,
             "idle_ms": wall_ms - busy, "last_step": eng.runner.last_step,
             "groups": {g: {"ms": v[0], "launches": v[1]} for g, v in sorted(groups.items(), key=lambda x: -x[1][0])},
             "kernels": kernels[:40], "host": host_rows}

@@ -18,10 +18,10 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+from kvsieve.bench.kernels import sdpa_baselines  # noqa: E402
 from kvsieve.bench.timing import capture, copy_bandwidth_gbs, median_ms  # noqa: E402
 from kvsieve.kernels.decode import paged_decode  # noqa: E402
 
@@ -93,13 +93,8 @@ def main():
             S = lens[0]
             kc = torch.randn(B, HKV, S, D, device="cuda", dtype=torch.bfloat16)
             vc = torch.randn_like(kc)
-            q4 = q[:, :, None, :]
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            for name, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+            for name, run in sdpa_baselines(q, kc, vc):
                 try:
-                    def run():
-                        with sdpa_kernel(be):
-                            return F.scaled_dot_product_attention(q4, kc, vc, enable_gqa=True)
                     ms = median_ms(capture(run))
                     row = {"case": case, "config": name, "ms": ms, "GBps": nbytes / ms / 1e6,
                            "of_copy": nbytes / ms / 1e6 / copy}

@@ -99,6 +99,20 @@ def prepare_per_request(method, k, lengths, layer: int = 0):
     return first
 
 
+def sdpa_baselines(q, k, v):
+    """[(name, run)]: torch SDPA's flash and cuDNN decode of q [B, Hq, D] over contiguous
+    k, v [B, Hkv, S, D] (GQA), the dense baselines; run() returns [B, Hq, 1, D] and raises
+    where a backend does not support the shapes."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def runner(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q[:, :, None, :], k, v, enable_gqa=True)
+        return run
+    return [("sdpa_flash", runner(SDPBackend.FLASH_ATTENTION)), ("sdpa_cudnn", runner(SDPBackend.CUDNN_ATTENTION))]
+
+
 def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: float, log,
                data: str = "calibrated") -> List[Row]:
     Hq, Hkv, D, page = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim, shapes.page_size
@@ -109,13 +123,8 @@ def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: fl
     rows: List[Row] = []
     dense_bytes = 2 * B * Hkv * S * D * k.element_size()
 
-    q4 = q[:, :, None, :]
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+    for name, run in sdpa_baselines(q, k, v):
         try:
-            def run():
-                with sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
             out = run()
             graph = capture(run)
             ms = median_ms(graph)
@@ -128,7 +137,7 @@ def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: fl
         log(rows[-1])
 
     pk, pv, bt = to_paged(k, v, page)
-    del v
+    del v, run  # the last SDPA closure holds v too
     keys = PagedKeys(pk, bt, pool_rows=True)  # as the engine plans
 
     configs = [("triton_dense", "dense", {})]
