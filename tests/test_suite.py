@@ -160,3 +160,34 @@ def test_too_short_a_length_is_refused(tok, sources):
 def test_unknown_kind_is_named():
     with pytest.raises(ValueError, match="unknown needle kind 'riddle'"):
         build_suite(None, (512,), 1, kinds=("riddle",), sources={"a": "One two three. " * 50}, chat=(False,))
+
+
+def test_calibration_prompts_are_held_out_suite_cases_with_their_answers(tok):
+    """`kvsieve calibrate`'s retrieval data: suite cases of the calibration seed, every needle
+    kind, each teacher-forced with the first tokens of its own expected answer."""
+    from kvsieve.eval.calibrate import CALIBRATION_SEED, suite_retrieval_prompts
+
+    prompts, answers = suite_retrieval_prompts(tok, 1024, 12)
+    cases = build_suite(tok, [1024], 12, CALIBRATION_SEED,
+                        {k: v for k, v in filler_sources().items() if k in ("pydoc", "stdlib")})
+    assert len(prompts) == len(answers) == 12 and len({len(a) for a in answers}) == 1 and len(answers[0]) >= 1
+    assert {c.kind for c in cases} == set(NEEDLE_KINDS)
+    for p, a, c in zip(prompts, answers, cases):
+        assert p == list(c.prompt_ids)
+        full = tok.encode(" " + c.expected[0], add_special_tokens=False)
+        assert a == full[:len(a)]
+        needle = tok.decode(p[c.needle_spans[0][0]:c.needle_spans[0][1]])
+        assert tok.decode(a).strip() in needle  # the answer's first tokens come from the needle
+    held_out = build_suite(tok, [1024], 12, 0, {k: v for k, v in filler_sources().items() if k in ("pydoc", "stdlib")})
+    assert not {tuple(c.prompt_ids) for c in held_out} & {tuple(p) for p in prompts}
+
+
+def test_method_ratios_parse_and_reject_bad_pairs():
+    from kvsieve.eval.calibrate import parse_method_ratios
+
+    assert parse_method_ratios("hybrid=0.125, lserve=0.25") == {"hybrid": 0.125, "lserve": 0.25}
+    assert parse_method_ratios(None) == {}
+    for bad, msg in [("hybrid", "METHOD=RATIO"), ("tactic=0.1", "METHOD=RATIO"), ("hybrid=x", "not a number"),
+                     ("hybrid=1.5", "in \\[0, 1\\]")]:
+        with pytest.raises(ValueError, match=msg):
+            parse_method_ratios(bad)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Dict, Optional
 
 import torch
 
@@ -77,6 +78,40 @@ def retrieval_prompts(tok, length: int, count: int):
     return prompts, [a[:n] for a in answers]
 
 
+CALIBRATION_SEED = 7919  # suite cases of this seed calibrate; evaluate on other seeds (held out)
+
+
+def suite_retrieval_prompts(tok, length: int, count: int, seed: int = CALIBRATION_SEED):
+    """`count` retrieval-suite cases (eval/suite.py: every needle kind, plain and chat, depths
+    spread over [0.05, 0.95]) of `length` tokens on Python's own texts, each with its first
+    expected answer (" <answer>") as token lists of one length: the answer's first tokens,
+    where the model reads the needle."""
+    from .suite import build_suite, filler_sources
+
+    sources = {k: v for k, v in filler_sources().items() if k in ("pydoc", "stdlib")}
+    cases = build_suite(tok, [length], count, seed, sources)
+    answers = [tok.encode(" " + c.expected[0], add_special_tokens=False) for c in cases]
+    n = min(map(len, answers))
+    return [list(c.prompt_ids) for c in cases], [a[:n] for a in answers]
+
+
+def parse_method_ratios(text: Optional[str]) -> Dict[str, float]:
+    """"hybrid=0.125,lserve=0.25" -> {"hybrid": 0.125, "lserve": 0.25} (checked)."""
+    from ..patterns import check_ratio
+
+    out: Dict[str, float] = {}
+    for item in filter(None, (text or "").split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or name.strip() not in ("lserve", "hybrid"):
+            raise ValueError(f"--method-ratios takes METHOD=RATIO pairs for lserve or hybrid, got {item!r}")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--method-ratios: {value!r} is not a number (in {item!r})") from None
+        check_ratio(out[name.strip()])
+    return out
+
+
 def register(sub) -> None:
     from ..methods.hybrid import HybridConfig
 
@@ -94,8 +129,13 @@ def register(sub) -> None:
                                                 "model's positions))")
     p.add_argument("--windows", type=int, default=2, help="calibration windows spread over the text (2)")
     p.add_argument("--steps", type=int, default=16, help="teacher-forced decode steps per window (16)")
-    p.add_argument("--retrieval", type=int, default=5, help="passkey prompts (keys at spread depths) whose "
-                                                                "answer steps are measured too; 0: text only (5)")
+    p.add_argument("--retrieval", type=int, default=24, help="retrieval prompts whose answer steps are measured "
+                                                                 "too; 0: text only (24)")
+    p.add_argument("--retrieval-data", choices=("suite", "passkey"), default="suite",
+                   help="suite: retrieval-suite cases of a calibration seed (every needle kind, plain and chat; "
+                        "held out from `kvsieve eval --seed` splits); passkey: classic passkey prompts")
+    p.add_argument("--method-ratios", help="a method's own validated ratio, e.g. hybrid=0.125: that method streams "
+                                           "that share of heads (highest score) from this file")
     p.add_argument("--out", help="pattern file to write (default: <model name>.streaming.json)")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_calibrate)
@@ -108,6 +148,7 @@ def cmd_calibrate(args) -> int:
     from .harness import special_prefix, text_windows
 
     check_ratio(args.ratio)
+    method_ratios = parse_method_ratios(args.method_ratios)
     for name in ("sink", "local"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
@@ -131,8 +172,8 @@ def cmd_calibrate(args) -> int:
     mass, err = measure_lambda_mass(model, [w[:L] for w in windows], [w[L:] for w in windows], args.sink, args.local)
     tables = {"lambda_mass_text": mass.tolist(), "lambda_err_text": err.tolist()}
     if args.retrieval:
-        r_mass, r_err = measure_lambda_mass(model, *retrieval_prompts(tok, length, args.retrieval),
-                                            args.sink, args.local)
+        make = suite_retrieval_prompts if args.retrieval_data == "suite" else retrieval_prompts
+        r_mass, r_err = measure_lambda_mass(model, *make(tok, length, args.retrieval), args.sink, args.local)
         tables.update(lambda_mass_retrieval=r_mass.tolist(), lambda_err_retrieval=r_err.tolist())
         mass = torch.minimum(mass, r_mass)
     window = getattr(model.cfg, "layer_window", None)
@@ -142,10 +183,13 @@ def cmd_calibrate(args) -> int:
         "model": model_dir.name, "ratio": args.ratio, "sink": args.sink, "local": args.local,
         "window_layers": local,  # the model's own sliding-window layers: streaming by construction
         "criterion": "score = dense softmax mass kept by the sink+local (Λ) mask per KV head, the smaller of its "
-                     "means over teacher-forced decode steps on real text and over passkey answer steps; the "
+                     "means over teacher-forced decode steps on real text and over retrieval answer steps; the "
                      "`ratio` heads with the highest score stream",
+        **({"method_ratios": method_ratios} if method_ratios else {}),
         "calibration": {"text": args.text_file or "pydoc_data.topics", "windows": args.windows,
                         "length": length, "steps": args.steps, "retrieval_prompts": args.retrieval,
+                        "retrieval_data": (f"suite seed {CALIBRATION_SEED}" if args.retrieval_data == "suite"
+                                           else "passkey"),
                         "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - t0, 1)}})
     n = sum(map(sum, pattern))
     kept = mass[torch.tensor(pattern)]
