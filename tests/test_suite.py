@@ -168,8 +168,8 @@ def test_calibration_prompts_are_held_out_suite_cases_with_their_answers(tok):
     from kvsieve.eval.calibrate import CALIBRATION_SEED, suite_retrieval_prompts
 
     prompts, answers = suite_retrieval_prompts(tok, 1024, 12)
-    cases = build_suite(tok, [1024], 12, CALIBRATION_SEED,
-                        {k: v for k, v in filler_sources().items() if k in ("pydoc", "stdlib")})
+    python_texts = {k: v for k, v in filler_sources().items() if k in ("pydoc", "stdlib")}
+    cases = build_suite(tok, [1024], 12, CALIBRATION_SEED, python_texts)
     assert len(prompts) == len(answers) == 12 and len({len(a) for a in answers}) == 1 and len(answers[0]) >= 1
     assert {c.kind for c in cases} == set(NEEDLE_KINDS)
     for p, a, c in zip(prompts, answers, cases):
@@ -178,7 +178,7 @@ def test_calibration_prompts_are_held_out_suite_cases_with_their_answers(tok):
         assert a == full[:len(a)]
         needle = tok.decode(p[c.needle_spans[0][0]:c.needle_spans[0][1]])
         assert tok.decode(a).strip() in needle  # the answer's first tokens come from the needle
-    held_out = build_suite(tok, [1024], 12, 0, {k: v for k, v in filler_sources().items() if k in ("pydoc", "stdlib")})
+    held_out = build_suite(tok, [1024], 12, 0, python_texts)
     assert not {tuple(c.prompt_ids) for c in held_out} & {tuple(p) for p in prompts}
 
 

@@ -97,18 +97,20 @@ def suite_retrieval_prompts(tok, length: int, count: int, seed: int = CALIBRATIO
 
 def parse_method_ratios(text: Optional[str]) -> Dict[str, float]:
     """"hybrid=0.125,lserve=0.25" -> {"hybrid": 0.125, "lserve": 0.25} (checked)."""
-    from ..patterns import check_ratio
+    from ..patterns import STREAMING_METHODS, check_ratio
 
     out: Dict[str, float] = {}
     for item in filter(None, (text or "").split(",")):
         name, sep, value = item.partition("=")
-        if not sep or name.strip() not in ("lserve", "hybrid"):
-            raise ValueError(f"--method-ratios takes METHOD=RATIO pairs for lserve or hybrid, got {item!r}")
+        name = name.strip()
+        if not sep or name not in STREAMING_METHODS:
+            raise ValueError(f"--method-ratios takes METHOD=RATIO pairs for {' or '.join(STREAMING_METHODS)}, "
+                             f"got {item!r}")
         try:
-            out[name.strip()] = float(value)
+            out[name] = float(value)
         except ValueError:
             raise ValueError(f"--method-ratios: {value!r} is not a number (in {item!r})") from None
-        check_ratio(out[name.strip()])
+        check_ratio(out[name])
     return out
 
 
