@@ -36,12 +36,23 @@ def kernel_table(graph, reps: int = 20) -> list:
     return sorted(rows, key=lambda r: -r[1])
 
 
+def _tactic_options(spec: str) -> dict:
+    """tactic/16 -> cluster size 16; tactic:head_max_tokens=1280,head_fraction=0.01 -> those
+    TacticConfig fields (ints, floats or None)."""
+    if "/" in spec:
+        return {"cluster_size": int(spec.split("/")[1])}
+    opts = {}
+    for kv in spec.partition(":")[2].split(",") if ":" in spec else []:
+        k, v = kv.split("=")
+        opts[k] = None if v == "None" else float(v) if "." in v else int(v)
+    return opts
+
+
 def _method(spec: str, S: int, P: float):
-    """tactic: threshold P (tactic/16: cluster size 16); quest / lserve: a 2.5% budget (lserve:
-    every other KV head streaming)."""
+    """tactic: threshold P (tactic/16: cluster size 16, tactic:field=value,...: config fields);
+    quest / lserve: a 2.5% budget (lserve: every other KV head streaming)."""
     if spec.startswith("tactic"):
-        opts = {"cluster_size": int(spec.split("/")[1])} if "/" in spec else {}
-        return make_method("tactic", threshold=P, **opts)
+        return make_method("tactic", threshold=P, **_tactic_options(spec))
     opts = {"budget": int(0.025 * S)}
     if spec == "lserve":
         from kvsieve.bench.kernels import half_streaming
@@ -159,7 +170,7 @@ def sweep_launches(m, q, st, lengths, host, keys, S, B, log) -> None:
     chosen, offsets, total = m._choose_by_threshold(q, st, lengths, keys, c)
     keep = torch.randint(1, 200, (B, q.shape[1]), device="cuda")  # stand-in prefixes for the union's timing
     want = None
-    for cfg in ((4096, 8), (4096, 16)):
+    for cfg in ((4096, 8), (4096, 16), (4096, 4), (2048, 8), (1024, 4), (512, 4)):
         fn = lambda: union_prefixes(skeys, order, keep, st.sizes32, None, _config=cfg)  # noqa: E731
         got = fn()
         want = got if want is None else want
@@ -202,7 +213,8 @@ def main() -> int:
     ap.add_argument("--batches", default="8,32")
     ap.add_argument("--threshold", type=float, default=0.9)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--methods", default="tactic", help="tactic (threshold; tactic/N: cluster size N), quest, lserve (2.5%% budgets)")
+    ap.add_argument("--methods", default="tactic", help="tactic (threshold; tactic/N: cluster size N; tactic:field=value;...: config "
+                    "fields, ';' between methods when a spec has commas), quest, lserve (2.5%% budgets)")
     ap.add_argument("--sweep", action="store_true", help="also time launch configurations")
     args = ap.parse_args()
     f = open(os.path.join(args.out, "profile_plan.jsonl"), "w") if args.out else None
@@ -212,9 +224,10 @@ def main() -> int:
         print(line, flush=True)
         if f:
             f.write(line + "\n")
+    sep = ";" if ";" in args.methods else ","
     for S in map(int, args.contexts.split(",")):
         for B in map(int, args.batches.split(",")):
-            cell(S, B, args.threshold, log, tuple(args.methods.split(",")), args.sweep)
+            cell(S, B, args.threshold, log, tuple(args.methods.split(sep)), args.sweep)
     return 0
 
 

@@ -549,8 +549,49 @@ def test_ranked_list_logits_matches_reference(G, D, C, split):
     assert (got[~none].double() - exact[~none]).abs().max() <= 1.5 * (want[~none].double() - exact[~none]).abs().max() + 1e-4
 
 
-def _keep_twin_and_kernel(case, threshold, min_budget, max_budget):
-    """keep_clusters of the torch twin and of the kernel (on DEV) on a conftest.fit_case."""
+@pytest.mark.parametrize("config", [None, (16, 4, 2)])
+def test_ranked_list_tokens_append_always_attended(config):
+    """With AlwaysTokens the token launch writes each request's sinks and unindexed tail
+    after every head's ranked positions (-1 at or past its length), and one logits launch
+    scores both: equal to the torch twin, the twin to a walk by hand and to float64."""
+    from kvsieve.kernels.logits import ranked_list_logits, ranked_list_tokens as kernel_tokens
+    from kvsieve.ops.threshold import AlwaysTokens, ranked_list_logits_reference, ranked_list_tokens
+
+    B, Hkv, G, D, S, C = 3, 2, 3, 64, 97, 13
+    Hq = Hkv * G
+    q, kp, _, bt, _, _ = paged_case(B, Hkv, G, D, 16, S, torch.float32, seed=5, sparse=False)
+    g = torch.Generator().manual_seed(3)
+    assign = torch.randint(0, C, (B, Hkv, S), generator=g)
+    sizes = torch.zeros(B, Hkv, C, dtype=torch.long).scatter_add_(-1, assign, torch.ones_like(assign))
+    members = (assign * S + torch.arange(S)).argsort(-1).int()
+    order = torch.stack([torch.stack([torch.randperm(C, generator=g) for _ in range(Hq)]) for _ in range(B)])
+    ranked = sizes.repeat_interleave(G, 1).gather(-1, order).int()
+    pos = torch.randint(-1, S, (B, Hq, 23), generator=g, dtype=torch.int32)
+    index = [pos, ranked.cumsum(-1, dtype=torch.int32), ranked, order.int(), (sizes.cumsum(-1) - sizes).int(), members]
+    nidx, lens = torch.tensor([40, 90, 0]), torch.tensor([54, 97, 1])
+    always = AlwaysTokens(4, 21, nidx, lens)
+    want = ranked_list_tokens(*index, always)
+    assert want.shape == (B, Hq, 23 + 21)
+    assert torch.equal(want[..., :23], ranked_list_tokens(*index))
+    for b in range(B):
+        hand = [j if j < 4 else int(nidx[b]) + j - 4 for j in range(21)]
+        hand = [t if t < int(lens[b]) else -1 for t in hand]
+        assert (want[b, :, 23:] == torch.tensor(hand)).all()
+    dev = [t.to(DEV) for t in index]
+    always_dev = AlwaysTokens(4, 21, nidx.to(DEV), lens.to(DEV))
+    assert torch.equal(kernel_tokens(*dev, always_dev, _config=config).cpu().long(), want)
+    got = ranked_list_logits(q, kp, bt, *dev, always=always_dev)
+    ref = ranked_list_logits_reference(q, kp, bt, *dev, always=always_dev)
+    exact = ranked_list_logits_reference(q.double(), kp.double(), bt, *dev, always=always_dev)
+    none = want.to(DEV) < 0
+    assert torch.equal(torch.isinf(got), none) and torch.equal(torch.isinf(ref), none)
+    assert (got[~none].double() - exact[~none]).abs().max() <= 1.5 * (ref[~none].double() - exact[~none]).abs().max() + 1e-4
+
+
+def _keep_twin_and_kernel(case, threshold, min_budget, max_budget, views=False):
+    """keep_clusters of the torch twin and of the kernel (on DEV) on a conftest.fit_case;
+    views: the kernel reads `read` and `always` as column ranges of one tensor (the plan's
+    single logits launch)."""
     from kvsieve.kernels.fit import keep_clusters as kkeep
     from kvsieve.ops.threshold import keep_clusters
 
@@ -560,20 +601,25 @@ def _keep_twin_and_kernel(case, threshold, min_budget, max_budget):
     lay_dev = type(layout)(*(t.to(DEV) if torch.is_tensor(t) else tuple(u.to(DEV) for u in t)
                              for t in (layout.head_len, layout.seg_len, layout.seg_start, layout.exact,
                                        layout.seg_reads)))
-    got = kkeep(read.to(DEV), pos.to(DEV), always.to(DEV), lay_dev, n.to(DEV), csize.to(DEV), head_w,
+    read_dev, always_dev = read.to(DEV), always.to(DEV)
+    if views:
+        both = torch.cat([read_dev, always_dev], -1)
+        read_dev, always_dev = both[:, :read.shape[1]], both[:, read.shape[1]:]
+    got = kkeep(read_dev, pos.to(DEV), always_dev, lay_dev, n.to(DEV), csize.to(DEV), head_w,
                 threshold, min_budget, max_budget).cpu()
     return want, got
 
 
 @pytest.mark.parametrize("threshold,min_budget,max_budget", [(0.9, 0, None), (0.5, 0, None), (1.0, 0, None),
                                                             (0.3, 300, None), (0.9, 0, 400)])
-@pytest.mark.parametrize("decay", [0.0, 3.0])
-def test_keep_clusters_kernel_matches_twin(threshold, min_budget, max_budget, decay):
+@pytest.mark.parametrize("decay,views", [(0.0, False), (3.0, False), (3.0, True)])
+def test_keep_clusters_kernel_matches_twin(threshold, min_budget, max_budget, decay, views):
     """The one-launch fit (prefix sums, segment means, closed-form tail with an asymptotic
-    harmonic series) keeps exactly the clusters of the torch twin (digamma)."""
+    harmonic series) keeps exactly the clusters of the torch twin (digamma), also reading
+    its scores as column ranges of one tensor."""
     C = 300
     case = fit_case(int(10 * threshold + decay) + min_budget, 30, C, 40, decay, 37, torch.float32)
-    want, got = _keep_twin_and_kernel(case, threshold, min_budget, max_budget)
+    want, got = _keep_twin_and_kernel(case, threshold, min_budget, max_budget, views)
     assert torch.equal(got, want)
     assert 0 < want.float().mean() < C  # neither nothing nor everything
 

@@ -24,13 +24,14 @@ def list_logits(q, k_pool, block_table, tokens, scale=None):
     return _paged_ref.list_logits_reference(q, k_pool, block_table, tokens, scale)
 
 
-def ranked_list_logits(q, k_pool, block_table, positions, csize, ranked, order, entry_start, members, scale=None):
+def ranked_list_logits(q, k_pool, block_table, positions, csize, ranked, order, entry_start, members, scale=None,
+                       always=None):
     """See ops.threshold.ranked_list_logits_reference."""
     if use_triton(q):
         from .kernels.logits import ranked_list_logits as impl
     else:
         from .ops.threshold import ranked_list_logits_reference as impl
-    return impl(q, k_pool, block_table, positions, csize, ranked, order, entry_start, members, scale)
+    return impl(q, k_pool, block_table, positions, csize, ranked, order, entry_start, members, scale, always)
 
 
 def rank_clusters(keys, sizes):

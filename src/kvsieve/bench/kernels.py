@@ -69,8 +69,8 @@ def to_paged(k, v, page: int, seed: int = 0):
     """Copy contiguous [B, H, S, D] into pools [pages, H, page, D] in shuffled page order."""
     B, H, S, D = k.shape
     per = S // page
-    perm = torch.randperm(B * per, generator=torch.Generator().manual_seed(seed)).cuda()
-    pk = torch.empty(B * per, H, page, D, dtype=k.dtype, device="cuda")
+    perm = torch.randperm(B * per, generator=torch.Generator().manual_seed(seed)).to(k.device)
+    pk = torch.empty(B * per, H, page, D, dtype=k.dtype, device=k.device)
     pv = torch.empty_like(pk)
     for b in range(B):
         dst = perm[b * per:(b + 1) * per]

@@ -64,7 +64,7 @@ def _mass(m, a, b, last, h, harm_h, hx, exact, SCR, scr_row, HW, PARAMS, SMALL: 
 
 
 @triton.jit
-def _segment(READ, POS, row, W, start, SW, shift, BLOCK: tl.constexpr):
+def _segment(READ, POS, row, W, SR, start, SW, shift, BLOCK: tl.constexpr):
     """(mean of 1/(p+1), mean exp-score) over one segment's columns [start, start + SW)."""
     offs = tl.arange(0, BLOCK)
     ys = tl.zeros([BLOCK], tl.float64)
@@ -74,7 +74,7 @@ def _segment(READ, POS, row, W, start, SW, shift, BLOCK: tl.constexpr):
         col = start + w0 + offs
         inside = w0 + offs < SW
         p = tl.load(POS + row * W + col, mask=inside, other=-1)
-        x = tl.load(READ + row * W + col, mask=inside, other=float("-inf"))
+        x = tl.load(READ + row * SR + col, mask=inside, other=float("-inf"))
         ys += tl.exp(x.to(tl.float64) - shift)
         us += tl.where(p >= 0, 1.0 / (p.to(tl.float64) + 1.0), 0.0)
         cnt += (p >= 0).to(tl.int32)
@@ -82,8 +82,8 @@ def _segment(READ, POS, row, W, start, SW, shift, BLOCK: tl.constexpr):
     return tl.sum(us, 0) / n_seg, tl.sum(ys, 0) / n_seg
 
 
-@triton.jit(do_not_specialize=('W', 'A', 'C', 'HW', 'SW', 'min_budget', 'max_budget'))
-def _keep_kernel(READ, POS, ALW, HLEN, EXACT, NL, CS, SCR, PARAMS, OUT, W, A, C, HW, SW,
+@triton.jit(do_not_specialize=('W', 'A', 'SR', 'SA', 'C', 'HW', 'SW', 'min_budget', 'max_budget'))
+def _keep_kernel(READ, POS, ALW, HLEN, EXACT, NL, CS, SCR, PARAMS, OUT, W, A, SR, SA, C, HW, SW,
                  min_budget, max_budget,
                  ALL: tl.constexpr, HAS_MIN: tl.constexpr, HAS_MAX: tl.constexpr, BLOCK: tl.constexpr,
                  BLOCK_BITS: tl.constexpr, SMALL: tl.constexpr, ROUNDS: tl.constexpr, CS_ROUNDS: tl.constexpr,
@@ -93,25 +93,25 @@ def _keep_kernel(READ, POS, ALW, HLEN, EXACT, NL, CS, SCR, PARAMS, OUT, W, A, C,
     threshold = tl.load(PARAMS)
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     for w0 in range(0, W, BLOCK):
-        m = tl.maximum(m, tl.load(READ + row * W + w0 + offs, mask=w0 + offs < W, other=float("-inf")))
+        m = tl.maximum(m, tl.load(READ + row * SR + w0 + offs, mask=w0 + offs < W, other=float("-inf")))
     for a0 in range(0, A, BLOCK):
-        m = tl.maximum(m, tl.load(ALW + row * A + a0 + offs, mask=a0 + offs < A, other=float("-inf")))
+        m = tl.maximum(m, tl.load(ALW + row * SA + a0 + offs, mask=a0 + offs < A, other=float("-inf")))
     shift = tl.max(m, 0)
     shift = tl.where(shift == float("-inf"), 0.0, shift).to(tl.float64)
     known = tl.zeros([BLOCK], tl.float64)
     for a0 in range(0, A, BLOCK):
-        x = tl.load(ALW + row * A + a0 + offs, mask=a0 + offs < A, other=float("-inf"))
+        x = tl.load(ALW + row * SA + a0 + offs, mask=a0 + offs < A, other=float("-inf"))
         known += tl.exp(x.to(tl.float64) - shift)
     known_s = tl.sum(known, 0)
     scr_row = row * HW
     carry = tl.sum(tl.zeros([BLOCK], tl.float64), 0)
     for w0 in range(0, HW, BLOCK):  # prefix sums of the exact head
         inside = w0 + offs < HW
-        e = tl.exp(tl.load(READ + row * W + w0 + offs, mask=inside, other=float("-inf")).to(tl.float64) - shift)
+        e = tl.exp(tl.load(READ + row * SR + w0 + offs, mask=inside, other=float("-inf")).to(tl.float64) - shift)
         tl.store(SCR + scr_row + w0 + offs, tl.cumsum(e, 0) + carry, mask=inside)
         carry += tl.sum(e, 0)
-    u1, y1 = _segment(READ, POS, row, W, HW, SW, shift, BLOCK)
-    u2, y2 = _segment(READ, POS, row, W, HW + SW, SW, shift, BLOCK)
+    u1, y1 = _segment(READ, POS, row, W, SR, HW, SW, shift, BLOCK)
+    u2, y2 = _segment(READ, POS, row, W, SR, HW + SW, SW, shift, BLOCK)
     a = (y1 - y2) / (u1 - u2)
     flat = ~(a >= 0)
     a = tl.where(flat, 0.0, a)
@@ -165,7 +165,8 @@ def keep_clusters(read: Tensor, positions: Tensor, always: Tensor, layout: FitLa
                   csize: Tensor, head_w: int, threshold: float, min_budget: int = 0,
                   max_budget: Optional[int] = None) -> Tensor:
     """Triton twin of ops.threshold.keep_clusters (same arguments, keep [R] long). The
-    per-row layout and lengths are read in their own dtypes (no conversion launches)."""
+    per-row layout and lengths are read in their own dtypes (no conversion launches); read
+    and always may be row-strided views (columns of one logits launch)."""
     R, W = read.shape
     C = csize.shape[-1]
     A = always.shape[-1]
@@ -175,8 +176,10 @@ def keep_clusters(read: Tensor, positions: Tensor, always: Tensor, layout: FitLa
     out = torch.empty(R, dtype=torch.long, device=read.device)
     params = _params(threshold, read.device)
     i32 = int32_contiguous
-    _keep_kernel[(R,)](read.contiguous(), i32(positions), always.contiguous(), layout.head_len.contiguous(),
-                       layout.exact.contiguous(), n.contiguous(), i32(csize), scratch, params, out, W, A, C, head_w, seg_w,
+    read, always = (t if t.stride(-1) == 1 else t.contiguous() for t in (read, always))
+    _keep_kernel[(R,)](read, i32(positions), always, layout.head_len.contiguous(),
+                       layout.exact.contiguous(), n.contiguous(), i32(csize), scratch, params, out, W, A,
+                       read.stride(0), always.stride(0), C, head_w, seg_w,
                        int(min_budget), -1 if max_budget is None else int(max_budget),
                        ALL=threshold >= 1.0, HAS_MIN=min_budget > 0, HAS_MAX=max_budget is not None, BLOCK=BLOCK,
                        SMALL=HARMONIC_SERIES_FROM, BLOCK_BITS=BLOCK.bit_length() - 1,

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from . import next_pow2
 from .search import count_at_most, search_rounds
+from ..ops.threshold import AlwaysTokens
 
 
 @triton.jit
@@ -61,33 +62,48 @@ def _list_logits_kernel(Q, K, BT, TOK, OUT, CS, RK, ORD, EST, MEM,
     tl.store(OUT + row * W + offs, tl.where(valid, logit, float("-inf")), mask=inside)
 
 
-@triton.jit(do_not_specialize=('W', 'NC', 'M'))
-def _ranked_tokens_kernel(POS, CS, RK, ORD, EST, MEM, OUT, Hq, G, W, NC, M, BLOCK: tl.constexpr,
-                          ROUNDS: tl.constexpr, FAN_BITS: tl.constexpr):
+@triton.jit(do_not_specialize=('W', 'NC', 'M', 'A', 'sink'))
+def _ranked_tokens_kernel(POS, CS, RK, ORD, EST, MEM, NIDX, LEN, OUT, Hq, G, W, NC, M, A, sink,
+                          BLOCK: tl.constexpr, ROUNDS: tl.constexpr, FAN_BITS: tl.constexpr):
     """Token ids at list positions (ops.threshold.ranked_list_tokens): the search and the
-    CSR lookups alone, so many programs stay resident to hide their chained loads."""
+    CSR lookups alone, so many programs stay resident to hide their chained loads. The A
+    columns after W hold the always-attended tokens (ops.threshold.AlwaysTokens), so the
+    plan scores them in the same logits launch instead of building them in torch."""
     row = tl.program_id(0)
     kv = (row // Hq) * (Hq // G) + (row % Hq) // G
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < W
     p = tl.load(POS + row * W + offs, mask=inside, other=-1)
     tok, valid = _ranked_token(p, CS, RK, ORD, EST, MEM, row, kv, NC, M, ROUNDS, FAN_BITS)
-    tl.store(OUT + row * W + offs, tl.where(valid, tok, -1), mask=inside)
+    tok = tl.where(valid, tok, -1)
+    if A > 0:
+        b = row // Hq
+        j = offs - W
+        extra = (j >= 0) & (j < A)
+        at = tl.where(j < sink, j, tl.load(NIDX + b).to(tl.int32) + j - sink)
+        at = tl.where(at < tl.load(LEN + b).to(tl.int32), at, -1)
+        tok = tl.where(extra, at, tok)
+        inside = inside | extra
+    tl.store(OUT + row * (W + A) + offs, tok, mask=inside)
 
 
 def ranked_list_tokens(positions: Tensor, csize: Tensor, ranked: Tensor, order: Tensor, entry_start: Tensor,
-                       members: Tensor, _config=None) -> Tensor:
-    """Triton twin of ops.threshold.ranked_list_tokens (int32 [B, Hq, W], -1 where none)."""
+                       members: Tensor, always: Optional[AlwaysTokens] = None, _config=None) -> Tensor:
+    """Triton twin of ops.threshold.ranked_list_tokens (int32 [B, Hq, W (+ always.width)],
+    -1 where none)."""
     B, Hq, W = positions.shape
     Hkv = entry_start.shape[1]
     pos = positions.to(torch.int32).contiguous()
     cs, rk, order, est, mem = (t.to(torch.int32).contiguous() for t in (csize, ranked, order, entry_start, members))
     NC, M = cs.shape[-1], mem.shape[-1]
-    out = torch.empty(B, Hq, W, dtype=torch.int32, device=pos.device)
+    A = 0 if always is None else always.width
+    nidx, lens = (pos, pos) if always is None else (always.num_indexed, always.lengths)
+    out = torch.empty(B, Hq, W + A, dtype=torch.int32, device=pos.device)
     block, warps, fan_bits = _config or (256, 4, 2)  # H200, 128K x 8 / x 32: 22 / 64 us (128: 23 / 67)
-    if W and B * Hq:
-        _ranked_tokens_kernel[(B * Hq, triton.cdiv(W, block))](
-            pos, cs, rk, order, est, mem, out, Hq, Hq // Hkv, W, NC, M, BLOCK=block,
+    if W + A and B * Hq:
+        _ranked_tokens_kernel[(B * Hq, triton.cdiv(W + A, block))](
+            pos, cs, rk, order, est, mem, nidx, lens, out, Hq, Hq // Hkv, W, NC, M, A,
+            0 if always is None else always.sink, BLOCK=block,
             ROUNDS=search_rounds(NC, fan_bits), FAN_BITS=fan_bits, num_warps=warps)
     return out
 
@@ -128,12 +144,16 @@ def list_logits(q: Tensor, k_pool: Tensor, block_table: Tensor, tokens: Tensor,
 
 def ranked_list_logits(q: Tensor, k_pool: Tensor, block_table: Tensor, positions: Tensor, csize: Tensor,
                        ranked: Tensor, order: Tensor, entry_start: Tensor, members: Tensor,
-                       scale: Optional[float] = None, _config=None, _split: bool = True) -> Tensor:
+                       scale: Optional[float] = None, always: Optional[AlwaysTokens] = None,
+                       _config=None, _split: bool = True) -> Tensor:
     """Triton twin of ops.threshold.ranked_list_logits_reference. Split (the default): one
     launch finds the token at each list position (a 4-ary search on csize, then the CSR
-    members), a second scores them (list_logits); else one launch does both.
+    members) and writes the always-attended tokens after them, a second scores them all
+    (list_logits); else one launch does both (no `always`).
     `_config` = (positions per program, warps, search fan bits) overrides the fused launch."""
     ranked_index = (csize, ranked, order, entry_start, members)
     if _split:
-        return _launch(q, k_pool, block_table, ranked_list_tokens(positions, *ranked_index), scale)
+        return _launch(q, k_pool, block_table, ranked_list_tokens(positions, *ranked_index, always), scale)
+    if always is not None:
+        raise ValueError("ranked_list_logits(_split=False) takes no always-attended tokens")
     return _launch(q, k_pool, block_table, positions, scale, ranked_index, _config)

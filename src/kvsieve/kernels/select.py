@@ -6,6 +6,7 @@ per-request values are read in place), so a plan is exactly three launches.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -144,6 +145,19 @@ def _dot_scores(q, cent, nv, snv, out, gmax, sizes=None, radius=None, _config=No
         STAGES=stages, KEYS=sizes is not None, BOUND=radius is not None, num_warps=warps, **launch_args(q))
 
 
+def _ones(device) -> Tensor:
+    """[1, 1] int32 one (every cluster slot valid), made once per device instead of a fill
+    launch per plan; never cached from inside a CUDA-graph capture (the graph's pool owns that memory)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.ones(1, 1, dtype=torch.int32, device=device)
+    return _cached_ones(device)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_ones(device) -> Tensor:
+    return torch.ones(1, 1, dtype=torch.int32, device=device)
+
+
 def cluster_scores(q: Tensor, centroids: Tensor, sizes: Tensor,
                    radius: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """Triton twin of ops.select.cluster_scores: one launch writes the sort keys and the
@@ -157,7 +171,7 @@ def cluster_scores(q: Tensor, centroids: Tensor, sizes: Tensor,
     keys = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
     gmax = torch.empty(B, Hkv, N, dtype=torch.float32, device=q.device)
     if B * Hkv and N:
-        one = torch.ones(1, 1, dtype=torch.int32, device=q.device)
+        one = _ones(q.device)
         rad = None if radius is None else radius.float().contiguous()
         _dot_scores(q, centroids, one, (0, 0), keys, gmax, int32_contiguous(sizes), rad)
     return keys, None if radius is None else gmax

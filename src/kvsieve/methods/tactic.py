@@ -12,6 +12,7 @@ from ..config import TacticConfig
 from ..ops.attention import compute_dtype
 from ..ops.fit import FitLayout, estimate_budget, segment_mask
 from ..ops.paged import PagedKeys, row_table
+from ..ops.threshold import AlwaysTokens
 from ..ops.kmeans import nearest_centroid
 from ..ops.select import cluster_radius, radius_bound, select_by_budget, summary_scores
 from . import fit_tables
@@ -479,13 +480,6 @@ class Tactic(SparseMethod):
                                self._tail_width(state, host_lengths), q.device)
         return c
 
-    def _always_tokens(self, state: ClusterIndex, lengths, c: dict):
-        """[B, sink + tail] int32 always-attended positions (sinks, then the unindexed tail
-        from num_indexed), -1 past each length; computed on the device every step."""
-        sink, j = self.config.sink, c["tail_j"]
-        always = torch.where(j < sink, j, state.num_indexed[:, None] + j - sink)
-        return torch.where(always < lengths[:, None], always, -1).to(torch.int32)
-
     def _choose_by_threshold(self, q, st: ClusterIndex, lengths, keys: PagedKeys, c: dict):
         """Each query head keeps its smallest cluster prefix reaching the threshold (fitted);
         a KV head takes the union of its group's prefixes. Returns select_by_budget's outputs."""
@@ -496,11 +490,10 @@ class Tactic(SparseMethod):
         order, ranked, csize = dispatch.rank_clusters(skeys, st.sizes32)
         W = c["positions"].shape[-1]
         pos = c["positions"].view(B, Hq, W)
+        always = AlwaysTokens(cfg.sink, c["always_w"], st.num_indexed, lengths)
         read = dispatch.ranked_list_logits(q, keys.pool, keys.block_table, pos, csize, ranked, order,
-                                           st.entry_start, st.members)
-        always_pos = self._always_tokens(st, lengths, c)
-        always = dispatch.list_logits(q, keys.pool, keys.block_table, always_pos[:, None, :].expand(B, Hq, -1))
-        keep = dispatch.keep_clusters(read.view(B * Hq, W), c["positions"], always.view(B * Hq, -1), c["layout"],
+                                           st.entry_start, st.members, always=always).view(B * Hq, -1)
+        keep = dispatch.keep_clusters(read[:, :W], c["positions"], read[:, W:], c["layout"],
                                       c["n"], csize.view(B * Hq, C), c["head_w"], cfg.threshold, cfg.min_budget,
                                       cfg.max_budget).view(B, Hq)
         protected = None

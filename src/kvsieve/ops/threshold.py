@@ -10,7 +10,7 @@ instead of O(context). Torch, device-agnostic, no host sync.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -52,14 +52,34 @@ def read_positions(layout: FitLayout, n: Tensor, head_w: int, seg_w: int) -> Ten
     return torch.cat(cols, -1)
 
 
+class AlwaysTokens(NamedTuple):
+    """The tokens a plan attends regardless of its list, per request: `width` columns,
+    column j < sink is token j (the sinks), column j >= sink is token num_indexed + j - sink
+    (the unindexed tail); none (-1) at or past the request's length.
+    num_indexed [B] and lengths [B] integer tensors."""
+
+    sink: int
+    width: int
+    num_indexed: Tensor
+    lengths: Tensor
+
+
+def always_tokens(a: AlwaysTokens) -> Tensor:
+    """[B, a.width] int32 token ids of AlwaysTokens, -1 where none."""
+    j = torch.arange(a.width, device=a.lengths.device)[None, :]
+    tok = torch.where(j < a.sink, j, a.num_indexed.long()[:, None] + j - a.sink)
+    return torch.where(tok < a.lengths.long()[:, None], tok, -1).to(torch.int32)
+
+
 def ranked_list_tokens(positions: Tensor, csize: Tensor, ranked: Tensor, order: Tensor, entry_start: Tensor,
-                       members: Tensor) -> Tensor:
+                       members: Tensor, always: Optional[AlwaysTokens] = None) -> Tensor:
     """Token ids at `positions` [B, Hq, W] (-1: none) of each query head's ranked list.
 
     The list is the head's clusters in rank order, each cluster's members in CSR order:
     order [B, Hq, C] cluster ids by rank, ranked [B, Hq, C] their sizes, csize their running
     sum; entry_start [B, Hkv, C] / members [B, Hkv, M] the KV head's CSR index.
-    Returns [B, Hq, W] long, -1 where positions is -1 or past the list."""
+    Returns [B, Hq, W] long, -1 where positions is -1 or past the list; with `always`,
+    [B, Hq, W + always.width]: its tokens follow in the last columns of every head."""
     B, Hq, W = positions.shape
     Hkv, M = members.shape[1:]
     G = Hq // Hkv
@@ -71,15 +91,20 @@ def ranked_list_tokens(positions: Tensor, csize: Tensor, ranked: Tensor, order: 
     within = p - csize.long().gather(-1, r) + ranked.long().gather(-1, r)
     row = torch.arange(B * Hkv, device=p.device).view(B, Hkv, 1).repeat_interleave(G, 1)
     tok = members.reshape(-1)[(row * M + first + within).view(-1)].view(B, Hq, W).long()
-    return torch.where(inside, tok, -1)
+    tok = torch.where(inside, tok, -1)
+    if always is None:
+        return tok
+    return torch.cat([tok, always_tokens(always).long()[:, None, :].expand(B, Hq, -1)], -1)
 
 
 def ranked_list_logits_reference(q: Tensor, k_pool: Tensor, block_table: Tensor, positions: Tensor,
                                  csize: Tensor, ranked: Tensor, order: Tensor, entry_start: Tensor,
-                                 members: Tensor, scale: Optional[float] = None) -> Tensor:
+                                 members: Tensor, scale: Optional[float] = None,
+                                 always: Optional[AlwaysTokens] = None) -> Tensor:
     """Logits of each query head at positions [B, Hq, W] of its ranked cluster list (see
-    ranked_list_tokens), keys read through the page table; [B, Hq, W], -inf where none."""
-    tokens = ranked_list_tokens(positions, csize, ranked, order, entry_start, members)
+    ranked_list_tokens), keys read through the page table; [B, Hq, W], -inf where none.
+    With `always`: [B, Hq, W + always.width], the always-attended tokens' logits last."""
+    tokens = ranked_list_tokens(positions, csize, ranked, order, entry_start, members, always)
     return list_logits_reference(q, k_pool, block_table, tokens, scale)
 
 
