@@ -93,7 +93,9 @@ def union_prefixes(keys: Tensor, order: Tensor, keep: Tensor, sizes: Tensor,
     off = torch.empty(B, Hkv, C, dtype=torch.int32, device=z.device)
     tot = torch.empty(B, Hkv, dtype=torch.int32, device=z.device)
     x = chosen if extra is None else extra.contiguous().view(torch.int8)
-    block, warps = _config or (min(4096, max(16, next_pow2(C))), 8)
+    block = min(4096, max(16, next_pow2(C)))
+    # H100, 128K x 8 (4,096 clusters, scripts/profile_plan.py --sweep): 16 warps 23.6 us, 8 warps 31.9
+    block, warps = _config or (block, 16 if block >= 4096 else 8)
     if B * Hkv:
         _union_kernel[(B * Hkv,)](keys.float().contiguous(), o, k, z, x, chosen, off, tot, C, Hq // Hkv,
                                   HAS_EXTRA=extra is not None, BLOCK=block, num_warps=warps, **launch_args(z))
