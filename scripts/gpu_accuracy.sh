@@ -15,6 +15,9 @@
 #            $HYBRID_RATIO (0.125): OUT/pattern.json
 #   pattern  the suite's dense/hybrid/lserve on every seed in $SEEDS with the streaming heads of
 #            $PATTERN (default OUT/pattern.json); dense's cells are shared with the suite step
+#   options  scripts/suite_cases.py on each seed's stored suite run (suite or curve first): the cases dense
+#            answered right under $METHOD (tactic) with each option dict of the JSON list $OPTIONS
+#            (OUT/options-DTYPE-seedN.jsonl)
 #   fidelity the equal-cost fidelity task (tactic/hybrid over P, quest/lserve/streaming over budgets)
 #            at its default lengths; $FID_ARGS adds options (e.g. --lengths 7680); folder /tmp/sfid
 # suite, curve, exact and pattern share /tmp/ssuite-DTYPE-sSEED, so a run cut off by a call's time limit resumes
@@ -62,6 +65,14 @@ for step in "$@"; do
       ;;
     pattern)
       for s in ${SEEDS:-0}; do suite $s --methods dense,hybrid,lserve --streaming-heads "${PATTERN:-$OUT/pattern.json}"; done
+      ;;
+    options)
+      opts=${OPTIONS:-}; [ -n "$opts" ] || opts='[{}]'
+      for s in ${SEEDS:-0}; do
+        python3 scripts/suite_cases.py --results /tmp/ssuite-$DTYPE-s$s/results.json --right --no-dense \
+          --device cuda --dtype $DTYPE --method ${METHOD:-tactic} --options "$opts" \
+          --jsonl "$OUT/options-$DTYPE-seed$s.jsonl"
+      done
       ;;
     fidelity)
       python3 -m kvsieve eval --no-progress --device cuda --dtype bfloat16 --tasks fidelity --out /tmp/sfid ${FID_ARGS:-}

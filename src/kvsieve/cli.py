@@ -14,7 +14,7 @@ class UsageError(ValueError):
 
 def add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="tactic", help=f"one of: {', '.join(METHOD_NAMES)} (default tactic)")
-    p.add_argument("--threshold", type=float, help="tactic/hybrid: attention-mass threshold P in (0, 1] (0.9)")
+    p.add_argument("--threshold", type=float, help="tactic/hybrid: attention-mass threshold P in (0, 1] (0.93)")
     p.add_argument("--cluster-size", type=int, help="tactic/hybrid: average tokens per cluster (16; larger "
                                                    "where a head would pass 4096 clusters: 32 at 128K tokens)")
     p.add_argument("--protect", type=int, help="tactic/hybrid threshold mode: tokens of clusters whose members "
