@@ -31,9 +31,11 @@ class SideBranch:
             self.side = _STREAMS[device]
             self.main = torch.cuda.current_stream(device)
             self._ctx = None
+        self.forked = False
 
     def __enter__(self) -> "SideBranch":
         if self.cuda:
+            self.forked = True
             self.side.wait_stream(self.main)
             self._ctx = torch.cuda.stream(self.side)
             self._ctx.__enter__()
@@ -44,5 +46,8 @@ class SideBranch:
             self._ctx.__exit__(*exc)
 
     def join(self) -> None:
-        if self.cuda:
+        """Wait for the branch; nothing when it never forked (a capture must not wait on a
+        stream that did not fork from it)."""
+        if self.forked:
             self.main.wait_stream(self.side)
+            self.forked = False

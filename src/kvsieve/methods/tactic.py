@@ -13,9 +13,9 @@ from ..ops.attention import compute_dtype
 from ..ops.fit import FitLayout, estimate_budget, segment_mask
 from ..ops.paged import PagedKeys, row_table
 from ..ops.threshold import AlwaysTokens
-from ..side_branch import SideBranch
 from ..ops.kmeans import nearest_centroid
 from ..ops.select import cluster_radius, radius_bound, select_by_budget, summary_scores
+from ..side_branch import SideBranch
 from . import fit_tables
 from .base import Selection, SparseMethod, TokenPlan, capacity_bucket, streaming_window
 
