@@ -97,5 +97,5 @@ def refresh(c: dict, cfg: TacticConfig, indexed: List[int], Hq: int, tail: int, 
         for dst, src in zip(_tensors(c), made):
             dst.copy_(src)
     else:
-        c.update(build_tables(cfg, indexed, Hq, device), tail=tail, always_w=cfg.sink + tail)
+        c.update(build_tables(cfg, indexed, Hq, device), tail=tail)
     c.update(wkey=wkey, Hq=Hq, device=device)

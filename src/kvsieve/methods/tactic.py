@@ -495,7 +495,7 @@ class Tactic(SparseMethod):
         order, ranked, csize = dispatch.rank_clusters(skeys, st.sizes32)
         W = c["positions"].shape[-1]
         pos = c["positions"].view(B, Hq, W)
-        always = AlwaysTokens(cfg.sink, c["always_w"], st.num_indexed, lengths)
+        always = AlwaysTokens(cfg.sink, cfg.sink + c["tail"], st.num_indexed, lengths)
         read = dispatch.ranked_list_logits(q, keys.pool, keys.block_table, pos, csize, ranked, order,
                                            st.entry_start, st.members, always=always).view(B * Hq, -1)
         keep = dispatch.keep_clusters(read[:, :W], c["positions"], read[:, W:], c["layout"],
