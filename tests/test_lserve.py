@@ -179,6 +179,22 @@ def test_prefill_window_defaults_scale_with_the_model():
     with pytest.raises(ValueError, match="prefill_local"):
         make_method("hybrid", prefill_local=-1)
 
+def test_lserve_default_budget_is_its_own_and_options_override_it():
+    """lserve's page budget (6144, chosen on the retrieval suite) is lserve's alone: the
+    `pages` method keeps LServe's 4096, an explicit budget wins, and another dynamic method
+    keeps its own default."""
+    from kvsieve.methods import config_for, make_method
+    from kvsieve.methods.hybrid import LServeConfig
+
+    assert config_for("lserve").dynamic_config.budget == 6144
+    assert LServeConfig().dynamic_config.budget == 6144
+    assert make_method("lserve").dynamic.config.budget == 6144
+    assert config_for("lserve", budget=100).dynamic_config.budget == 100
+    assert config_for("pages").budget == 4096
+    assert config_for("lserve", dynamic="quest").dynamic_config.budget == config_for("quest").budget
+    assert config_for("hybrid").dynamic_config.threshold == config_for("tactic").threshold
+
+
 
 @pytest.mark.parametrize("method,opts", [("lserve", {"budget": 64}), ("hybrid", {"budget": 40}),
                                          ("hybrid", {"threshold": 0.5})])
