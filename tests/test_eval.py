@@ -352,3 +352,43 @@ def test_pool_suite_sums_found_over_seeds_and_counts_a_point_once(tmp_path):
     (tmp_path / "empty.json").write_text(json.dumps({"model": "m", "cells": []}))
     assert pool_suite.main([p("bad"), "--out", str(tmp_path / "out")]) == 2
     assert pool_suite.main([p("empty"), "--out", str(tmp_path / "out")]) == 2
+
+
+def test_pool_options_sums_cases_per_length_over_seeds(tmp_path, capsys):
+    """scripts/pool_options.py: suite_cases.py lines pooled per setting over seeds, per length;
+    a seed counts once (first line); --defaults maps a run's `{}` onto the options it named;
+    --methods filters; a file without a seed in its name exits."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "pool_options.py"
+    spec = importlib.util.spec_from_file_location("pool_options", path)
+    pool_options = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pool_options)
+
+    def line(method, options, oks, kv):
+        cases = {f"{i}-number-pydoc-{L}-d0.5-plain": [ok, "x"] for i, (L, ok) in enumerate(oks)}
+        return json.dumps({"method": method, "options": options, "cases": cases, "kv_by_length": kv}) + "\n"
+
+    kv = {"1024": 0.5, "2048": 0.25}
+    (tmp_path / "a-float32-seed0.jsonl").write_text(
+        line("tactic", {}, [(1024, True), (2048, False)], kv) + line("quest", {"method": "quest"}, [(1024, True)], kv))
+    (tmp_path / "b-float32-seed1.jsonl").write_text(
+        line("tactic", {"threshold": 0.93}, [(1024, True), (2048, True)], {"1024": 1.0, "2048": 0.75})
+        + line("tactic", {"threshold": 0.93}, [(1024, False)], kv))  # the same seed again: not counted
+    (tmp_path / "c-bf16-seed1.jsonl").write_text(line("tactic", {}, [(1024, False)], kv))
+    files = sorted(str(p) for p in tmp_path.glob("*.jsonl"))
+    cells = pool_options.pool(files, defaults={"tactic": {"threshold": 0.93}})
+    t = cells[("float32", "tactic", '{"threshold": 0.93}')]
+    assert t["seeds"] == {"0", "1"} and dict(t["by_length"]) == {1024: [2, 2], 2048: [1, 2]}
+    assert dict(cells[("bfloat16", "tactic", '{"threshold": 0.93}')]["by_length"]) == {1024: [0, 1]}
+    assert dict(cells[("float32", "quest", "{}")]["by_length"]) == {1024: [1, 1]}
+    assert set(pool_options.pool(files, methods={"quest"})) == {("float32", "quest", "{}")}
+    import sys
+    sys.argv = ["pool_options.py", "--defaults", 'tactic={"threshold": 0.93}', *files]
+    assert pool_options.main() == 0
+    assert '| float32 | tactic | `{"threshold": 0.93}` | 0,1 | 75.0% (3/4) | 2/2 | 1/2 | 62.5% | 50.0% |' \
+        in capsys.readouterr().out
+    (tmp_path / "noseed.jsonl").write_text(line("tactic", {}, [(1024, True)], kv))
+    with pytest.raises(SystemExit):
+        pool_options.pool([str(tmp_path / "noseed.jsonl")])
