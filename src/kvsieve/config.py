@@ -85,7 +85,7 @@ class PageSelectConfig(MethodConfig):
     physical_page_size: unit of selection; takes the max score of its logical pages;
         a multiple of page_size. [LServe] 64 (Quest: equal to page_size).
     budget: tokens of dynamically chosen pages, sink/local pages come on top.
-        [LServe] 4096.
+        [LServe] 4096 (the `pages` method; `lserve` takes 6144, methods/hybrid.LServeConfig).
     sink, local: tokens always kept (rounded out to whole physical pages). [ours] one page
         each for quest; LServe keeps sink+local pages in its dynamic heads as well.
     reuse_steps: a selection is reused for this many decode steps; tokens appended
