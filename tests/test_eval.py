@@ -354,7 +354,7 @@ def test_pool_suite_sums_found_over_seeds_and_counts_a_point_once(tmp_path):
     assert pool_suite.main([p("empty"), "--out", str(tmp_path / "out")]) == 2
 
 
-def test_pool_options_sums_cases_per_length_over_seeds(tmp_path, capsys):
+def test_pool_options_sums_cases_per_length_over_seeds(tmp_path, capsys, monkeypatch):
     """scripts/pool_options.py: suite_cases.py lines pooled per setting over seeds, per length;
     a seed counts once (first line); --defaults maps a run's `{}` onto the options it named;
     --methods filters; a file without a seed in its name exits."""
@@ -384,8 +384,7 @@ def test_pool_options_sums_cases_per_length_over_seeds(tmp_path, capsys):
     assert dict(cells[("bfloat16", "tactic", '{"threshold": 0.93}')]["by_length"]) == {1024: [0, 1]}
     assert dict(cells[("float32", "quest", "{}")]["by_length"]) == {1024: [1, 1]}
     assert set(pool_options.pool(files, methods={"quest"})) == {("float32", "quest", "{}")}
-    import sys
-    sys.argv = ["pool_options.py", "--defaults", 'tactic={"threshold": 0.93}', *files]
+    monkeypatch.setattr("sys.argv", ["pool_options.py", "--defaults", 'tactic={"threshold": 0.93}', *files])
     assert pool_options.main() == 0
     assert '| float32 | tactic | `{"threshold": 0.93}` | 0,1 | 75.0% (3/4) | 2/2 | 1/2 | 62.5% | 50.0% |' \
         in capsys.readouterr().out

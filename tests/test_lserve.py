@@ -179,6 +179,7 @@ def test_prefill_window_defaults_scale_with_the_model():
     with pytest.raises(ValueError, match="prefill_local"):
         make_method("hybrid", prefill_local=-1)
 
+
 def test_lserve_default_budget_is_its_own_and_options_override_it():
     """lserve's page budget (6144, chosen on the retrieval suite) is lserve's alone: the
     `pages` method keeps LServe's 4096, an explicit budget wins, and another dynamic method
@@ -193,7 +194,6 @@ def test_lserve_default_budget_is_its_own_and_options_override_it():
     assert config_for("pages").budget == 4096
     assert config_for("lserve", dynamic="quest").dynamic_config.budget == config_for("quest").budget
     assert config_for("hybrid").dynamic_config.threshold == config_for("tactic").threshold
-
 
 
 @pytest.mark.parametrize("method,opts", [("lserve", {"budget": 64}), ("hybrid", {"budget": 40}),
