@@ -147,3 +147,25 @@ def test_bench_table_prints_fidelity_and_the_matched_table():
                          "matched": matched_fidelity(rows)})
     assert "data: calibrated" in text and "0.930" in text and "0.710" in text
     assert "P=0.9 2.40x 5.0% 0.043" in text
+
+
+def test_group_overlap_is_one_over_g_for_identical_heads_and_more_otherwise():
+    """scripts/group_overlap.py: a group whose query heads are one query shares its whole
+    head (union / sum = 1/G); distinct queries share less."""
+    import importlib.util
+    from pathlib import Path
+
+    from kvsieve.bench.data import make_qkv
+    from kvsieve.methods import make_method
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "group_overlap.py"
+    spec = importlib.util.spec_from_file_location("group_overlap", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    S = 1500
+    q, k, _ = make_qkv("clustered", 1, 8, 2, S, 64, torch.float32, seed=3, device="cpu")
+    m = make_method("tactic")
+    index = m.prepare(k, torch.tensor([S]))
+    same = q.view(1, 2, 4, 64)[:, :, :1].expand(1, 2, 4, 64).reshape(1, 8, 64)
+    assert mod.group_overlap(same, index, m.config.head_fraction, S) == pytest.approx(0.25)
+    assert 0.25 < mod.group_overlap(q, index, m.config.head_fraction, S) <= 1.0
