@@ -38,13 +38,14 @@ def kernel_table(graph, reps: int = 20) -> list:
 
 def _tactic_options(spec: str) -> dict:
     """tactic/16 -> cluster size 16; tactic:head_max_tokens=1280,head_fraction=0.01 -> those
-    TacticConfig fields (ints, floats or None)."""
+    TacticConfig fields (ints, floats, True/False or None)."""
     if "/" in spec:
         return {"cluster_size": int(spec.split("/")[1])}
     opts = {}
     for kv in spec.partition(":")[2].split(",") if ":" in spec else []:
         k, v = kv.split("=")
-        opts[k] = None if v == "None" else float(v) if "." in v else int(v)
+        named = {"None": None, "True": True, "False": False}
+        opts[k] = named[v] if v in named else float(v) if "." in v else int(v)
     return opts
 
 

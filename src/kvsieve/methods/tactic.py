@@ -496,8 +496,16 @@ class Tactic(SparseMethod):
         W = c["positions"].shape[-1]
         pos = c["positions"].view(B, Hq, W)
         always = AlwaysTokens(cfg.sink, cfg.sink + c["tail"], st.num_indexed, lengths)
-        read = dispatch.ranked_list_logits(q, keys.pool, keys.block_table, pos, csize, ranked, order,
-                                           st.entry_start, st.members, always=always).view(B * Hq, -1)
+        index = (csize, ranked, order, st.entry_start, st.members)
+        if cfg.group_head:  # the head by KV head (group-shared key rows), the segments and always as before
+            hw, lay = c["head_w"], c["layout"]
+            head_len = torch.where(lay.exact, c["n"], lay.head_len).view(B, Hq)
+            head = dispatch.group_head_logits(q, keys.pool, keys.block_table, head_len, hw, *index, st.sizes32)
+            rest = dispatch.ranked_list_logits(q, keys.pool, keys.block_table, pos[..., hw:], *index, always=always)
+            read = torch.cat([head, rest], -1).view(B * Hq, -1)
+        else:
+            read = dispatch.ranked_list_logits(q, keys.pool, keys.block_table, pos, *index,
+                                               always=always).view(B * Hq, -1)
         keep = dispatch.keep_clusters(read[:, :W], c["positions"], read[:, W:], c["layout"],
                                       c["n"], csize.view(B * Hq, C), c["head_w"], cfg.threshold, cfg.min_budget,
                                       cfg.max_budget).view(B, Hq)
