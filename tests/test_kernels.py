@@ -491,25 +491,26 @@ def paged_keys(k, page=16, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_threshold_plan_with_group_head_selects_the_same(dtype, monkeypatch):
     """TacticConfig.group_head (the exact head scored per KV head) plans the same token lists
-    as the per-query-head launch (kernels), on fitted 3,000-token lists and an exact short one."""
+    as the per-query-head launch (kernels), on fitted 1,200-token lists and an exact short one."""
     import kvsieve.kernels.logits as klogits
 
     monkeypatch.setenv("KVSIEVE_KERNELS", "auto")
     calls, launch = [], klogits.group_head_logits
     monkeypatch.setattr(klogits, "group_head_logits", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
-    q, k, v = clustered_qkv(2, 8, 2, 3001, 64, sharpness=12.0, seed=7, dtype=dtype)
-    lengths = torch.tensor([3001, 97])
+    S = 1200
+    q, k, v = clustered_qkv(2, 8, 2, S, 64, sharpness=12.0, seed=7, dtype=dtype)
+    lengths = torch.tensor([S, 97])
     plans = []
     for group_head in (False, True):
         m = make_method("tactic", threshold=0.8, group_head=group_head)
         st = m.prepare(k, lengths)
         plan = m.plan(q.to(DEV), _to(st, DEV), lengths.to(DEV), lengths.tolist(), paged_keys(k.to(DEV)))
         pos, valid = rpaged.plan_positions(plan.indices.cpu(), plan.counts.cpu(), plan.cap)
-        plans.append(torch.zeros(2, 2, 3002, dtype=torch.long).scatter_add_(-1, torch.where(valid, pos, 3001),
-                                                                             valid.long())[..., :3001])
+        plans.append(torch.zeros(2, 2, S + 1, dtype=torch.long).scatter_add_(-1, torch.where(valid, pos, S),
+                                                                              valid.long())[..., :S])
     assert calls == [1]
     assert torch.equal(plans[0], plans[1])
-    assert 0 < plans[1][0].sum() < 0.6 * 2 * 3001, plans[1][0].sum()  # sparse on the long request
+    assert 0 < plans[1][0].sum() < 0.6 * 2 * S, plans[1][0].sum()  # sparse on the long request
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
