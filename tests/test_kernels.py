@@ -532,6 +532,19 @@ def test_threshold_plan_on_longer_lists(dtype, opts):
     assert sel.mask.sum() < 0.8 * 4 * lengths.sum()  # really sparse: not every cluster kept
 
 
+def random_ranked_index(B, Hkv, G, S, C, g):
+    """A random CSR cluster index of S tokens in C clusters per KV head and a random ranking
+    per query head: (sizes, members, entry_start, order, ranked, csize) as Tactic's plan holds them."""
+    Hq = Hkv * G
+    assign = torch.randint(0, C, (B, Hkv, S), generator=g)
+    sizes = torch.zeros(B, Hkv, C, dtype=torch.long).scatter_add_(-1, assign, torch.ones_like(assign))
+    members = (assign * S + torch.arange(S)).argsort(-1).int()
+    entry_start = (sizes.cumsum(-1) - sizes).int()
+    order = torch.stack([torch.stack([torch.randperm(C, generator=g) for _ in range(Hq)]) for _ in range(B)])
+    ranked = sizes.repeat_interleave(G, 1).gather(-1, order).int()
+    return sizes, members, entry_start, order, ranked, ranked.cumsum(-1, dtype=torch.int32)
+
+
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("G,D,C", [(1, 64, 1), (3, 128, 7), (4, 64, 54), (8, 64, 97)])
 def test_ranked_list_logits_matches_reference(G, D, C, split):
@@ -545,13 +558,7 @@ def test_ranked_list_logits_matches_reference(G, D, C, split):
     Hq = Hkv * G
     q, kp, _, bt, _, _ = paged_case(B, Hkv, G, D, 16, S, torch.float32, seed=C + G, sparse=False)
     g = torch.Generator().manual_seed(C)
-    assign = torch.randint(0, C, (B, Hkv, S), generator=g)
-    sizes = torch.zeros(B, Hkv, C, dtype=torch.long).scatter_add_(-1, assign, torch.ones_like(assign))
-    members = (assign * S + torch.arange(S)).argsort(-1).int()
-    entry_start = (sizes.cumsum(-1) - sizes).int()
-    order = torch.stack([torch.stack([torch.randperm(C, generator=g) for _ in range(Hq)]) for _ in range(B)])
-    ranked = sizes.repeat_interleave(G, 1).gather(-1, order).int()
-    csize = ranked.cumsum(-1, dtype=torch.int32)
+    sizes, members, entry_start, order, ranked, csize = random_ranked_index(B, Hkv, G, S, C, g)
     pos = torch.randint(-1, S, (B, Hq, 41), generator=g, dtype=torch.int32)
     args = [t.to(DEV) for t in (pos, csize, ranked, order.int(), entry_start, members)]
     tok = ranked_list_tokens(*[a.cpu() for a in args])
@@ -590,13 +597,7 @@ def test_group_head_logits_matches_reference(G, D, C, config, dtype):
     q, kp, _, bt, _, _ = paged_case(B, Hkv, G, D, 16, S, torch.float32, seed=C + G, sparse=False)
     q, kp = q.to(dtype), kp.to(dtype)
     g = torch.Generator().manual_seed(C + 1)
-    assign = torch.randint(0, C, (B, Hkv, S), generator=g)
-    sizes = torch.zeros(B, Hkv, C, dtype=torch.long).scatter_add_(-1, assign, torch.ones_like(assign))
-    members = (assign * S + torch.arange(S)).argsort(-1).int()
-    entry_start = (sizes.cumsum(-1) - sizes).int()
-    order = torch.stack([torch.stack([torch.randperm(C, generator=g) for _ in range(Hq)]) for _ in range(B)])
-    ranked = sizes.repeat_interleave(G, 1).gather(-1, order).int()
-    csize = ranked.cumsum(-1, dtype=torch.int32)
+    sizes, members, entry_start, order, ranked, csize = random_ranked_index(B, Hkv, G, S, C, g)
     head_len = torch.randint(0, S + 1, (B, Hq), generator=g)
     head_len[0, 0], head_len[-1, -1] = 0, S  # nothing, the whole list
     width = int(head_len.max())
@@ -622,13 +623,9 @@ def test_ranked_list_tokens_append_always_attended(config):
     Hq = Hkv * G
     q, kp, _, bt, _, _ = paged_case(B, Hkv, G, D, 16, S, torch.float32, seed=5, sparse=False)
     g = torch.Generator().manual_seed(3)
-    assign = torch.randint(0, C, (B, Hkv, S), generator=g)
-    sizes = torch.zeros(B, Hkv, C, dtype=torch.long).scatter_add_(-1, assign, torch.ones_like(assign))
-    members = (assign * S + torch.arange(S)).argsort(-1).int()
-    order = torch.stack([torch.stack([torch.randperm(C, generator=g) for _ in range(Hq)]) for _ in range(B)])
-    ranked = sizes.repeat_interleave(G, 1).gather(-1, order).int()
+    sizes, members, entry_start, order, ranked, csize = random_ranked_index(B, Hkv, G, S, C, g)
     pos = torch.randint(-1, S, (B, Hq, 23), generator=g, dtype=torch.int32)
-    index = [pos, ranked.cumsum(-1, dtype=torch.int32), ranked, order.int(), (sizes.cumsum(-1) - sizes).int(), members]
+    index = [pos, csize, ranked, order.int(), entry_start, members]
     nidx, lens = torch.tensor([40, 90, 0]), torch.tensor([54, 97, 1])
     always = AlwaysTokens(4, 21, nidx, lens)
     want = ranked_list_tokens(*index, always)

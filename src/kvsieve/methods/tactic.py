@@ -12,7 +12,7 @@ from ..config import TacticConfig
 from ..ops.attention import compute_dtype
 from ..ops.fit import FitLayout, estimate_budget, segment_mask
 from ..ops.paged import PagedKeys, row_table
-from ..ops.threshold import AlwaysTokens
+from ..ops.threshold import AlwaysTokens, exact_prefix
 from ..ops.kmeans import nearest_centroid
 from ..ops.select import cluster_radius, radius_bound, select_by_budget, summary_scores
 from ..side_branch import SideBranch
@@ -498,8 +498,7 @@ class Tactic(SparseMethod):
         always = AlwaysTokens(cfg.sink, cfg.sink + c["tail"], st.num_indexed, lengths)
         index = (csize, ranked, order, st.entry_start, st.members)
         if cfg.group_head:  # the head by KV head (group-shared key rows), the segments and always as before
-            hw, lay = c["head_w"], c["layout"]
-            head_len = torch.where(lay.exact, c["n"], lay.head_len).view(B, Hq)
+            hw, head_len = c["head_w"], exact_prefix(c["layout"], c["n"]).view(B, Hq)
             head = dispatch.group_head_logits(q, keys.pool, keys.block_table, head_len, hw, *index, st.sizes32)
             rest = dispatch.ranked_list_logits(q, keys.pool, keys.block_table, pos[..., hw:], *index, always=always)
             read = torch.cat([head, rest], -1).view(B * Hq, -1)
