@@ -47,7 +47,6 @@ def test_bad_lengths(lengths, match):
     ("tactic", {"segment_centers": (0.6, 0.1)}, "segment_centers"),
     ("tactic", {"segment_samples": -1}, "segment_samples must be an integer >= 0, got -1"),
     ("tactic", {"head_max_tokens": 0}, "head_max_tokens must be a positive integer, got 0"),
-    ("tactic", {"group_head": 1}, "group_head must be True or False, got 1"),
     ("quest", {"budget": 0}, "budget must be a positive integer, got 0"),
     ("quest", {"page_size": -16}, "page_size must be a positive integer"),
     ("lserve", {"physical_page_size": 40}, r"physical_page_size \(40\) must be a multiple of page_size \(16\)"),

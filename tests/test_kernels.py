@@ -443,7 +443,6 @@ def test_windowed_kmeans_is_per_window_and_kernels_agree():
     ("hybrid", {"threshold": 0.7, "streaming_heads": ((True, False),), "sink": 8, "local": 32}),
     ("tactic", {"threshold": 0.3, "protect": 48}), ("tactic", {"protect": 0}),
     ("tactic", {"segment_samples": 3, "head_max_tokens": 4, "protect": 0}),
-    ("tactic", {"group_head": True}), ("tactic", {"threshold": 0.99, "group_head": True, "head_max_tokens": 7}),
 ])
 def test_plan_selects_exactly_the_reference_mask(name, opts, monkeypatch):
     """The fast path's token lists (kernels) hold exactly the tokens of select()'s mask
@@ -486,31 +485,6 @@ def paged_keys(k, page=16, seed=0):
     pages = torch.nn.functional.pad(k, (0, 0, 0, npg * page - S)).view(B, Hkv, npg, page, D).transpose(1, 2)
     pool[perm.reshape(-1).to(k.device)] = pages.reshape(-1, Hkv, page, D)
     return rpaged.PagedKeys(pool, perm.int().to(k.device))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_threshold_plan_with_group_head_selects_the_same(dtype, monkeypatch):
-    """TacticConfig.group_head (the exact head scored per KV head) plans the same token lists
-    as the per-query-head launch (kernels), on fitted 1,200-token lists and an exact short one."""
-    import kvsieve.kernels.logits as klogits
-
-    monkeypatch.setenv("KVSIEVE_KERNELS", "auto")
-    calls, launch = [], klogits.group_head_logits
-    monkeypatch.setattr(klogits, "group_head_logits", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
-    S = 1200
-    q, k, v = clustered_qkv(2, 8, 2, S, 64, sharpness=12.0, seed=7, dtype=dtype)
-    lengths = torch.tensor([S, 97])
-    plans = []
-    for group_head in (False, True):
-        m = make_method("tactic", threshold=0.8, group_head=group_head)
-        st = m.prepare(k, lengths)
-        plan = m.plan(q.to(DEV), _to(st, DEV), lengths.to(DEV), lengths.tolist(), paged_keys(k.to(DEV)))
-        pos, valid = rpaged.plan_positions(plan.indices.cpu(), plan.counts.cpu(), plan.cap)
-        plans.append(torch.zeros(2, 2, S + 1, dtype=torch.long).scatter_add_(-1, torch.where(valid, pos, S),
-                                                                              valid.long())[..., :S])
-    assert calls == [1]
-    assert torch.equal(plans[0], plans[1])
-    assert 0 < plans[1][0].sum() < 0.6 * 2 * S, plans[1][0].sum()  # sparse on the long request
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
@@ -578,35 +552,6 @@ def test_ranked_list_logits_matches_reference(G, D, C, split):
     want = ranked_list_logits_reference(q, kp, bt, *args)
     exact = ranked_list_logits_reference(q.double(), kp.double(), bt, *args)
     none = pos.to(DEV) < 0
-    assert torch.equal(torch.isinf(got), none) and torch.equal(torch.isinf(want), none)
-    assert (got[~none].double() - exact[~none]).abs().max() <= 1.5 * (want[~none].double() - exact[~none]).abs().max() + 1e-4
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("G,D,C,config", [(1, 64, 1, None), (3, 128, 7, None), (4, 64, 54, (4, 16, 4)),
-                                          (8, 128, 97, None)])
-def test_group_head_logits_matches_reference(G, D, C, config, dtype):
-    """The group-shared head launch (clusters walked per KV head, each key row read once for
-    the group) equals the torch twin's positions walk: the same -inf pattern (positions at or
-    past each head's head_len, 0 and whole lists included), values against float64."""
-    from kvsieve.kernels.logits import group_head_logits
-    from kvsieve.ops.threshold import group_head_logits_reference
-
-    B, Hkv, S = 2, 2, 97
-    Hq = Hkv * G
-    q, kp, _, bt, _, _ = paged_case(B, Hkv, G, D, 16, S, torch.float32, seed=C + G, sparse=False)
-    q, kp = q.to(dtype), kp.to(dtype)
-    g = torch.Generator().manual_seed(C + 1)
-    sizes, members, entry_start, order, ranked, csize = random_ranked_index(B, Hkv, G, S, C, g)
-    head_len = torch.randint(0, S + 1, (B, Hq), generator=g)
-    head_len[0, 0], head_len[-1, -1] = 0, S  # nothing, the whole list
-    width = int(head_len.max())
-    args = [head_len.to(DEV), width] + [t.to(DEV) for t in (csize, ranked, order.int(), entry_start, members,
-                                                              sizes.int())]
-    got = group_head_logits(q, kp, bt, *args, _config=config)
-    want = group_head_logits_reference(q, kp, bt, *args)
-    exact = group_head_logits_reference(q.double(), kp.double(), bt, *args)
-    none = (torch.arange(width) >= head_len[..., None]).to(DEV)
     assert torch.equal(torch.isinf(got), none) and torch.equal(torch.isinf(want), none)
     assert (got[~none].double() - exact[~none]).abs().max() <= 1.5 * (want[~none].double() - exact[~none]).abs().max() + 1e-4
 

@@ -214,10 +214,6 @@ class TacticConfig(MethodConfig):
         low-ranked cluster: on the retrieval suite (SmolLM2, 2K tokens, 28 cases dense
         answers) tactic found 20/28 reading 21.5% of the KV; with protect=256 27/28 at
         28.8% (docs/accuracy.md). Not used with a fixed `budget`.
-    group_head: score the exact head in one launch per KV head that reads each key row once
-        for every query head of its group needing it (kernels/logits.group_head_logits; the
-        same logits and selection). [ours] False until timed on the GPU: on the calibrated
-        128K data a group's heads share half their head rows (scripts/group_overlap.py).
     """
 
     threshold: float = 0.93
@@ -239,12 +235,9 @@ class TacticConfig(MethodConfig):
     budget: Optional[int] = None
     cluster_window: Optional[int] = 16384
     protect: int = 256
-    group_head: bool = False
 
     def __post_init__(self):
         _fraction("threshold", self.threshold)
-        if not isinstance(self.group_head, bool):
-            raise ValueError(f"group_head must be True or False, got {self.group_head!r}")
         _non_negative_int("sink", self.sink)
         _non_negative_int("local", self.local)
         _positive_int("cluster_size", self.cluster_size)

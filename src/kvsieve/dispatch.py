@@ -34,16 +34,6 @@ def ranked_list_logits(q, k_pool, block_table, positions, csize, ranked, order, 
     return impl(q, k_pool, block_table, positions, csize, ranked, order, entry_start, members, scale, always)
 
 
-def group_head_logits(q, k_pool, block_table, head_len, width, csize, ranked, order, entry_start, members, sizes,
-                      scale=None):
-    """See ops.threshold.group_head_logits_reference."""
-    if use_triton(q):
-        from .kernels.logits import group_head_logits as impl
-    else:
-        from .ops.threshold import group_head_logits_reference as impl
-    return impl(q, k_pool, block_table, head_len, width, csize, ranked, order, entry_start, members, sizes, scale)
-
-
 def rank_clusters(keys, sizes):
     """See ops.threshold.rank_clusters."""
     if use_triton(keys):

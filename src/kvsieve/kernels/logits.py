@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import interpreting, next_pow2
+from . import next_pow2
 from .search import count_at_most, search_rounds
 from ..ops.threshold import AlwaysTokens
 
@@ -157,86 +157,3 @@ def ranked_list_logits(q: Tensor, k_pool: Tensor, block_table: Tensor, positions
     if always is not None:
         raise ValueError("ranked_list_logits(_split=False) takes no always-attended tokens")
     return _launch(q, k_pool, block_table, positions, scale, ranked_index, _config)
-
-
-@triton.jit(do_not_specialize=('C', 'M', 'HW'))
-def _group_head_kernel(Q, K, BT, OUT, HL, CS, RK, INV, EST, SZ, MEM,
-                       sq_b, sq_h, sk_p, sk_h, sk_s, sbt, Hq, C, M, HW, scale,
-                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                       CB: tl.constexpr, TILE: tl.constexpr, F32: tl.constexpr):
-    """One program per (request, KV head, CB clusters). A cluster at rank r of query head g
-    covers list positions [start, start + size) of g's list, start = csize[r] - ranked[r];
-    g needs its members below head_len[g], a prefix of the cluster. Each needed key row is
-    read once and scored for every query head of the group (one dot per tile)."""
-    kv = tl.program_id(0)
-    b = kv // (Hq // G)
-    h = kv % (Hq // G)
-    offs_c = tl.program_id(1) * CB + tl.arange(0, CB)
-    offs_g = tl.arange(0, GP)
-    offs_d = tl.arange(0, D)
-    cv = offs_c < C
-    gv = offs_g < G
-    rows = b * Hq + h * G + offs_g  # query heads of the group
-    both = cv[:, None] & gv[None, :]
-    r = tl.load(INV + rows[None, :] * C + offs_c[:, None], mask=both, other=0)
-    start = tl.load(CS + rows[None, :] * C + r, mask=both, other=0) - tl.load(RK + rows[None, :] * C + r, mask=both,
-                                                                             other=0)
-    hl = tl.load(HL + rows, mask=gv, other=0)
-    size = tl.load(SZ + kv * C + offs_c, mask=cv, other=0)
-    est = tl.load(EST + kv * C + offs_c, mask=cv, other=0)
-    need = tl.minimum(tl.maximum(hl[None, :] - start, 0), size[:, None])  # [CB, GP] members g needs
-    need = tl.where(both, need, 0)
-    n_any = tl.max(need, 1)  # [CB]
-    qg = tl.load(Q + b * sq_b + (h * G + offs_g)[:, None] * sq_h + offs_d[None, :], mask=gv[:, None], other=0.0)
-    if F32:
-        qg = qg.to(tl.float32)
-    t0 = tl.arange(0, TILE)
-    for i in range(CB):
-        pick = tl.arange(0, CB) == i
-        n_i = tl.sum(tl.where(pick, n_any, 0), 0)
-        e_i = tl.sum(tl.where(pick, est, 0), 0)
-        start_i = tl.sum(tl.where(pick[:, None], start, 0), 0)  # [GP]
-        need_i = tl.sum(tl.where(pick[:, None], need, 0), 0)  # [GP]
-        for j0 in range(0, n_i, TILE):
-            t = j0 + t0
-            ok = t < n_i
-            tok = tl.load(MEM + kv.to(tl.int64) * M + e_i + t, mask=ok, other=0)
-            page = tl.load(BT + b * sbt + tok // PAGE, mask=ok, other=0).to(tl.int64)
-            k = tl.load(K + page[:, None] * sk_p + h * sk_h + (tok % PAGE)[:, None] * sk_s + offs_d[None, :],
-                        mask=ok[:, None], other=0.0)
-            if F32:  # float32 products, not tf32
-                logit = tl.dot(k.to(tl.float32), tl.trans(qg), input_precision="ieee") * scale  # [TILE, GP]
-            else:  # 16-bit keys: exact products, float32 sums
-                logit = tl.dot(k, tl.trans(qg.to(k.dtype))) * scale
-            keep = (t[:, None] < need_i[None, :]) & gv[None, :]
-            tl.store(OUT + rows[None, :].to(tl.int64) * HW + start_i[None, :] + t[:, None], logit, mask=keep)
-
-
-def group_head_logits(q: Tensor, k_pool: Tensor, block_table: Tensor, head_len: Tensor, width: int, csize: Tensor,
-                      ranked: Tensor, order: Tensor, entry_start: Tensor, members: Tensor, sizes: Tensor,
-                      scale: Optional[float] = None, _config=None) -> Tensor:
-    """Triton twin of ops.threshold.group_head_logits_reference: walks each KV head's
-    clusters and reads a key row once for all query heads of its group that need it (on the
-    calibrated 128K data a group's heads share half their head rows, scripts/group_overlap.py).
-    `_config` = (clusters per program, tokens per tile, warps)."""
-    B, Hq, D = q.shape
-    Hkv, C = sizes.shape[1:]
-    G = Hq // Hkv
-    if k_pool.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("group_head_logits needs the head dimension contiguous in q and k_pool")
-    out = torch.full((B, Hq, width), float("-inf"), dtype=torch.float32, device=q.device)
-    if not (width and B * Hq and C):
-        return out
-    cs, rk, order32, est, sz, mem, hl = (t.to(torch.int32).contiguous()
-                                         for t in (csize, ranked, order, entry_start, sizes, members, head_len))
-    inv = torch.empty_like(order32).scatter_(-1, order32.long(), torch.arange(C, dtype=torch.int32, device=q.device)
-                                             .expand_as(order32).contiguous())
-    cb, tile, warps = _config or (16, 32, 4)
-    _group_head_kernel[(B * Hkv, triton.cdiv(C, cb))](
-        q, k_pool, block_table, out, hl, cs, rk, inv, est, sz, mem,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_table.stride(0),
-        Hq, C, mem.shape[-1], width, D ** -0.5 if scale is None else scale,
-        G=G, GP=max(16, next_pow2(G)), D=D, PAGE=k_pool.shape[2], CB=cb, TILE=tile,
-        F32=interpreting() or k_pool.dtype not in (torch.float16, torch.bfloat16),
-        num_warps=warps)
-    return out

@@ -12,7 +12,7 @@ from ..config import TacticConfig
 from ..ops.attention import compute_dtype
 from ..ops.fit import FitLayout, estimate_budget, segment_mask
 from ..ops.paged import PagedKeys, row_table
-from ..ops.threshold import AlwaysTokens, exact_prefix
+from ..ops.threshold import AlwaysTokens
 from ..ops.kmeans import nearest_centroid
 from ..ops.select import cluster_radius, radius_bound, select_by_budget, summary_scores
 from ..side_branch import SideBranch
@@ -496,15 +496,8 @@ class Tactic(SparseMethod):
         W = c["positions"].shape[-1]
         pos = c["positions"].view(B, Hq, W)
         always = AlwaysTokens(cfg.sink, cfg.sink + c["tail"], st.num_indexed, lengths)
-        index = (csize, ranked, order, st.entry_start, st.members)
-        if cfg.group_head:  # the head by KV head (group-shared key rows), the segments and always as before
-            hw, head_len = c["head_w"], exact_prefix(c["layout"], c["n"]).view(B, Hq)
-            head = dispatch.group_head_logits(q, keys.pool, keys.block_table, head_len, hw, *index, st.sizes32)
-            rest = dispatch.ranked_list_logits(q, keys.pool, keys.block_table, pos[..., hw:], *index, always=always)
-            read = torch.cat([head, rest], -1).view(B * Hq, -1)
-        else:
-            read = dispatch.ranked_list_logits(q, keys.pool, keys.block_table, pos, *index,
-                                               always=always).view(B * Hq, -1)
+        read = dispatch.ranked_list_logits(q, keys.pool, keys.block_table, pos, csize, ranked, order,
+                                           st.entry_start, st.members, always=always).view(B * Hq, -1)
         keep = dispatch.keep_clusters(read[:, :W], c["positions"], read[:, W:], c["layout"],
                                       c["n"], csize.view(B * Hq, C), c["head_w"], cfg.threshold, cfg.min_budget,
                                       cfg.max_budget).view(B, Hq)

@@ -108,19 +108,6 @@ def ranked_list_logits_reference(q: Tensor, k_pool: Tensor, block_table: Tensor,
     return list_logits_reference(q, k_pool, block_table, tokens, scale)
 
 
-def group_head_logits_reference(q: Tensor, k_pool: Tensor, block_table: Tensor, head_len: Tensor, width: int,
-                                csize: Tensor, ranked: Tensor, order: Tensor, entry_start: Tensor,
-                                members: Tensor, sizes: Tensor, scale: Optional[float] = None) -> Tensor:
-    """Logits of each query head at the first head_len [B, Hq] positions of its ranked list
-    (ranked_list_logits_reference at positions 0..width-1, none past head_len); sizes
-    [B, Hkv, C] the clusters' sizes (the kernel walks clusters, not positions). Returns
-    [B, Hq, width] float32, -inf where none."""
-    j = torch.arange(width, device=head_len.device)
-    positions = torch.where(j < head_len[..., None], j, -1).expand(*head_len.shape, width)
-    return ranked_list_logits_reference(q, k_pool, block_table, positions, csize, ranked, order, entry_start,
-                                        members, scale)
-
-
 def ranking_order(keys: Tensor) -> Tensor:
     """[B, Hq, C] int64 cluster ids by descending key (ops.select.sort_keys: empty clusters
     and NaN at -inf), stable: ties keep cluster order, so empty clusters come last, in order."""
