@@ -125,7 +125,7 @@ def _launch(q, k_pool, block_table, tokens, scale, ranked=None, _config=None):
     else:
         cs, rk, order, est, mem = (t.to(torch.int32).contiguous() for t in ranked)
         NC, M = cs.shape[-1], mem.shape[-1]
-    block, warps, fan_bits = _config or (64, 4, 2)  # H200 sweep at 128K x 8/32, docs/benchmarks.md
+    block, warps, fan_bits = _config or (64, 4, 2)  # H200 sweep at 128K x 8/32, docs/benchmarks-history.md
     if W:
         _list_logits_kernel[(B * Hq, triton.cdiv(W, block))](
             q, k_pool, block_table, tokens, out, cs, rk, order, est, mem,

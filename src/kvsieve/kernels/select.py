@@ -119,7 +119,7 @@ def summary_scores(q: Tensor, lo: Tensor, hi: Optional[Tensor] = None,
     out = None if group_only else torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
     gmax = torch.empty(B, Hkv, N, dtype=torch.float32, device=q.device)
     if hi is None and D >= 16 and (_config is None or len(_config) == 4):
-        # centroids: tensor-core tiles, several per program (H200 sweep, docs/benchmarks.md)
+        # centroids: tensor-core tiles, several per program (H200 sweep, docs/benchmarks-history.md)
         _dot_scores(q, lo, nv, snv, out, gmax, _config=_config)
         return out, gmax
     block, warps = _config or (128, 8 if D >= 128 else 4)  # H200 sweep: 128 x 8 best at D = 128
@@ -135,7 +135,7 @@ def _dot_scores(q, cent, nv, snv, out, gmax, sizes=None, radius=None, _config=No
     group max (or, with radius, the bound) into gmax; sizes/radius contiguous [B, Hkv, N]."""
     B, Hq, D = q.shape
     Hkv, N = cent.shape[1], cent.shape[2]
-    block, per_program, warps, stages = _config or (64, 4, 4, 3)  # H200 sweep, docs/benchmarks.md
+    block, per_program, warps, stages = _config or (64, 4, 4, 3)  # H200 sweep, docs/benchmarks-history.md
     upcast = interpreting() or cent.dtype == torch.float32 or q.dtype != cent.dtype
     _dot_scores_kernel[(B * Hkv, triton.cdiv(N, block * per_program))](
         q, cent, nv, gmax if out is None else out, gmax, gmax if sizes is None else sizes,
