@@ -151,7 +151,7 @@ class TacticConfig(MethodConfig):
         for up to 8 points more read at 7.5K.
     cluster_size: average tokens per K-means cluster. [ours] 16 (the Tactic paper: 32, "to
         balance accuracy and efficiency"; its ablation also used 16). On the retrieval suite
-        (embedded SmolLM2, bf16, H100, the 139 cases dense answers; docs/accuracy.md) 16
+        (embedded SmolLM2, bf16, H100, the 139 cases dense answers; docs/accuracy-history.md) 16
         found 137 reading 24.5% of the KV where 32 found 131 reading 26.2% (8: 138 at 23.4%,
         at four times 32's K-means and centroid-scoring work); a finer cluster's centroid
         sits closer to a needle's key, so the fit takes the needle in earlier.
@@ -216,7 +216,7 @@ class TacticConfig(MethodConfig):
         by q.c alone hides a needle whose key sits far from its centroid in a wide,
         low-ranked cluster: on the retrieval suite (SmolLM2, 2K tokens, 28 cases dense
         answers) tactic found 20/28 reading 21.5% of the KV; with protect=256 27/28 at
-        28.8% (docs/accuracy.md). Not used with a fixed `budget`.
+        28.8% (docs/accuracy-history.md). Not used with a fixed `budget`.
     """
 
     threshold: float = 0.93
