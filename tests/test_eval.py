@@ -391,3 +391,50 @@ def test_pool_options_sums_cases_per_length_over_seeds(tmp_path, capsys, monkeyp
     (tmp_path / "noseed.jsonl").write_text(line("tactic", {}, [(1024, True)], kv))
     with pytest.raises(SystemExit):
         pool_options.pool([str(tmp_path / "noseed.jsonl")])
+
+
+def test_pool_options_reads_eval_results_and_plots(tmp_path, capsys, monkeypatch):
+    """A `kvsieve eval --tasks suite` results.json pools like suite_cases lines: each non-dense
+    cell on the cases dense answered right (its KV read averaged over those), its knob as the
+    option; --plot draws the settings pooled over every seed (a PNG) and skips the others."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "pool_options.py"
+    spec = importlib.util.spec_from_file_location("pool_options", path)
+    pool_options = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pool_options)
+
+    def cell(L, method, knob, scores, kv):
+        return {"task": "suite", "length": L, "method": method, "knob": knob, "cases": [f"{i}-x-y-{L}" for i in
+                range(len(scores))], "scores": scores, "answers": ["a"] * len(scores), "kv_fractions": kv}
+
+    def results(seed, cells):
+        return json.dumps({"dtype": "float32", "plan": {"seed": seed}, "cells": cells})
+
+    (tmp_path / "r3.json").write_text(results(3, [
+        cell(1024, "dense", None, [1.0, 1.0, 0.0], [1, 1, 1]),
+        cell(1024, "tactic", None, [1.0, 0.0, 1.0], [0.2, 0.4, 0.9]),  # the third: dense missed it
+        cell(1024, "tactic", 0.95, [1.0, 1.0, 0.0], [0.3, 0.5, 0.9]),
+        cell(1024, "quest", 0.5, [0.0, 1.0, 1.0], [0.5, 0.5, 0.5])]))
+    (tmp_path / "t-float32-seed4.jsonl").write_text(json.dumps({
+        "method": "tactic", "options": {"threshold": 0.95}, "cases": {"0-x-y-1024": [True, "a"]},
+        "kv_by_length": {"1024": 0.1}}) + "\n")
+    files = [str(tmp_path / "r3.json"), str(tmp_path / "t-float32-seed4.jsonl")]
+    cells = pool_options.pool(files, defaults={"tactic": {"threshold": 0.93}})
+    t95 = cells[("float32", "tactic", '{"threshold": 0.95}')]
+    assert t95["seeds"] == {"3", "4"} and dict(t95["by_length"]) == {1024: [3, 3]}
+    assert t95["kv"] == [{"1024": pytest.approx(0.4)}, {"1024": 0.1}]
+    assert dict(cells[("float32", "tactic", '{"threshold": 0.93}')]["by_length"]) == {1024: [1, 2]}
+    assert dict(cells[("float32", "quest", '{"fraction": 0.5}')]["by_length"]) == {1024: [1, 2]}
+    png = tmp_path / "curve.png"
+    plotted = pool_options.plot(pool_options.summaries(cells), str(png))
+    assert [(r["method"], r["opts"]) for r in plotted] == [("tactic", '{"threshold": 0.95}')]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "bad.json").write_text(json.dumps({"cells": []}))
+    with pytest.raises(SystemExit, match="not a `kvsieve eval --tasks suite` results.json"):
+        pool_options.pool([str(tmp_path / "bad.json")])
+    monkeypatch.setattr("sys.argv", ["pool_options.py", *files, "--plot", str(tmp_path / "c2.png")])
+    assert pool_options.main() == 0 and (tmp_path / "c2.png").is_file()
+    assert '| float32 | tactic | `{"threshold": 0.95}` | 3,4 | 100.0% (3/3) | 3/3 | 25.0% | 25.0% |' \
+        in capsys.readouterr().out
