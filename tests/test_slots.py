@@ -116,7 +116,7 @@ def test_merged_index_carries_its_parts_csr_views():
     """merge_states builds the batch's CSR view from its parts' (no re-sort of every row):
     equal to sorting the merged index from scratch, with parts of other widths, a part whose
     view is stale and one that never had one."""
-    from kvsieve.methods.tactic import csr_view
+    from kvsieve.methods.cluster_index import csr_view
 
     _, k, _ = clustered_qkv(3, 4, 2, 300, 64, seed=9, dtype=torch.float32)
     m = make_method("tactic", cluster_size=8, local=8, fold_every=16)
@@ -140,7 +140,7 @@ def test_tactic_csr_view_is_copied_on_join_and_kept_when_positions_grow():
     """prepare builds the CSR view (every layer in one sort); write_slot copies a newcomer's
     view into its row and grow_positions widens it, each equal to sorting from scratch
     (no row left stale for maintain() to re-sort)."""
-    from kvsieve.methods.tactic import csr_view
+    from kvsieve.methods.cluster_index import csr_view
 
     _, k, _ = clustered_qkv(3, 4, 2, 300, 64, seed=4, dtype=torch.float32)
     m = make_method("tactic", cluster_size=8, local=8)

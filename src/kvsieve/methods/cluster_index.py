@@ -1,0 +1,125 @@
+"""Tactic's per-(request, KV head) K-means index and its CSR view (methods.tactic builds and
+reads it; the engine's slots copy, merge and widen it)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import List, Optional, Set
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class ClusterIndex:
+    """Per (request, KV head) K-means index of the keys.
+
+    centroids [B, Hkv, C, D]: float32 for float32/float64 keys computed in float32, the
+    keys' own dtype for fp16/bf16 keys (the decode step reads every centroid, so they are
+    kept as small as the keys; K-means itself runs in float32); sizes [B, Hkv, C] long;
+    assign [B, Hkv, S] long cluster id, -1 for tokens not in the index (padding, the
+    first `sink` tokens, the last `local` ones and those appended since the last fold);
+    num_indexed [B]: tokens [sink, num_indexed) are indexed, [num_indexed, length) are
+    not; num_clusters [B]: clusters [0, num_clusters) are in use;
+    iters: K-means updates performed at prepare.
+    radius [B, Hkv, C] float32 (float64 for float64 keys): an upper bound of the distance
+    from each centroid to its members (exact at prepare; a fold adds how far the centroid
+    moved), for the protected clusters (TacticConfig.protect).
+    members/entry_start/sizes32: the same index as CSR for the paged fast path (token
+    ids grouped by cluster [B, Hkv, S] int32, first member of each cluster and cluster
+    sizes [B, Hkv, C] int32); built on first use, rebuilt in place after a fold.
+    max_size: the largest cluster size seen (host int; it sets fixed-budget list capacities).
+    consts: small per-shape tensors a plan reuses (budget, sink) instead of refilling them.
+    """
+
+    centroids: Tensor
+    sizes: Tensor
+    assign: Tensor
+    num_indexed: Tensor
+    num_clusters: Tensor
+    iters: int = 0
+    members: Optional[Tensor] = None
+    entry_start: Optional[Tensor] = None
+    sizes32: Optional[Tensor] = None
+    max_size: int = 0
+    host_indexed: Optional[List[int]] = None  # num_indexed mirrored on the host: no sync per step
+    consts: Optional[dict] = None
+    radius: Optional[Tensor] = None
+    csr_stale: Set[int] = field(default_factory=set)  # rows changed since the CSR view was built
+
+    def widen(self, C: int, S: int) -> None:
+        """Room for C clusters and S positions per row (new clusters empty, new positions
+        not indexed; the CSR view, when built, stays valid)."""
+        F = torch.nn.functional
+        c = self.centroids.shape[2]
+        if C > c or S > self.assign.shape[-1]:
+            self.consts = None  # per-shape tensors of the plan
+        if C > c:
+            self.centroids = F.pad(self.centroids, (0, 0, 0, C - c))
+            self.sizes = F.pad(self.sizes, (0, C - c))
+            self.radius = None if self.radius is None else F.pad(self.radius, (0, C - c))
+            if self.sizes32 is not None and self.sizes32.shape[-1] == c:
+                end = self.entry_start[..., -1:] + self.sizes32[..., -1:]
+                self.entry_start = torch.cat([self.entry_start, end.expand(*end.shape[:-1], C - c)], -1)
+                self.sizes32 = F.pad(self.sizes32, (0, C - c))
+            else:
+                self.members = None
+        if S > self.assign.shape[-1]:
+            self.grow_positions(S)
+
+    def grow_positions(self, S: int) -> None:
+        """Widen assign (and the CSR view, which stays valid: the new positions are not
+        indexed, so they sort last, in order) to S positions."""
+        F, n = torch.nn.functional, self.assign.shape[-1]
+        if self.members is not None and self.members.shape == self.assign.shape:
+            tail = torch.arange(n, S, dtype=self.members.dtype, device=self.members.device)
+            self.members = torch.cat([self.members, tail.expand(*self.members.shape[:-1], -1)], -1)
+        else:
+            self.members = None
+        self.assign = F.pad(self.assign, (0, S - n), value=-1)
+
+    def build_csr(self) -> bool:
+        """(Re)build the CSR view from assign and sizes. When its buffers exist with the right
+        shapes only the stale rows (a fold, a request written into a row) are rebuilt, in
+        place: a captured decode step keeps reading them. True when it allocated new tensors."""
+        fits = (self.members is not None and self.members.shape == self.assign.shape
+                and self.sizes32.shape == self.sizes.shape)
+        if fits:
+            r = torch.tensor(sorted(self.csr_stale), dtype=torch.long, device=self.assign.device)
+            members, start, sizes32 = csr_view(self.assign[r], self.sizes[r])
+            self.members[r], self.entry_start[r], self.sizes32[r] = members, start, sizes32
+        else:
+            members, start, sizes32 = csr_view(self.assign, self.sizes)
+            self.members, self.entry_start, self.sizes32 = members, start, sizes32
+        if sizes32.numel():
+            self.max_size = max(self.max_size, int(sizes32.max()))
+        self.csr_stale = set()
+        return not fits
+
+
+def with_csr(st: ClusterIndex) -> ClusterIndex:
+    """st with an up-to-date CSR view: stale rows rebuilt in place, or a copy with a view
+    built from scratch when it has none of its shape."""
+    if st.members is None or st.members.shape != st.assign.shape:
+        st = dataclasses.replace(st, members=None, entry_start=None, sizes32=None, max_size=0, csr_stale=set())
+        st.build_csr()
+    elif st.csr_stale:
+        st.build_csr()
+    return st
+
+
+def widened(st: ClusterIndex, C: int, S: int) -> ClusterIndex:
+    """A copy of st widened to C clusters and S positions (st's tensors are not changed)."""
+    wide = dataclasses.replace(st, consts=None, csr_stale=set(st.csr_stale))
+    wide.widen(C, S)
+    return wide
+
+
+def csr_view(assign: Tensor, sizes: Tensor):
+    """assign [B, Hkv, S] (cluster id, -1: not indexed), sizes [B, Hkv, C] -> int32 members
+    [B, Hkv, S] (token ids grouped by cluster, in position order; unindexed tokens last),
+    entry_start [B, Hkv, C] (each cluster's first entry) and sizes [B, Hkv, C]."""
+    S = assign.shape[-1]
+    pos = torch.arange(S, device=assign.device)
+    key = torch.where(assign >= 0, assign * S + pos, sizes.shape[-1] * S + pos)
+    return (key.argsort(-1).to(torch.int32), (sizes.cumsum(-1) - sizes).to(torch.int32), sizes.to(torch.int32))
