@@ -162,7 +162,7 @@ def sweep_budget(m, q, st, lengths, S, B, log, spec="quest") -> None:
 def sweep_launches(m, q, st, lengths, host, keys, S, B, log) -> None:
     """Launch configurations of the union and compaction kernels on this plan's inputs."""
     from kvsieve.kernels.rank import union_prefixes
-    from kvsieve.kernels.select import compact_tokens
+    from kvsieve.kernels.compact import compact_tokens
     from kvsieve.ops.paged import row_table
 
     c = m._consts(st, q, host)

@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvsieve.kernels import decode as kdecode, kmeans as kkmeans, logits as klogits, select as kselect  # noqa: E402
+from kvsieve.kernels import compact as kcompact, decode as kdecode, kmeans as kkmeans, logits as klogits  # noqa: E402
+from kvsieve.kernels import select as kselect  # noqa: E402
 from kvsieve.methods import make_method  # noqa: E402
 import importlib  # noqa: E402
 
@@ -301,7 +302,7 @@ def test_compact_tokens(S, cap, N, by_entry):
         want_i, want_c = rselect.compact_tokens(chosen, off, tot, *args, a_end, a_start, lengths, cap)
         dev = [None if t is None else t.to(DEV) for t in args[:3]]
         # the always ranges as broadcast views (one value, one per request): read in place
-        got_i, got_c = kselect.compact_tokens(chosen.to(DEV), off.to(DEV), tot.to(DEV), *dev, args[3],
+        got_i, got_c = kcompact.compact_tokens(chosen.to(DEV), off.to(DEV), tot.to(DEV), *dev, args[3],
                                               a_end[:1, :1].to(DEV), a_start[:, :1].to(DEV), lengths.to(DEV), cap,
                                               _by_entry=by_entry)
         assert torch.equal(want_c, got_c.cpu())
@@ -310,7 +311,7 @@ def test_compact_tokens(S, cap, N, by_entry):
         # pool rows: page-table lookup at compaction (pages of 4 tokens, shuffled)
         table = torch.randperm(2 * B * (S // 4 + 1), generator=g)[:B * (S // 4 + 1)].view(B, -1).int()
         rows_i, rows_c = rselect.compact_tokens(chosen, off, tot, *args, a_end, a_start, lengths, cap, table, 4)
-        got_r, _ = kselect.compact_tokens(chosen.to(DEV), off.to(DEV), tot.to(DEV), *dev, args[3], a_end[:1, :1].to(DEV),
+        got_r, _ = kcompact.compact_tokens(chosen.to(DEV), off.to(DEV), tot.to(DEV), *dev, args[3], a_end[:1, :1].to(DEV),
                                           a_start[:, :1].to(DEV), lengths.to(DEV), cap, table.to(DEV), 4,
                                           _by_entry=by_entry)
         want_r = table.long().gather(1, (want_i.long() // 4).view(B, -1)).view_as(want_i) * 4 + want_i % 4
@@ -346,7 +347,7 @@ def test_compact_streaming_rows(S, pool, by_entry):
     args = (chosen, off, tot, None, None, None, W, a_end, a_start, lengths, cap, table, 4 if pool else 0)
     want_i, want_c = rselect.compact_tokens(*args, stream=(flags, 5, 11))
     dev = [a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args]
-    got_i, got_c = kselect.compact_tokens(*dev, stream=(flags.to(DEV), 5, 11), _by_entry=by_entry)
+    got_i, got_c = kcompact.compact_tokens(*dev, stream=(flags.to(DEV), 5, 11), _by_entry=by_entry)
     assert torch.equal(got_c.cpu(), want_c)
     live = torch.arange(cap)[None, None, :] < want_c[..., None]
     assert torch.equal(got_i.cpu()[live], want_i[live])
@@ -373,7 +374,7 @@ def test_compact_tokens_always_range_stops_at_length():
     lengths = torch.tensor([3, 9])
     args = (chosen, zero[..., None], zero, None, None, None, 4, torch.tensor([[5]]), torch.tensor([[3], [6]]),
             lengths)
-    for fn, dev in ((rselect.compact_tokens, "cpu"), (kselect.compact_tokens, DEV)):
+    for fn, dev in ((rselect.compact_tokens, "cpu"), (kcompact.compact_tokens, DEV)):
         idx, cnt = fn(*[a.to(dev) if isinstance(a, torch.Tensor) else a for a in args], 16)
         assert cnt.tolist() == [[3], [8]]
         assert idx[0, 0, :3].tolist() == [0, 1, 2] and idx[1, 0, :8].tolist() == [0, 1, 2, 3, 4, 6, 7, 8]

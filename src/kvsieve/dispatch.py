@@ -107,7 +107,7 @@ def compact_tokens(chosen, offsets, total, members, entry_start, sizes, width,
                    always_end, always_start, lengths, cap, block_table=None, page_size=0, stream=None):
     impl = _select_ref.compact_tokens
     if use_triton(offsets):
-        from .kernels.select import compact_tokens as impl
+        from .kernels.compact import compact_tokens as impl
     return impl(chosen, offsets, total, members, entry_start, sizes, width,
                 always_end, always_start, lengths, cap, block_table, page_size, stream)
 

@@ -1,5 +1,5 @@
 """Torch references for the selection stage of a decode plan (twins of
-kvsieve.kernels.select): summary scores, budgeted top-entry selection, and compaction of
+kvsieve.kernels.select and kernels.compact): summary scores, budgeted top-entry selection, and compaction of
 the chosen entries into token lists.
 
 An *entry* is a unit of selection: a K-means cluster (its centroid is the summary) or a
