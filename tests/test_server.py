@@ -21,7 +21,8 @@ import openai  # noqa: E402
 import uvicorn  # noqa: E402
 
 from kvsieve.engine import LLMEngine  # noqa: E402
-from kvsieve.server.app import Detokenizer, StopMatcher, create_app  # noqa: E402
+from kvsieve.server.app import create_app  # noqa: E402
+from kvsieve.server.text import Detokenizer, StopMatcher  # noqa: E402
 from kvsieve.server.schemas import BadRequest, ChatCompletionRequest, parse  # noqa: E402
 
 NAME = "smollm2-test"

@@ -31,52 +31,10 @@ from ..methods import METHOD_NAMES, config_for
 from ..patterns import STREAMING_METHODS, heads_for
 from .driver import DriverStopped, EngineDriver, EngineError, Metrics, RequestStream
 from .schemas import BadRequest, ChatCompletionRequest, CompletionRequest, error_body, parse
+from .text import Detokenizer, StopMatcher
 
 log = logging.getLogger("kvsieve.server")
 MAX_STOPS = 4
-
-
-class Detokenizer:
-    """Token ids -> text deltas whose concatenation is the decoded text; a delta is held
-    back while it ends in an incomplete UTF-8 character."""
-
-    def __init__(self, tokenizer):
-        self.tok, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
-
-    def add(self, new_ids: List[int], final: bool) -> str:
-        self.ids.extend(new_ids)
-        dec = self.tok.decode
-        before = dec(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        text = dec(self.ids[self.prefix:], skip_special_tokens=True)
-        if (text.endswith("\ufffd") and not final) or len(text) <= len(before):
-            return ""
-        self.prefix, self.read = self.read, len(self.ids)
-        return text[len(before):]
-
-
-class StopMatcher:
-    """Cuts the text at the first stop string; holds back a tail that may start one."""
-
-    def __init__(self, stops: List[str]):
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-
-    def feed(self, text: str, final: bool) -> Tuple[str, bool]:
-        """-> (text safe to emit, whether a stop string was found)."""
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[:min(hits)], ""
-            return out, True
-        hold = 0
-        if not final:
-            for k in range(min(len(self.pending), max((len(s) for s in self.stops), default=1) - 1), 0, -1):
-                if any(s.startswith(self.pending[-k:]) for s in self.stops):
-                    hold = k
-                    break
-        cut = len(self.pending) - hold
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
 
 
 def _error(e: BadRequest, headers=None) -> JSONResponse:
