@@ -92,3 +92,69 @@ def test_right_padding_is_refused_with_a_clear_error(hf_model):
 def test_enable_rejects_bad_options(hf_model):
     with pytest.raises(ValueError, match="threshold"):
         khf.enable(hf_model[0], "tactic", threshold=2.0)
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ValueError, match="dense_below must be an integer >= 0"):
+            khf.enable(hf_model[0], "tactic", dense_below=bad)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """A 2-layer random-weight Llama (GQA 4:2, head dim 16): the kernels' path under the
+    interpreter in seconds."""
+    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(3, 101, (2, 97), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :43] = 0  # left padding: 54 valid tokens in row 0, 97 in row 1
+    return model, {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("method,opts", [("tactic", {"threshold": 0.3, "cluster_size": 8, "local": 8, "protect": 0}),
+                                         ("quest", {"budget": 32})])
+def test_decode_through_the_kernels_equals_the_torch_twins(tiny_llama, method, opts, monkeypatch):
+    """The drop-in decodes with the method's plan and paged attention over the cache tensors
+    viewed as one-token pages (left padding through the page table): the Triton kernels
+    (interpreter on the CPU) give the tokens and KV read of the torch twins, sparsely."""
+    model, enc = tiny_llama
+    runs = []
+    for kernels in ("reference", "auto"):
+        monkeypatch.setenv("KVSIEVE_KERNELS", kernels)
+        state = khf.enable(model, method, dense_below=0, **opts)
+        try:
+            runs.append((greedy(model, enc, 4), state.kv_fraction, state.kv_read_steps))
+        finally:
+            khf.disable(model)
+    (ref, ref_read, steps), (got, got_read, _) = runs
+    assert steps == 3 * 2  # 3 decode steps x 2 layers went through the method
+    assert torch.equal(got, ref)
+    assert got_read == pytest.approx(ref_read, abs=1e-9) and ref_read < 0.95
+
+
+def test_under_the_crossover_decode_is_sdpa(tiny_llama):
+    """A batch shorter than dense_below decodes with transformers' SDPA: HF's own tokens, no
+    index built, the KV read reported as 1.0."""
+    model, enc = tiny_llama
+    ref = greedy(model, enc, 4)
+    state = khf.enable(model, "tactic", dense_below=98)
+    try:
+        out = greedy(model, enc, 4)
+    finally:
+        khf.disable(model)
+    assert torch.equal(out, ref)
+    assert state.attended_densely == 2 and state.kv_fraction == 1.0
+
+
+def test_full_budget_through_the_kernels_equals_sdpa(tiny_llama, monkeypatch):
+    """Every page chosen, through the kernels on the one-token-page view of the padded cache:
+    transformers' own tokens (the view maps each row's valid suffix, not its padding)."""
+    model, enc = tiny_llama
+    ref = greedy(model, enc, 4)
+    monkeypatch.setenv("KVSIEVE_KERNELS", "auto")
+    state = khf.enable(model, "quest", dense_below=0, budget=128)  # >= the longest context: every page
+    try:
+        out = greedy(model, enc, 4)
+    finally:
+        khf.disable(model)
+    assert torch.equal(out, ref) and state.kv_fraction == pytest.approx(1.0)

@@ -11,7 +11,11 @@ How it plugs in (transformers >= 5):
   to its keys and values; generate() gets a KvsieveCache unless the caller passes a cache.
 
 Batches must be left-padded (transformers' convention for generation): each request's valid
-keys form a suffix of the cache, which is compacted to a prefix for the method.
+keys form a suffix of the cache. Decode runs the method's plan and the paged attention op
+(Triton on CUDA) over the cache tensors in place, viewed as a pool of one-token pages; a
+method without a plan uses its select() over the keys compacted to a prefix. As in the engine,
+on CUDA a batch whose prompt KV per layer is under the measured crossover
+(engine.DENSE_BELOW_KV_BYTES) decodes with SDPA (`dense_below` overrides; 0 forces the method).
 """
 from __future__ import annotations
 
@@ -23,8 +27,11 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from . import dispatch
+from .engine.engine import DENSE_BELOW_KV_BYTES
 from .methods import SparseMethod, make_method
 from .ops.attention import attend
+from .ops.paged import PagedKeys
 
 ATTN_NAME = "kvsieve"
 _active = threading.local()  # the cache layer most recently updated: read by the attention call that follows
@@ -32,14 +39,36 @@ _active = threading.local()  # the cache layer most recently updated: read by th
 
 @dataclass
 class HFState:
+    """dense_below: prompts (the batch's longest) shorter than this many tokens decode with
+    SDPA (None: the engine's crossover on CUDA, 0 elsewhere); attended_densely counts those
+    layer prefills."""
+
     method: SparseMethod
-    kv_read_sum: float = 0.0
+    dense_below: Optional[int] = None
+    kv_read_sum: Any = 0.0  # a device scalar once a step ran: summed there, read only by kv_fraction
     kv_read_steps: int = 0
+    attended_densely: int = 0
+    _host: Any = None  # (the forward's mask, valid lengths as ints): one host read per forward
 
     @property
     def kv_fraction(self) -> float:
         """Mean fraction of valid cached tokens attended per decode step, over layers and KV heads."""
-        return self.kv_read_sum / self.kv_read_steps if self.kv_read_steps else 1.0
+        return float(self.kv_read_sum) / self.kv_read_steps if self.kv_read_steps else 1.0
+
+    def threshold_tokens(self, key: Tensor) -> int:
+        """The prompt length under which a batch decodes with SDPA, for keys like `key`."""
+        if self.dense_below is not None:
+            return self.dense_below
+        return DENSE_BELOW_KV_BYTES // (2 * key.shape[1] * key.shape[3] * key.element_size()) if key.is_cuda else 0
+
+    def host_lengths(self, attention_mask, n: Tensor) -> Optional[list]:
+        """n [B] as ints (None without a mask: every key is valid), read from the device once
+        per forward: its layers share one mask object."""
+        if attention_mask is None:
+            return None
+        if self._host is None or self._host[0] is not attention_mask:
+            self._host = (attention_mask, n.tolist())
+        return self._host[1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,23 +136,70 @@ def kvsieve_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
     B, Hq, T, D = query.shape
     S = key.shape[2]
     n = _valid_keys(attention_mask, B, S, key.device)
-    pad = S - n
-    k, v = _compact(key, pad), _compact(value, pad)
     method, idx = state.method, module.layer_idx
-    if T > 1:
-        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                     scaling=scaling, **kwargs)
-        layer.index = method.prepare(k, n, idx)
-        return out
-    if layer.index is None:
-        layer.index = method.prepare(k, n, idx)
+    if T > 1 or layer.index is None:
+        host = state.host_lengths(attention_mask, n) or [S] * B
+        if max(host) < state.threshold_tokens(key):
+            layer.index = _DENSE  # under the crossover: SDPA, no index
+            state.attended_densely += 1
+        else:
+            layer.index = method.prepare(_compact(key, S - n), n, idx)
+        if T > 1:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, **kwargs)
+    if layer.index is _DENSE:
+        state.kv_read_sum = state.kv_read_sum + 1.0
+        state.kv_read_steps += 1
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if method.supports_plan():
+        out, read = _decode_planned(state, layer, query[:, :, 0], key, value, n, attention_mask, scaling)
     else:
+        k, v = _compact(key, S - n), _compact(value, S - n)
         layer.index = method.append(layer.index, k, n)
-    sel = method.select(query[:, :, 0], k, n, layer.index)
-    out, _ = attend(query[:, :, 0], k, v, sel.mask, scale=scaling)
-    state.kv_read_sum += float(sel.read_fraction(n).mean())
+        sel = method.select(query[:, :, 0], k, n, layer.index)
+        out, _ = attend(query[:, :, 0], k, v, sel.mask, scale=scaling)
+        read = sel.read_fraction(n)
+    state.kv_read_sum = state.kv_read_sum + read.mean().detach()  # no host sync per layer
     state.kv_read_steps += 1
-    return out[:, None], None
+    return out[:, None].to(query.dtype), None
+
+
+_DENSE = object()  # a layer index meaning: this batch decodes with SDPA
+
+
+def _pool_view(x: Tensor) -> Tensor:
+    """x [B, H, S, D] -> the same memory as a pool of one-token pages [P, H, 1, D]: page
+    b * H * S + s holds token s of request b (head h at h * S pages further on)."""
+    B, H, S, D = x.shape
+    if x.stride() != (H * S * D, S * D, D, 1):
+        x = x.contiguous()
+    return x.as_strided(((B - 1) * H * S + S, H, 1, D), (D, S * D, D, 1))
+
+
+def _decode_planned(state: HFState, layer, q: Tensor, key: Tensor, value: Tensor, n: Tensor, attention_mask,
+                    scaling):
+    """One decode step of one layer through the method's plan and the paged attention op,
+    reading the cache in place (left padding: request b's token t is cache position
+    S - n_b + t). q [B, Hq, D] -> (out [B, Hq, D], KV read [B, Hkv])."""
+    method = state.method
+    B, Hkv, S, D = key.shape
+    host = state.host_lengths(attention_mask, n) or [S] * B
+    pad = S - n
+    t = torch.arange(S, device=key.device)
+    table = (torch.arange(B, device=key.device)[:, None] * (Hkv * S) + (pad[:, None] + t).clamp(max=S - 1)).int()
+    k_pool, v_pool = _pool_view(key), _pool_view(value)
+
+    def read_keys(b, start, end):
+        p = S - host[b]
+        return key[b, :, p + start:p + end]
+
+    method.maintain(layer.index, n, host, read_keys)
+    layer.index = method.append_token(layer.index, key[:, :, -1], n, host, read_keys)
+    plan = method.plan(q, layer.index, n, host, PagedKeys(k_pool, table, pool_rows=True))
+    out, _ = dispatch.paged_decode(q, k_pool, v_pool, table, plan.counts, plan.indices, scale=scaling, cap=plan.cap,
+                                   pool_rows=plan.pool_rows)
+    return out, plan.read_fraction(n)
 
 
 def _register() -> None:
@@ -138,15 +214,20 @@ def _attention_modules(model):
     return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")]
 
 
-def enable(model, method: str = "tactic", **options) -> HFState:
+def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **options) -> HFState:
     """Make model.generate() decode with kvsieve `method` (options as in sparse_decode).
+    dense_below: batches whose longest prompt is shorter decode with SDPA (None: the
+    engine's measured crossover on CUDA, 0 on the CPU; 0 forces the method everywhere).
     Returns the state object, whose kv_fraction reports the fraction of KV read."""
+    if dense_below is not None and (isinstance(dense_below, bool) or not isinstance(dense_below, int)
+                                    or dense_below < 0):
+        raise ValueError(f"dense_below must be an integer >= 0 (tokens), got {dense_below!r}")
     if getattr(model, "_kvsieve", None) is not None:
         disable(model)
     mods = _attention_modules(model)
     if not mods:
         raise ValueError(f"{type(model).__name__} has no Llama-style attention modules (q_proj + layer_idx)")
-    state = HFState(make_method(method, **options))
+    state = HFState(make_method(method, **options), dense_below)
     _register()
     model._kvsieve = state
     model._kvsieve_prev_attn = model.config._attn_implementation
