@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -48,7 +48,7 @@ class HFState:
     kv_read_sum: Any = 0.0  # a device scalar once a step ran: summed there, read only by kv_fraction
     kv_read_steps: int = 0
     attended_densely: int = 0
-    _host: Any = None  # (the forward's mask, valid lengths as ints): one host read per forward
+    _host: Any = None  # (the forward's mask, valid lengths on the device and as ints)
 
     @property
     def kv_fraction(self) -> float:
@@ -61,14 +61,15 @@ class HFState:
             return self.dense_below
         return DENSE_BELOW_KV_BYTES // (2 * key.shape[1] * key.shape[3] * key.element_size()) if key.is_cuda else 0
 
-    def host_lengths(self, attention_mask, n: Tensor) -> Optional[list]:
-        """n [B] as ints (None without a mask: every key is valid), read from the device once
-        per forward: its layers share one mask object."""
+    def lengths(self, attention_mask, B: int, S: int, device) -> Tuple[Tensor, List[int]]:
+        """Valid keys per request: ([B] on the device, the same as ints), checked (left padding)
+        and read from the device once per forward: its layers share one mask object."""
         if attention_mask is None:
-            return None
+            return torch.full((B,), S, dtype=torch.long, device=device), [S] * B
         if self._host is None or self._host[0] is not attention_mask:
-            self._host = (attention_mask, n.tolist())
-        return self._host[1]
+            n = _valid_keys(attention_mask, B, S, device)
+            self._host = (attention_mask, n, n.tolist())
+        return self._host[1], self._host[2]
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,10 +136,9 @@ def kvsieve_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
                                       scaling=scaling, **kwargs)
     B, Hq, T, D = query.shape
     S = key.shape[2]
-    n = _valid_keys(attention_mask, B, S, key.device)
+    n, host = state.lengths(attention_mask, B, S, key.device)
     method, idx = state.method, module.layer_idx
     if T > 1 or layer.index is None:
-        host = state.host_lengths(attention_mask, n) or [S] * B
         if max(host) < state.threshold_tokens(key):
             layer.index = _DENSE  # under the crossover: SDPA, no index
             state.attended_densely += 1
@@ -153,7 +153,7 @@ def kvsieve_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     if method.supports_plan():
-        out, read = _decode_planned(state, layer, query[:, :, 0], key, value, n, attention_mask, scaling)
+        out, read = _decode_planned(state.method, layer, query[:, :, 0], key, value, n, host, scaling)
     else:
         k, v = _compact(key, S - n), _compact(value, S - n)
         layer.index = method.append(layer.index, k, n)
@@ -177,14 +177,13 @@ def _pool_view(x: Tensor) -> Tensor:
     return x.as_strided(((B - 1) * H * S + S, H, 1, D), (D, S * D, D, 1))
 
 
-def _decode_planned(state: HFState, layer, q: Tensor, key: Tensor, value: Tensor, n: Tensor, attention_mask,
-                    scaling):
+def _decode_planned(method: SparseMethod, layer, q: Tensor, key: Tensor, value: Tensor, n: Tensor,
+                    host: List[int], scaling):
     """One decode step of one layer through the method's plan and the paged attention op,
     reading the cache in place (left padding: request b's token t is cache position
-    S - n_b + t). q [B, Hq, D] -> (out [B, Hq, D], KV read [B, Hkv])."""
-    method = state.method
+    S - n_b + t; n [B] valid keys, host the same as ints). q [B, Hq, D] -> (out [B, Hq, D],
+    KV read [B, Hkv])."""
     B, Hkv, S, D = key.shape
-    host = state.host_lengths(attention_mask, n) or [S] * B
     pad = S - n
     t = torch.arange(S, device=key.device)
     table = (torch.arange(B, device=key.device)[:, None] * (Hkv * S) + (pad[:, None] + t).clamp(max=S - 1)).int()
