@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -48,7 +49,7 @@ class HFState:
     kv_read_sum: Any = 0.0  # a device scalar once a step ran: summed there, read only by kv_fraction
     kv_read_steps: int = 0
     attended_densely: int = 0
-    _host: Any = None  # (the forward's mask, valid lengths on the device and as ints)
+    _host: Any = None  # (weak ref to the forward's mask, valid lengths on the device and as ints)
 
     @property
     def kv_fraction(self) -> float:
@@ -66,9 +67,9 @@ class HFState:
         and read from the device once per forward: its layers share one mask object."""
         if attention_mask is None:
             return torch.full((B,), S, dtype=torch.long, device=device), [S] * B
-        if self._host is None or self._host[0] is not attention_mask:
+        if self._host is None or self._host[0]() is not attention_mask:  # weak: a prefill mask can be large
             n = _valid_keys(attention_mask, B, S, device)
-            self._host = (attention_mask, n, n.tolist())
+            self._host = (weakref.ref(attention_mask), n, n.tolist())
         return self._host[1], self._host[2]
 
 
