@@ -2,12 +2,14 @@
 embedded model, dense (SDPA) against kvsieve methods, on the built-in ~4K-token document.
 
     python3 scripts/gpu_hf.py --out OUT [--methods tactic,quest] [--new-tokens 64] [--dtype bfloat16]
+                              [--dense-below default,0]
 
-Prints and writes OUT/hf.json: per method decode tokens/s (generate's wall after a warm-up
-call, minus the prefill measured on its own), KV read, the answer and token agreement with
-dense. The drop-in rides transformers' DynamicCache (a torch.cat of the whole cache per layer
-and step) and the methods' torch reference selection, so this measures what a transformers
-user gets, not the engine's speed.
+Prints and writes OUT/hf.json: per method and dense_below setting, decode tokens/s (generate's
+wall after a warm-up call, minus the prefill measured on its own), KV read, steps attended with
+SDPA, the answer and token agreement with dense. `default` is what enable() does for a user
+(SDPA under the engine's CUDA crossover); 0 forces the method's plan and paged kernels. The
+drop-in rides transformers' DynamicCache (its per-layer torch.cat stays), so this measures what a
+transformers user gets, not the engine's speed.
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dense-below", default="default,0",
+                    help="comma list of enable(dense_below=) settings; 'default' is None (the crossover)")
     args = ap.parse_args()
     import transformers
 
@@ -58,18 +62,21 @@ def main() -> int:
             return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
 
     rows, dense_tokens = [], None
-    for method in ["dense"] + [m for m in args.methods.split(",") if m]:
-        state = None if method == "dense" else kvsieve.hf.enable(model, method=method)
+    belows = [None if b == "default" else int(b) for b in args.dense_below.split(",") if b]
+    runs = [("dense", None)] + [(m, b) for m in args.methods.split(",") if m for b in belows]
+    for method, below in runs:
+        state = None if method == "dense" else kvsieve.hf.enable(model, method=method, dense_below=below)
         gen(4)  # warm-up: compilation and allocator
         prefill = min(timed(lambda: gen(1)) for _ in range(2))
         if state is not None:  # the KV read of the timed call only
-            state.kv_read_sum, state.kv_read_steps = 0.0, 0
+            state.kv_read_sum, state.kv_read_steps, state.attended_densely = 0.0, 0, 0
         out = []
         wall = min(timed(lambda: out.append(gen(n))) for _ in range(2))
         toks = out[0][0, ids.shape[1]:].tolist()
         dense_tokens = dense_tokens or toks
         agree = sum(a == b for a, b in zip(toks, dense_tokens)) / len(dense_tokens)
-        row = {"method": method, "prompt": ids.shape[1], "new_tokens": n, "dtype": args.dtype,
+        row = {"method": method, "dense_below": "default" if below is None else below,
+               "attended_densely": 0 if state is None else state.attended_densely, "prompt": ids.shape[1], "new_tokens": n, "dtype": args.dtype,
                "decode_tok_s": (n - 1) / max(wall - prefill, 1e-9), "wall_s": wall, "prefill_s": prefill,
                "kv_fraction": 1.0 if state is None else state.kv_fraction, "agree_dense": agree,
                "answer": tok.decode(toks[:8], skip_special_tokens=True)}

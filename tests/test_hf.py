@@ -158,3 +158,40 @@ def test_full_budget_through_the_kernels_equals_sdpa(tiny_llama, monkeypatch):
     finally:
         khf.disable(model)
     assert torch.equal(out, ref) and state.kv_fraction == pytest.approx(1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method,opts", [("tactic", {"threshold": 0.3, "cluster_size": 8, "local": 8, "protect": 0}),
+                                         ("quest", {"budget": 32}),
+                                         ("lserve", {"budget": 32, "sink": 4, "local": 8, "streaming_heads": [[1, 0], [0, 1]]})])
+def test_cuda_decode_through_the_kernels_matches_the_twins(tiny_llama, method, opts, dtype, monkeypatch):
+    """On CUDA (compiled Triton, not the interpreter), forced past the crossover: the plan and
+    paged kernels over transformers' cache give the twins' tokens and KV read, and with every
+    page chosen they give transformers' SDPA tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import copy
+
+    model, enc = tiny_llama
+    model = copy.deepcopy(model).to("cuda", dtype)
+    enc = {k: v.cuda() for k, v in enc.items()}
+    runs = []
+    for kernels in ("reference", "auto"):
+        monkeypatch.setenv("KVSIEVE_KERNELS", kernels)
+        state = khf.enable(model, method, dense_below=0, **opts)
+        try:
+            runs.append((greedy(model, enc, 4), state.kv_fraction, state.attended_densely))
+        finally:
+            khf.disable(model)
+    (ref, ref_read, dense_ref), (got, got_read, dense_got) = runs
+    assert dense_ref == dense_got == 0
+    assert torch.equal(got, ref)
+    assert got_read == pytest.approx(ref_read, abs=1e-6) and ref_read < 0.95
+    sdpa = greedy(model, enc, 4)
+    state = khf.enable(model, "quest", dense_below=0, budget=128)
+    try:
+        full = greedy(model, enc, 4)
+    finally:
+        khf.disable(model)
+    assert torch.equal(full, sdpa) and state.kv_fraction == pytest.approx(1.0)

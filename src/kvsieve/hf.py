@@ -20,6 +20,7 @@ on CUDA a batch whose prompt KV per layer is under the measured crossover
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 import weakref
 from dataclasses import dataclass
@@ -235,11 +236,14 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
     for m in mods:
         m._kvsieve = state
     original = model.generate
+    # transformers 5.2x renamed generate()'s past_key_values to cache (the old name warns)
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        if kwargs.get("past_key_values") is None:
-            kwargs["past_key_values"] = make_cache()
+        if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
+            kwargs.pop("cache", None), kwargs.pop("past_key_values", None)
+            kwargs[cache_kw] = make_cache()
         return original(*args, **kwargs)
 
     model._kvsieve_generate = original
