@@ -160,6 +160,39 @@ def test_full_budget_through_the_kernels_equals_sdpa(tiny_llama, monkeypatch):
     assert torch.equal(out, ref) and state.kv_fraction == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("how", ["beams", "select"])
+def test_row_moves_of_the_cache_move_the_index(tiny_llama, how, monkeypatch):
+    """Beam search reorders the cache's rows every step (and batch_select_indices keeps some):
+    the layer's index moves with them, so each row's page summaries stay those of its own
+    keys (a stale index would summarise another beam's generated tokens)."""
+    from kvsieve.ops.pages import page_summaries
+
+    model, enc = tiny_llama
+    moves = []
+    layer_class = khf._layer_class()
+    original = layer_class._take_rows
+    monkeypatch.setattr(layer_class, "_take_rows", lambda self, rows: (moves.append(rows), original(self, rows)))
+    cache = khf.make_cache()
+    state = khf.enable(model, "quest", dense_below=0, budget=16, page_size=8)
+    try:
+        with torch.no_grad():
+            if how == "beams":
+                model.generate(**enc, max_new_tokens=6, do_sample=False, num_beams=3, **{khf.cache_kwarg(model): cache})
+            else:
+                model.generate(**enc, max_new_tokens=3, do_sample=False, **{khf.cache_kwarg(model): cache})
+                cache.batch_select_indices(torch.tensor([1]))
+    finally:
+        khf.disable(model)
+    assert state.kv_read_steps > 0
+    assert any(r != list(range(len(r))) for r in moves), f"no row moved: {moves[:3]}"
+    for layer in cache.layers:
+        keys, ps = layer.keys, 8
+        n = torch.tensor([int(layer.index.lengths[b]) for b in range(keys.shape[0])])
+        kmin, kmax = page_summaries(khf._compact(keys, keys.shape[2] - n), n, ps)
+        P = kmin.shape[2]
+        assert torch.equal(layer.index.kmin[:, :, :P], kmin) and torch.equal(layer.index.kmax[:, :, :P], kmax)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("method,opts", [("tactic", {"threshold": 0.3, "cluster_size": 8, "local": 8, "protect": 0}),

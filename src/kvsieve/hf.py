@@ -9,6 +9,8 @@ How it plugs in (transformers >= 5):
   transformers passes no mask to a custom implementation and padded batches silently break;
 - a cache layer (KvsieveLayer, a DynamicLayer) that keeps the method's per-layer index next
   to its keys and values; generate() gets a KvsieveCache unless the caller passes a cache.
+  Beam search's reorder (and batch repeat/select) moves the index's rows with the cache's;
+  a forward of several tokens (prefill, assisted decoding's verification) rebuilds it.
 
 Batches must be left-padded (transformers' convention for generation): each request's valid
 keys form a suffix of the cache. Decode runs the method's plan and the paged attention op
@@ -79,14 +81,43 @@ def _layer_class():
     from transformers.cache_utils import DynamicLayer
 
     class KvsieveLayer(DynamicLayer):
-        """A DynamicLayer that also keeps the kvsieve method index of its layer."""
+        """A DynamicLayer that also keeps the kvsieve method index of its layer (index, built
+        by method). Row moves of the cache (beam search's reorder, batch repeat/select) move
+        the index's rows with it; a crop or reset drops the index, rebuilt at the next forward."""
 
         index: Any = None
+        method: Optional[SparseMethod] = None
 
         def update(self, key_states, value_states, *args, **kwargs):
             keys, values = super().update(key_states, value_states, *args, **kwargs)
             _active.layer = self
             return keys, values
+
+        def _take_rows(self, rows: List[int]) -> None:
+            if self.index is not None and self.index is not _DENSE and rows != list(range(len(rows))):
+                self.index = self.method.take_states(self.index, rows)
+
+        def reorder_cache(self, beam_idx):
+            super().reorder_cache(beam_idx)
+            self._take_rows(beam_idx.tolist())
+
+        def batch_repeat_interleave(self, repeats: int):
+            B = self.keys.shape[0] if self.get_seq_length() > 0 else 0
+            super().batch_repeat_interleave(repeats)
+            self._take_rows([b for b in range(B) for _ in range(repeats)])
+
+        def batch_select_indices(self, indices):
+            rows = torch.arange(self.keys.shape[0] if self.get_seq_length() > 0 else 0)[indices.cpu()]
+            super().batch_select_indices(indices)
+            self._take_rows(rows.tolist())
+
+        def crop(self, *args, **kwargs):
+            super().crop(*args, **kwargs)
+            self.index = None
+
+        def reset(self, *args, **kwargs):
+            super().reset(*args, **kwargs)
+            self.index = None
 
     return KvsieveLayer
 
@@ -145,7 +176,7 @@ def kvsieve_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
             layer.index = _DENSE  # under the crossover: SDPA, no index
             state.attended_densely += 1
         else:
-            layer.index = method.prepare(_compact(key, S - n), n, idx)
+            layer.index, layer.method = method.prepare(_compact(key, S - n), n, idx), method
         if T > 1:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)
@@ -236,8 +267,7 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
     for m in mods:
         m._kvsieve = state
     original = model.generate
-    # transformers 5.2x renamed generate()'s past_key_values to cache (the old name warns)
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_kw = cache_kwarg(model)
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
@@ -249,6 +279,12 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
     model._kvsieve_generate = original
     model.generate = generate
     return state
+
+
+def cache_kwarg(model) -> str:
+    """generate()'s name for the cache: transformers 5.2x renamed past_key_values to cache
+    (the old name warns)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def disable(model) -> None:
