@@ -193,6 +193,36 @@ def test_row_moves_of_the_cache_move_the_index(tiny_llama, how, monkeypatch):
         assert torch.equal(layer.index.kmin[:, :, :P], kmin) and torch.equal(layer.index.kmax[:, :, :P], kmax)
 
 
+def test_sliding_window_layers_keep_their_window(monkeypatch):
+    """A Gemma 3 model's sliding-window layers attend their own window with SDPA (no index);
+    its global layers go through the method: HF's logits with every page chosen, and only the
+    global layers counted in the KV read."""
+    cfg = transformers.Gemma3TextConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        max_position_embeddings=512, sliding_window=16,
+                                        layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(cfg).eval()
+    ids = torch.randint(3, 101, (1, 97), generator=torch.Generator().manual_seed(1))
+
+    def run(**kw):
+        with torch.no_grad():
+            return model.generate(input_ids=ids, max_new_tokens=5, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True, **kw)
+    ref = run()
+    monkeypatch.setenv("KVSIEVE_KERNELS", "auto")
+    cache = khf.make_cache()
+    state = khf.enable(model, "quest", dense_below=0, budget=128)
+    try:
+        out = run(**{khf.cache_kwarg(model): cache})
+    finally:
+        khf.disable(model)
+    assert [layer.index is None for layer in cache.layers] == [True, True, True, False]
+    assert state.kv_read_steps == 4 and state.kv_fraction == pytest.approx(1.0)
+    for got, want in zip(out.logits, ref.logits):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("method,opts", [("tactic", {"threshold": 0.3, "cluster_size": 8, "local": 8, "protect": 0}),

@@ -56,7 +56,8 @@ class HFState:
 
     @property
     def kv_fraction(self) -> float:
-        """Mean fraction of valid cached tokens attended per decode step, over layers and KV heads."""
+        """Mean fraction of valid cached tokens attended per decode step, over the layers
+        kvsieve decodes (not sliding-window layers) and KV heads."""
         return float(self.kv_read_sum) / self.kv_read_steps if self.kv_read_steps else 1.0
 
     def threshold_tokens(self, key: Tensor) -> int:
@@ -165,6 +166,11 @@ def kvsieve_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
     _active.layer = None
     if state is None or layer is None or getattr(layer, "keys", None) is not key:
         # not ours to handle (no kvsieve cache in use): plain SDPA
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if getattr(module, "sliding_window", None):
+        # a sliding-window layer (Gemma 3's local layers): the model's own window, attended
+        # densely by SDPA with its mask, as the engine does; no index, not in kv_fraction
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     B, Hq, T, D = query.shape
