@@ -16,6 +16,9 @@ CASES = {
         "original_max_position_embeddings": 64})),
     "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=None)),
+    # windows: Mistral's on every layer, Qwen2's from max_window_layers on (200 tokens >> 16)
+    "mistral-window": ("MistralConfig", dict(head_dim=16, sliding_window=16)),
+    "qwen2-window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
 }
 
 
@@ -25,7 +28,7 @@ def test_logits_match_transformers(tmp_path, name):
     torch.manual_seed(0)
     cfg = getattr(transformers, cls)(**TINY, **extra)
     hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    if name == "qwen2":
+    if name.startswith("qwen2"):
         assert hf.model.layers[0].self_attn.q_proj.bias is not None
         for m in hf.modules():  # random (not zero) biases, so a dropped bias would show
             if isinstance(m, torch.nn.Linear) and m.bias is not None:
@@ -40,3 +43,27 @@ def test_logits_match_transformers(tmp_path, name):
     cache.reserve(0, len(ids))
     ours = model.logits(eng.prefill(cache, 0, ids, all_positions=True))
     assert (ours - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("name", ["mistral-window", "qwen2-window"])
+def test_windowed_decode_matches_transformers_generate(tmp_path, name, paged):
+    """Greedy decode past the window (16) through the engine equals HF generate; sparse
+    methods run on the global layers (Qwen2's first) and leave window-only models (this
+    Mistral) to their windows."""
+    from kvsieve.engine import LLMEngine, SamplingParams
+
+    cls, extra = CASES[name]
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**TINY, **extra)).eval()
+    hf.save_pretrained(tmp_path)
+    model = load_weights(tmp_path)
+    ids = torch.randint(3, 300, (70,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False)[0, 70:].tolist()
+    got = LLMEngine(model, None, "dense", paged=paged).generate([ids], SamplingParams(10, ignore_eos=True))[0]
+    assert got.tokens == want
+    for method, opts in [("tactic", dict(cluster_size=8, local=8, sink=2)), ("quest", dict(budget=32, page_size=8))]:
+        out = LLMEngine(model, None, method, paged=paged, **opts).generate([ids], SamplingParams(6, ignore_eos=True))[0]
+        assert len(out.tokens) == 6 and 0 < out.kv_fraction < 1

@@ -193,16 +193,24 @@ def test_row_moves_of_the_cache_move_the_index(tiny_llama, how, monkeypatch):
         assert torch.equal(layer.index.kmin[:, :, :P], kmin) and torch.equal(layer.index.kmax[:, :, :P], kmax)
 
 
-def test_sliding_window_layers_keep_their_window(monkeypatch):
-    """A Gemma 3 model's sliding-window layers attend their own window with SDPA (no index);
-    its global layers go through the method: HF's logits with every page chosen, and only the
-    global layers counted in the KV read."""
-    cfg = transformers.Gemma3TextConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                        max_position_embeddings=512, sliding_window=16,
-                                        layer_types=["sliding_attention"] * 3 + ["full_attention"])
+@pytest.mark.parametrize("arch", ["gemma3", "mistral", "qwen2"])
+def test_sliding_window_layers_keep_their_window(arch, monkeypatch):
+    """Sliding-window layers (Gemma 3's local layers, a windowed Mistral's every layer, a
+    windowed Qwen2's layers from max_window_layers on) attend their own window with SDPA (no
+    index); global layers go through the method: HF's logits with every page chosen, and
+    only the global layers counted in the KV read."""
+    base = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=16)
     torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(cfg).eval()
+    if arch == "gemma3":
+        cfg = transformers.Gemma3TextConfig(**base, layer_types=["sliding_attention"] * 3 + ["full_attention"])
+        model, windowed = transformers.Gemma3ForCausalLM(cfg), [True, True, True, False]
+    elif arch == "mistral":
+        model, windowed = transformers.MistralForCausalLM(transformers.MistralConfig(**base)), [True] * 4
+    else:
+        cfg = transformers.Qwen2Config(**base, use_sliding_window=True, max_window_layers=1)
+        model, windowed = transformers.Qwen2ForCausalLM(cfg), [False, True, True, True]
+    model = model.eval()
     ids = torch.randint(3, 101, (1, 97), generator=torch.Generator().manual_seed(1))
 
     def run(**kw):
@@ -217,8 +225,8 @@ def test_sliding_window_layers_keep_their_window(monkeypatch):
         out = run(**{khf.cache_kwarg(model): cache})
     finally:
         khf.disable(model)
-    assert [layer.index is None for layer in cache.layers] == [True, True, True, False]
-    assert state.kv_read_steps == 4 and state.kv_fraction == pytest.approx(1.0)
+    assert [layer.index is None for layer in cache.layers] == windowed
+    assert state.kv_read_steps == 4 * windowed.count(False) and state.kv_fraction == pytest.approx(1.0)
     for got, want in zip(out.logits, ref.logits):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 

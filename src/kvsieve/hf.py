@@ -168,8 +168,8 @@ def kvsieve_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
         # not ours to handle (no kvsieve cache in use): plain SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    if getattr(module, "sliding_window", None):
-        # a sliding-window layer (Gemma 3's local layers): the model's own window, attended
+    if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
+        # a sliding-window layer (Gemma 3's local layers, Mistral's windowed layers): the model's own window, attended
         # densely by SDPA with its mask, as the engine does; no index, not in kv_fraction
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)

@@ -19,13 +19,37 @@ GEMMA3_DEFAULTS = dict(
 GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 
 
+def _llama_family_windows(d: dict, mt: str) -> Tuple[Optional[int], Optional[Tuple[str, ...]]]:
+    """(sliding_window, layer_types) of a Llama-family config, as transformers reads them:
+    Mistral windows every layer (sliding_window, 4096 when the key is absent; null: none);
+    Qwen2 only with use_sliding_window, on layers >= max_window_layers (default 28); an
+    explicit layer_types list wins. Llama has no window."""
+    n = d["num_hidden_layers"]
+    if mt == "mistral":
+        window = d.get("sliding_window", 4096)
+    elif mt == "qwen2":
+        window = d.get("sliding_window", 4096) if d.get("use_sliding_window", False) else None
+    else:
+        window = None
+    if not window:
+        return None, None
+    types = d.get("layer_types")
+    if types is None:
+        first = d.get("max_window_layers", 28) if mt == "qwen2" else 0
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    types = tuple(types)
+    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"{mt} layer_types must be {n} of sliding_attention/full_attention, got {list(types)}")
+    return int(window), types
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The facts of a decoder (Llama family or Gemma 3), read from a Hugging Face config.json dict.
 
-    The fields after `eos_token_ids` only matter for Gemma 3 and default to the Llama
-    behaviour: no sliding window (every layer global), one RoPE base, 1/sqrt(head_dim)
-    attention scaling, no softcapping, SiLU gate."""
+    The fields after `eos_token_ids` default to the Llama behaviour: no sliding window
+    (every layer global), one RoPE base, 1/sqrt(head_dim) attention scaling, no softcapping,
+    SiLU gate. Gemma 3 sets them all; Mistral and Qwen2 configs may set the window."""
 
     model_type: str
     vocab_size: int
@@ -85,6 +109,7 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         heads = d["num_attention_heads"]
+        window, types = _llama_family_windows(d, mt)
         return cls(
             model_type=mt, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
@@ -95,7 +120,7 @@ class ModelConfig:
             max_positions=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=d.get("attention_bias", mt == "qwen2"),
-            rope_scaling=scaling, eos_token_ids=eos,
+            rope_scaling=scaling, eos_token_ids=eos, sliding_window=window, layer_types=types,
         )
 
     @classmethod
