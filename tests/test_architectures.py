@@ -18,6 +18,9 @@ CASES = {
     "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=None)),
     # windows: Mistral's on every layer, Qwen2's from max_window_layers on (200 tokens >> 16)
     "mistral-window": ("MistralConfig", dict(head_dim=16, sliding_window=16)),
+    # YaRN (Qwen2.5's long-context setting): blended frequencies and a factor on cos/sin
+    "qwen2-yarn": ("Qwen2Config", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 64})),
     "qwen2-window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
 }
 

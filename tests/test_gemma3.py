@@ -84,6 +84,20 @@ def test_tiny_gemma3_matches_transformers(tmp_path):
     assert diff < 1e-4, (diff, scale)
 
 
+def test_yarn_on_global_layers_matches_transformers(tmp_path):
+    """YaRN on the global layers only (blended frequencies, a factor on cos/sin), default RoPE
+    on the local ones."""
+    rope = {"full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                               "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    torch.manual_seed(0)
+    transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**{**TINY, "rope_parameters": rope},
+                                                                 initializer_range=0.1)).save_pretrained(tmp_path)
+    ids = torch.randint(0, 300, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+    diff, scale = ours_vs_hf(tmp_path, ids)
+    assert diff < 1e-4, (diff, scale)
+
+
 def test_multimodal_gemma3_text_decoder(tmp_path):
     """A multimodal "gemma3" checkpoint: its text decoder (language_model.* weights) loads and
     matches Gemma3ForConditionalGeneration on text-only input."""

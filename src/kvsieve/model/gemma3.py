@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import ModelConfig
-from .llama import fuse_projections, rope_inv_freq, rotate_half
+from .llama import fuse_projections, rope_attention_factor, rope_inv_freq, rotate_half
 
 ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # HF name -> F.gelu approximate=
 
@@ -86,6 +86,8 @@ class Gemma3Model:
             "local": gemma_inv_freq(cfg, cfg.rope_local_theta or cfg.rope_theta,
                                     cfg.rope_local_scaling).to(self.device),
         }
+        self.rope_mult = {"full": rope_attention_factor(cfg),  # YaRN's factor on cos/sin; 1 otherwise
+                          "local": rope_attention_factor(replace(cfg, rope_scaling=cfg.rope_local_scaling))}
         self.norm = {k[:-len(".weight")]: 1.0 + v.float() for k, v in weights.items()
                      if k.endswith("norm.weight")}
         self.approximate = ACTIVATIONS[cfg.hidden_activation]
@@ -96,6 +98,9 @@ class Gemma3Model:
         (HF: float32 angles positions * inv_freq, cos/sin cast to the activations' dtype)."""
         f = positions.float()[:, None] * self.inv_freq[kind][None, :]
         emb = torch.cat((f, f), dim=-1)
+        m = self.rope_mult[kind]
+        if m != 1.0:
+            return (emb.cos() * m).to(self.dtype), (emb.sin() * m).to(self.dtype)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     def _proj(self, x: Tensor, name: str) -> Tensor:

@@ -1,4 +1,4 @@
-"""A lean Llama-family forward (RMSNorm, RoPE incl. llama3 scaling, GQA, SwiGLU).
+"""A lean Llama-family forward (RMSNorm, RoPE incl. llama3/linear/YaRN scaling, GQA, SwiGLU).
 
 The model computes projections, norms and MLPs; attention is delegated to an `attend`
 callable (prefill or decode) supplied by the runner, so the model never knows which
@@ -35,7 +35,46 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
         return torch.where(medium, smoothed, scaled)
     if kind == "linear":
         return inv / sc["factor"]
-    raise ValueError(f"unsupported rope scaling {kind!r}; supported: llama3, linear, none")
+    if kind == "yarn":
+        return yarn_inv_freq(cfg, inv)
+    raise ValueError(f"unsupported rope scaling {kind!r}; supported: llama3, linear, yarn, none")
+
+
+def yarn_inv_freq(cfg: ModelConfig, inv: Tensor) -> Tensor:
+    """YaRN (arXiv 2309.00071) as transformers computes it: each frequency blends its
+    extrapolated (inv) and interpolated (inv / factor) value by a linear ramp over the
+    dimensions whose wavelength rotates between beta_fast and beta_slow times in the
+    original context; cos/sin are then scaled by rope_attention_factor."""
+    sc, D = cfg.rope_scaling, cfg.head_dim
+    factor = sc.get("factor") or cfg.max_positions / sc["original_max_position_embeddings"]
+    old, base = sc["original_max_position_embeddings"], cfg.rope_theta
+    beta_fast, beta_slow = sc.get("beta_fast") or 32, sc.get("beta_slow") or 1
+
+    def dim_of(rotations):
+        return D * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if sc.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(D // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor on cos and sin of cfg's RoPE scaling (YaRN's attention temperature; 1 otherwise)."""
+    sc = cfg.rope_scaling
+    if not sc or sc.get("rope_type", sc.get("type")) != "yarn":
+        return 1.0
+    if sc.get("attention_factor") is not None:
+        return float(sc["attention_factor"])
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    f = sc.get("factor") or cfg.max_positions / sc["original_max_position_embeddings"]
+    m, m_all = sc.get("mscale"), sc.get("mscale_all_dim")
+    return mscale(f, m) / mscale(f, m_all) if m and m_all else mscale(f)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -75,12 +114,15 @@ class LlamaModel:
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.device = weights["model.embed_tokens.weight"].device
         self.inv_freq = rope_inv_freq(cfg).to(self.device)  # on the device: decode steps can be graph-captured
+        self.rope_mult = rope_attention_factor(cfg)
         fuse_projections(self.w, cfg.num_layers)
 
     def rope(self, positions: Tensor):
         """positions [T] -> cos, sin [T, D] in float32."""
         f = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((f, f), dim=-1)
+        if self.rope_mult != 1.0:
+            return (emb.cos() * self.rope_mult).float(), (emb.sin() * self.rope_mult).float()
         return emb.cos().float(), emb.sin().float()
 
     def _proj(self, x: Tensor, name: str) -> Tensor:
