@@ -70,3 +70,17 @@ def test_windowed_decode_matches_transformers_generate(tmp_path, name, paged):
     for method, opts in [("tactic", dict(cluster_size=8, local=8, sink=2)), ("quest", dict(budget=32, page_size=8))]:
         out = LLMEngine(model, None, method, paged=paged, **opts).generate([ids], SamplingParams(6, ignore_eos=True))[0]
         assert len(out.tokens) == 6 and 0 < out.kv_fraction < 1
+
+
+def test_yarn_config_takes_its_scaled_positions():
+    """Qwen2.5's long-context recipe adds YaRN (factor 4 over 32K) to a config whose
+    max_position_embeddings stays 32K: prompts up to 128K are the model's own."""
+    from kvsieve.model.config import ModelConfig
+
+    d = dict(model_type="qwen2", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768)
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert ModelConfig.from_hf(d).max_positions == 32768
+    assert ModelConfig.from_hf({**d, "rope_scaling": yarn}).max_positions == 131072
+    linear = {"type": "linear", "factor": 4.0}
+    assert ModelConfig.from_hf({**d, "rope_scaling": linear}).max_positions == 32768

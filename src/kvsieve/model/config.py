@@ -43,6 +43,15 @@ def _llama_family_windows(d: dict, mt: str) -> Tuple[Optional[int], Optional[Tup
     return int(window), types
 
 
+def _scaled_positions(max_positions: int, scaling: Optional[dict]) -> int:
+    """The positions a model takes: a YaRN config (Qwen2.5's long-context recipe adds it to a
+    config whose max_position_embeddings stays the original 32K) reaches factor x original."""
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn" and scaling.get("factor"):
+        old = scaling.get("original_max_position_embeddings") or max_positions
+        return max(max_positions, int(scaling["factor"] * old))
+    return max_positions
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The facts of a decoder (Llama family or Gemma 3), read from a Hugging Face config.json dict.
@@ -117,7 +126,7 @@ class ModelConfig:
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)),
-            max_positions=d.get("max_position_embeddings", 4096),
+            max_positions=_scaled_positions(d.get("max_position_embeddings", 4096), scaling),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=d.get("attention_bias", mt == "qwen2"),
             rope_scaling=scaling, eos_token_ids=eos, sliding_window=window, layer_types=types,
