@@ -16,6 +16,7 @@ CASES = {
         "original_max_position_embeddings": 64})),
     "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=None)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32)),  # per-head q/k RMSNorm before RoPE; head_dim != hidden / heads
     # windows: Mistral's on every layer, Qwen2's from max_window_layers on (200 tokens >> 16)
     "mistral-window": ("MistralConfig", dict(head_dim=16, sliding_window=16)),
     # YaRN (Qwen2.5's long-context setting): blended frequencies and a factor on cos/sin
@@ -25,18 +26,26 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_logits_match_transformers(tmp_path, name):
+def tiny_hf(name: str, path):
+    """The tiny random transformers model of CASES[name], saved to path, with its biases and
+    q/k norm weights randomised (a dropped bias or norm would show)."""
     cls, extra = CASES[name]
     torch.manual_seed(0)
-    cfg = getattr(transformers, cls)(**TINY, **extra)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**TINY, **extra)).eval()
     if name.startswith("qwen2"):
         assert hf.model.layers[0].self_attn.q_proj.bias is not None
-        for m in hf.modules():  # random (not zero) biases, so a dropped bias would show
-            if isinstance(m, torch.nn.Linear) and m.bias is not None:
-                torch.nn.init.normal_(m.bias, std=0.5)
-    hf.save_pretrained(tmp_path)
+    for n, prm in hf.named_parameters():
+        if n.endswith(".bias"):
+            torch.nn.init.normal_(prm, std=0.5)
+        elif "q_norm" in n or "k_norm" in n:
+            torch.nn.init.normal_(prm, mean=1.0, std=0.5)
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_match_transformers(tmp_path, name):
+    hf = tiny_hf(name, tmp_path)
     model = load_weights(tmp_path)
     ids = torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
@@ -49,17 +58,14 @@ def test_logits_match_transformers(tmp_path, name):
 
 
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("name", ["mistral-window", "qwen2-window"])
-def test_windowed_decode_matches_transformers_generate(tmp_path, name, paged):
-    """Greedy decode past the window (16) through the engine equals HF generate; sparse
-    methods run on the global layers (Qwen2's first) and leave window-only models (this
-    Mistral) to their windows."""
+@pytest.mark.parametrize("name", ["mistral-window", "qwen2-window", "qwen3"])
+def test_decode_matches_transformers_generate(tmp_path, name, paged):
+    """Greedy decode (past the window of 16 for windowed models) through the engine equals HF
+    generate; sparse methods run on the global layers (Qwen2's first) and leave window-only
+    models (this Mistral) to their windows."""
     from kvsieve.engine import LLMEngine, SamplingParams
 
-    cls, extra = CASES[name]
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**TINY, **extra)).eval()
-    hf.save_pretrained(tmp_path)
+    hf = tiny_hf(name, tmp_path)
     model = load_weights(tmp_path)
     ids = torch.randint(3, 300, (70,), generator=torch.Generator().manual_seed(2)).tolist()
     with torch.no_grad():
@@ -67,7 +73,8 @@ def test_windowed_decode_matches_transformers_generate(tmp_path, name, paged):
         want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False)[0, 70:].tolist()
     got = LLMEngine(model, None, "dense", paged=paged).generate([ids], SamplingParams(10, ignore_eos=True))[0]
     assert got.tokens == want
-    for method, opts in [("tactic", dict(cluster_size=8, local=8, sink=2)), ("quest", dict(budget=32, page_size=8))]:
+    for method, opts in [("tactic", dict(cluster_size=8, local=8, sink=2, protect=0)),
+                         ("quest", dict(budget=16, physical_page_size=16))]:
         out = LLMEngine(model, None, method, paged=paged, **opts).generate([ids], SamplingParams(6, ignore_eos=True))[0]
         assert len(out.tokens) == 6 and 0 < out.kv_fraction < 1
 

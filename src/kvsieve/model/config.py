@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 GEMMA3 = ("gemma3", "gemma3_text")
 SUPPORTED = LLAMA_FAMILY + GEMMA3
 
@@ -22,12 +22,12 @@ GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 def _llama_family_windows(d: dict, mt: str) -> Tuple[Optional[int], Optional[Tuple[str, ...]]]:
     """(sliding_window, layer_types) of a Llama-family config, as transformers reads them:
     Mistral windows every layer (sliding_window, 4096 when the key is absent; null: none);
-    Qwen2 only with use_sliding_window, on layers >= max_window_layers (default 28); an
+    Qwen2/Qwen3 only with use_sliding_window, on layers >= max_window_layers (default 28); an
     explicit layer_types list wins. Llama has no window."""
     n = d["num_hidden_layers"]
     if mt == "mistral":
         window = d.get("sliding_window", 4096)
-    elif mt == "qwen2":
+    elif mt in ("qwen2", "qwen3"):
         window = d.get("sliding_window", 4096) if d.get("use_sliding_window", False) else None
     else:
         window = None
@@ -35,7 +35,7 @@ def _llama_family_windows(d: dict, mt: str) -> Tuple[Optional[int], Optional[Tup
         return None, None
     types = d.get("layer_types")
     if types is None:
-        first = d.get("max_window_layers", 28) if mt == "qwen2" else 0
+        first = d.get("max_window_layers", 28) if mt != "mistral" else 0
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
     types = tuple(types)
     if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:

@@ -1,4 +1,5 @@
-"""A lean Llama-family forward (RMSNorm, RoPE incl. llama3/linear/YaRN scaling, GQA, SwiGLU).
+"""A lean Llama-family forward (RMSNorm, RoPE incl. llama3/linear/YaRN scaling, GQA, SwiGLU,
+Qwen3's per-head q/k norm).
 
 The model computes projections, norms and MLPs; attention is delegated to an `attend`
 callable (prefill or decode) supplied by the runner, so the model never knows which
@@ -77,6 +78,12 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     return mscale(f, m) / mscale(f, m_all) if m and m_all else mscale(f)
 
 
+def head_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x [N, H, D] -> weight [D] * RMSNorm(x) over D, normalised in float32 (Qwen3's q/k norm)."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def rotate_half(x: Tensor) -> Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
@@ -147,6 +154,9 @@ class LlamaModel:
             q = qkv[:, :Hq * D].view(N, Hq, D)
             k = qkv[:, Hq * D:(Hq + Hkv) * D].view(N, Hkv, D)
             v = qkv[:, (Hq + Hkv) * D:].view(N, Hkv, D)
+            if p + "self_attn.q_norm.weight" in self.w:  # Qwen3: RMSNorm over each head before RoPE
+                q = head_rms_norm(q, self.w[p + "self_attn.q_norm.weight"], eps)
+                k = head_rms_norm(k, self.w[p + "self_attn.k_norm.weight"], eps)
             q, k = dispatch.rope(q, k, cos, sin)
             o = attend(i, q, k, v).reshape(N, Hq * D)
             h, x = dispatch.add_rms_norm(x, self._proj(o.to(x.dtype), p + "self_attn.o_proj"),
