@@ -262,10 +262,13 @@ def test_eval_quick_smoke_and_resume(capsys, tmp_path):
     assert len(cells) == 10 + 5 * 8 + 6  # fidelity: dense + 9 points; retrieval: 5 variants x 8; suite: 6
     dense = cells["fidelity/2048/dense"]
     assert dense["mass_mean"] == pytest.approx(1.0) and dense["out_err_mean"] < 1e-5 and dense["kl"] < 1e-9
-    from kvsieve.patterns import EMBEDDED_PATTERN, load_pattern, pattern_tag
+    from kvsieve.model.loader import resolve_model_dir
+    from kvsieve.patterns import pattern_for, pattern_tag
 
-    heads = f" heads={pattern_tag(load_pattern(EMBEDDED_PATTERN))}"  # the shipped pattern is the default
-    assert f"fidelity/2048/hybrid P=0.9{heads}" in cells
+    # the shipped pattern is the default, at each method's own validated ratio
+    heads, hybrid_heads = (f" heads={pattern_tag(pattern_for(m, None, resolve_model_dir(None), 30, 3))}"
+                           for m in ("lserve", "hybrid"))
+    assert heads != hybrid_heads and f"fidelity/2048/hybrid P=0.9{hybrid_heads}" in cells
     for label in ("tactic P=0.8", "tactic P=0.9", "tactic P=0.95", "quest 10%", f"lserve 10%{heads}", "streaming 10%"):
         c = cells[f"fidelity/2048/{label}"]
         assert 0 < c["kv_fraction"] < 0.6 and 0.3 < c["mass_mean"] < 1 and c["kl"] > 0, (label, c)
