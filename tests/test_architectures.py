@@ -91,3 +91,36 @@ def test_yarn_config_takes_its_scaled_positions():
     assert ModelConfig.from_hf({**d, "rope_scaling": yarn}).max_positions == 131072
     linear = {"type": "linear", "factor": 4.0}
     assert ModelConfig.from_hf({**d, "rope_scaling": linear}).max_positions == 32768
+
+
+def test_hub_id_resolves_through_the_hub_cache(tmp_path, monkeypatch, capsys):
+    """--model org/name (not a local path) is fetched from the Hugging Face Hub once (config,
+    safetensors, tokenizer); a failed fetch or a repo without safetensors is one clear error,
+    exit code 2 from the CLI."""
+    import huggingface_hub
+
+    from kvsieve.cli import main
+    from kvsieve.model.loader import HUB_FILES, resolve_model_dir
+
+    tiny_hf("qwen3", tmp_path / "snap")
+    calls = []
+
+    def fake(repo_id, allow_patterns=None, **kw):
+        calls.append((repo_id, allow_patterns))
+        if repo_id == "org/tiny":
+            return str(tmp_path / "snap")
+        if repo_id == "org/bin-only":
+            (tmp_path / "bin").mkdir(exist_ok=True)
+            (tmp_path / "bin" / "config.json").write_text("{}")
+            return str(tmp_path / "bin")
+        raise OSError("Repository Not Found for url: https://huggingface.co/api/models/" + repo_id)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    assert resolve_model_dir("org/tiny") == tmp_path / "snap" and calls[0] == ("org/tiny", HUB_FILES)
+    assert load_weights(resolve_model_dir("org/tiny")).cfg.model_type == "qwen3"
+    with pytest.raises(ValueError, match="has no config.json \\+ \\*.safetensors"):
+        resolve_model_dir("org/bin-only")
+    capsys.readouterr()
+    rc = main(["generate", "--model", "org/missing", "--prompt", "hi", "--max-new-tokens", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "fetching it from the Hugging Face Hub failed (OSError: Repository Not Found" in err
+    assert err.count("\n") == 1

@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -101,16 +102,42 @@ def is_hf_dir(p: Path) -> bool:
     return p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors"))
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.jinja", "merges.txt", "vocab.txt"]
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local snapshot of Hugging Face Hub model `repo_id` (config, safetensors weights,
+    tokenizer; downloaded once into the Hub cache, reused offline). Failure: one clear error."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        d = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except Exception as e:  # network, auth (gated models), unknown repo: the user needs one line
+        raise FileNotFoundError(f"model {repo_id!r} is not a local path, and fetching it from the Hugging Face Hub "
+                                f"failed ({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                                "check the name, the network and HF_TOKEN for gated models, or pass a local "
+                                "directory") from e
+    if not is_hf_dir(d):
+        raise ValueError(f"Hub model {repo_id!r} has no config.json + *.safetensors weights (kvsieve reads "
+                         "safetensors only); convert it or pass a local directory")
+    return d
+
+
 def resolve_model_dir(model: Optional[str]) -> Path:
-    """A safetensors directory for `model` (None = embedded default), converting GGUF once."""
+    """A safetensors directory for `model` (None = embedded default; a path, a .gguf file
+    converted once, a named model, or a Hugging Face Hub id fetched once)."""
     if model is None:
         return convert_gguf(embedded_gguf(), cache_root() / EMBEDDED_DIR)
     p = Path(model).expanduser()
     if not p.exists() and model in NAMED:
         return resolve_named(model)
+    if not p.exists() and HUB_ID.fullmatch(model):
+        return hub_snapshot(model)
     if not p.exists():
         raise FileNotFoundError(f"model path {model!r} does not exist; pass a Hugging Face model directory "
-                                f"(config.json + *.safetensors), a .gguf file or a named model ({', '.join(NAMED)})")
+                                f"(config.json + *.safetensors), a .gguf file, a Hub id (org/name) or a named "
+                                f"model ({', '.join(NAMED)})")
     if is_hf_dir(p):
         return p
     if p.is_file() and p.suffix.lower() == ".gguf":
