@@ -231,6 +231,23 @@ def test_sliding_window_layers_keep_their_window(arch, monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_cache_of_the_callers_own_decodes_densely_with_a_warning(tiny_llama):
+    """generate() given a plain DynamicCache: transformers' own tokens (SDPA), no KV read
+    counted, and one warning saying why and what to pass instead."""
+    from transformers.cache_utils import DynamicCache
+
+    model, enc = tiny_llama
+    ref = greedy(model, enc, 4)
+    state = khf.enable(model, "quest", dense_below=0, budget=16)
+    try:
+        with pytest.warns(UserWarning, match="not a kvsieve cache") as rec:
+            out = greedy(model, {**enc, khf.cache_kwarg(model): DynamicCache()}, 4)
+    finally:
+        khf.disable(model)
+    assert torch.equal(out, ref) and state.kv_read_steps == 0
+    assert sum("not a kvsieve cache" in str(w.message) for w in rec) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("method,opts", [("tactic", {"threshold": 0.3, "cluster_size": 8, "local": 8, "protect": 0}),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
@@ -52,6 +53,7 @@ class HFState:
     kv_read_sum: Any = 0.0  # a device scalar once a step ran: summed there, read only by kv_fraction
     kv_read_steps: int = 0
     attended_densely: int = 0
+    warned_foreign_cache: bool = False
     _host: Any = None  # (weak ref to the forward's mask, valid lengths on the device and as ints)
 
     @property
@@ -166,6 +168,11 @@ def kvsieve_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
     _active.layer = None
     if state is None or layer is None or getattr(layer, "keys", None) is not key:
         # not ours to handle (no kvsieve cache in use): plain SDPA
+        if state is not None and query.shape[2] == 1 and not state.warned_foreign_cache:
+            state.warned_foreign_cache = True
+            warnings.warn("kvsieve.hf: this decode step's cache is not a kvsieve cache (generate() was given "
+                          "its own past_key_values/cache, or cache_implementation), so it attends densely "
+                          "with SDPA; pass no cache, or kvsieve.hf.make_cache()", stacklevel=2)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
