@@ -58,7 +58,7 @@ class ModelConfig:
 
     The fields after `eos_token_ids` default to the Llama behaviour: no sliding window
     (every layer global), one RoPE base, 1/sqrt(head_dim) attention scaling, no softcapping,
-    SiLU gate. Gemma 3 sets them all; Mistral and Qwen2 configs may set the window."""
+    SiLU gate. Gemma 3 sets them all; Mistral, Qwen2 and Qwen3 configs may set the window."""
 
     model_type: str
     vocab_size: int
