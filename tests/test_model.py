@@ -150,6 +150,22 @@ def run_cli(capsys, *argv):
     return rc, out, err
 
 
+def test_compare_dense_reports_both_answers_and_speeds(capsys):
+    """--compare-dense: dense's answer (the same as --method dense gives), its own prefill and
+    decode speed measured on its run alone, and the token agreement."""
+    argv = ["generate", "--prompt", "Name three colors of the rainbow.", "--max-new-tokens", "6", "--json"]
+    rc, out, _ = run_cli(capsys, *argv, "--method", "streaming", "--sink", "2", "--local", "4", "--compare-dense")
+    rep = json.loads(out)
+    rc2, out2, _ = run_cli(capsys, *argv, "--method", "dense")
+    alone = json.loads(out2)
+    assert rc == rc2 == 0 and rep["dense"]["text"] == alone["text"]
+    assert rep["dense"]["decode_tokens_per_s"] > 0 and rep["dense"]["prefill_s"] > 0 and rep["dense"]["decode_s"] > 0
+    assert rep["decode_s"] != rep["dense"]["decode_s"]  # each run timed on its own
+    assert 0 <= rep["agreement"] <= 1 and (rep["agreement"] == 1.0) == (rep["text"] == alone["text"])
+    rc, _, err = run_cli(capsys, *argv[:-1], "--method", "streaming", "--compare-dense", "--no-progress")
+    assert rc == 0 and "--- dense on cpu float32: prefill" in err and "decode" in err
+
+
 def test_generate_json_contract(capsys):
     rc, out, _ = run_cli(capsys, "generate", "--prompt", "Name a color.", "--max-new-tokens", "3",
                          "--method", "quest", "--budget", "64", "--json")

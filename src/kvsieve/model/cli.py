@@ -118,9 +118,14 @@ def cmd_generate(args) -> int:
         "builtin_prompt": builtin,
     }
     if args.compare_dense:
+        before = (st.prefill_s, st.decode_s, st.decode_tokens)
         dense = run_requests(eng, tok, prompts, params, "dense", False)
+        st = eng.stats
+        d_prefill, d_decode, d_tokens = (a - b for a, b in zip((st.prefill_s, st.decode_s, st.decode_tokens), before))
         dtexts = [tok.decode(o.tokens, skip_special_tokens=True) for o in dense]
-        report["dense"] = {"text": dtexts[0] if len(dtexts) == 1 else dtexts}
+        report["dense"] = {"text": dtexts[0] if len(dtexts) == 1 else dtexts, "prefill_s": round(d_prefill, 4),
+                           "decode_s": round(d_decode, 4),
+                           "decode_tokens_per_s": round(d_tokens / d_decode, 3) if d_decode else 0.0}
         report["agreement"] = round(token_agreement([o.tokens for o in dense], [o.tokens for o in res]), 4)
     if args.json:
         print(json.dumps(report))
@@ -144,6 +149,10 @@ def cmd_generate(args) -> int:
     print(f"--- {args.method} ({attended} attention) on {device} {report['dtype']}: prompt {report['prompt_tokens']} "
           f"tokens, {gen} generated, KV read {frac:.1%}, prefill {st.prefill_s:.2f} s, "
           f"decode {report['decode_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+    if args.compare_dense:
+        d = report["dense"]
+        print(f"--- dense on {device} {report['dtype']}: prefill {d['prefill_s']:.2f} s, decode "
+              f"{d['decode_tokens_per_s']:.1f} tok/s", file=sys.stderr)
     return 0
 
 
