@@ -387,7 +387,7 @@ def test_score_is_teacher_forced_decoding(tiny_model, method, opts):
     ps = prompts(2, 90, 140, seed=4)
     conts = [torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(2)]
     seen = []
-    eng = LLMEngine(tiny_model, None, method, **opts)
+    eng = LLMEngine(tiny_model, None, method, paged=False, **opts)  # an observer needs the reference path
     lps, outs = eng.score(ps, conts, observe=lambda layer, q, *rest: seen.append((layer, q.shape[0])))
     cfg = tiny_model.cfg
     assert [lp.shape for lp in lps] == [(9, cfg.vocab_size)] * 2 and not eng.has_unfinished

@@ -4,7 +4,7 @@
     out = eng.generate([ids], SamplingParams(max_new_tokens=64))  # blocking, many requests
     for delta in eng.stream(ids, params): ...                     # token ids as they come
     rid = eng.add_request(ids, params); eng.step(); eng.abort(rid) # the serving loop
-    logprobs, outs = eng.score([ids], [continuation], observe=obs)  # teacher-forced (eval)
+    logprobs, outs = eng.score([ids], [continuation], observe=obs)  # teacher-forced (eval; observe: paged=False)
 
 Each step the scheduler picks decode rows and prefill chunks, the runner runs them, and
 the engine records tokens, timings and the KV fraction each request read.
@@ -279,7 +279,7 @@ class LLMEngine:
         the log-probabilities of the token after continuation[i], and its RequestOutput
         (kv_fraction). observe(layer, q [B, Hq, D], k, v [B, Hkv, S, D], selection,
         lengths [B], out [B, Hq, D]) sees every layer's attention: it needs the reference
-        path (an engine built with paged=False, the CPU default). Steps run eagerly; the
+        path (an engine built with paged=False). Steps run eagerly; the
         engine must have no other unfinished request."""
         if not prompts:
             raise ValueError("no prompt given; pass at least one prompt")

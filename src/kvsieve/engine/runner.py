@@ -44,8 +44,11 @@ INDEX_KEY_BYTES = 256 << 20
 class ModelRunner(BatchRows):
     """model: LlamaModel-like (cfg, dtype, device, forward(tokens, positions, attend), logits);
     methods: method key -> SparseMethod; num_pages x page_size tokens of KV pool.
-    paged: decode on the paged fast path (default: on CUDA); graphs: capture decode steps
-    (default: on CUDA with the paged path)."""
+    paged: decode on the paged fast path (default: whenever every method has a plan; on the
+    CPU it runs the kernels' torch twins, which beat the gather-and-mask reference path there
+    too: docs/engine.md);
+    paged=False is the reference path (attention observers need it). graphs: capture decode
+    steps (default: on CUDA with the paged path)."""
 
     def __init__(self, model, methods: Dict[str, SparseMethod], num_pages: int, page_size: int = 16,
                  prefill_chunk: int = 1024, paged: Optional[bool] = None, graphs: Optional[bool] = None):
@@ -56,7 +59,7 @@ class ModelRunner(BatchRows):
         plannable = all(m.supports_plan() for m in methods.values())
         if paged and not plannable:
             raise ValueError("a method with these options has no paged fast path; drop paged=True")
-        self.paged = plannable and (cuda if paged is None else paged)
+        self.paged = plannable and (True if paged is None else paged)
         self.graphs_on = self.paged and cuda and (True if graphs is None else graphs)
         # one spare page past the scheduler's: dead rows of a captured batch write and read it
         self.cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages + 1, page_size,

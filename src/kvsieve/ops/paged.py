@@ -51,8 +51,11 @@ def gather_tokens(pool: Tensor, block_table: Tensor, positions: Tensor, rows: bo
     page_size = pool.shape[2]
     B, Hkv, N = positions.shape
     pos = (positions if rows else to_pool_rows(block_table, positions, page_size)).long()
-    heads = torch.arange(Hkv, device=pool.device)[None, :, None].expand(B, Hkv, N)
-    return pool[pos // page_size, heads, pos % page_size]
+    heads = torch.arange(Hkv, device=pool.device)[None, :, None]
+    if pool.is_contiguous():  # one flat row gather: several times faster than 3-index indexing on the CPU
+        flat = ((pos // page_size) * Hkv + heads) * page_size + pos % page_size
+        return pool.view(-1, pool.shape[-1]).index_select(0, flat.view(-1)).view(B, Hkv, N, -1)
+    return pool[pos // page_size, heads.expand(B, Hkv, N), pos % page_size]
 
 
 def plan_positions(indices: Optional[Tensor], counts: Tensor, cap: int) -> Tuple[Tensor, Tensor]:
