@@ -45,10 +45,9 @@ class ModelRunner(BatchRows):
     """model: LlamaModel-like (cfg, dtype, device, forward(tokens, positions, attend), logits);
     methods: method key -> SparseMethod; num_pages x page_size tokens of KV pool.
     paged: decode on the paged fast path (default: whenever every method has a plan; on the
-    CPU it runs the kernels' torch twins, which beat the gather-and-mask reference path there
-    too: docs/engine.md);
-    paged=False is the reference path (attention observers need it). graphs: capture decode
-    steps (default: on CUDA with the paged path)."""
+    CPU with the kernels' torch twins, faster there too: docs/engine.md); paged=False is the
+    reference path, which attention observers need. graphs: capture decode steps (default:
+    on CUDA with the paged path)."""
 
     def __init__(self, model, methods: Dict[str, SparseMethod], num_pages: int, page_size: int = 16,
                  prefill_chunk: int = 1024, paged: Optional[bool] = None, graphs: Optional[bool] = None):

@@ -120,8 +120,8 @@ def cmd_generate(args) -> int:
     if args.compare_dense:
         before = (st.prefill_s, st.decode_s, st.decode_tokens)
         dense = run_requests(eng, tok, prompts, params, "dense", False)
-        st = eng.stats
-        d_prefill, d_decode, d_tokens = (a - b for a, b in zip((st.prefill_s, st.decode_s, st.decode_tokens), before))
+        after = (eng.stats.prefill_s, eng.stats.decode_s, eng.stats.decode_tokens)  # eng.stats accumulates
+        d_prefill, d_decode, d_tokens = (a - b for a, b in zip(after, before))
         dtexts = [tok.decode(o.tokens, skip_special_tokens=True) for o in dense]
         report["dense"] = {"text": dtexts[0] if len(dtexts) == 1 else dtexts, "prefill_s": round(d_prefill, 4),
                            "decode_s": round(d_decode, 4),
@@ -147,7 +147,7 @@ def cmd_generate(args) -> int:
               f"to force {args.method}", file=sys.stderr)
     attended = ", ".join(sorted(set(report["attended"])))
     print(f"--- {args.method} ({attended} attention) on {device} {report['dtype']}: prompt {report['prompt_tokens']} "
-          f"tokens, {gen} generated, KV read {frac:.1%}, prefill {st.prefill_s:.2f} s, "
+          f"tokens, {gen} generated, KV read {frac:.1%}, prefill {report['prefill_s']:.2f} s, "
           f"decode {report['decode_tokens_per_s']:.1f} tok/s", file=sys.stderr)
     if args.compare_dense:
         d = report["dense"]
