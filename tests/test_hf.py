@@ -111,6 +111,20 @@ def tiny_llama():
     return model, {"input_ids": ids, "attention_mask": mask}
 
 
+def twin_and_kernel_runs(model, enc, method, opts, monkeypatch):
+    """Greedy 4 tokens forced through `method` with the torch twins, then with the kernels:
+    per run (tokens, kv_fraction, kv_read_steps, attended_densely)."""
+    runs = []
+    for kernels in ("reference", "auto"):
+        monkeypatch.setenv("KVSIEVE_KERNELS", kernels)
+        state = khf.enable(model, method, dense_below=0, **opts)
+        try:
+            runs.append((greedy(model, enc, 4), state.kv_fraction, state.kv_read_steps, state.attended_densely))
+        finally:
+            khf.disable(model)
+    return runs
+
+
 @pytest.mark.parametrize("method,opts", [("tactic", {"threshold": 0.3, "cluster_size": 8, "local": 8, "protect": 0}),
                                          ("quest", {"budget": 32})])
 def test_decode_through_the_kernels_equals_the_torch_twins(tiny_llama, method, opts, monkeypatch):
@@ -118,15 +132,7 @@ def test_decode_through_the_kernels_equals_the_torch_twins(tiny_llama, method, o
     viewed as one-token pages (left padding through the page table): the Triton kernels
     (interpreter on the CPU) give the tokens and KV read of the torch twins, sparsely."""
     model, enc = tiny_llama
-    runs = []
-    for kernels in ("reference", "auto"):
-        monkeypatch.setenv("KVSIEVE_KERNELS", kernels)
-        state = khf.enable(model, method, dense_below=0, **opts)
-        try:
-            runs.append((greedy(model, enc, 4), state.kv_fraction, state.kv_read_steps))
-        finally:
-            khf.disable(model)
-    (ref, ref_read, steps), (got, got_read, _) = runs
+    (ref, ref_read, steps, _), (got, got_read, _, _) = twin_and_kernel_runs(model, enc, method, opts, monkeypatch)
     assert steps == 3 * 2  # 3 decode steps x 2 layers went through the method
     assert torch.equal(got, ref)
     assert got_read == pytest.approx(ref_read, abs=1e-9) and ref_read < 0.95
@@ -264,15 +270,8 @@ def test_cuda_decode_through_the_kernels_matches_the_twins(tiny_llama, method, o
     model, enc = tiny_llama
     model = copy.deepcopy(model).to("cuda", dtype)
     enc = {k: v.cuda() for k, v in enc.items()}
-    runs = []
-    for kernels in ("reference", "auto"):
-        monkeypatch.setenv("KVSIEVE_KERNELS", kernels)
-        state = khf.enable(model, method, dense_below=0, **opts)
-        try:
-            runs.append((greedy(model, enc, 4), state.kv_fraction, state.attended_densely))
-        finally:
-            khf.disable(model)
-    (ref, ref_read, dense_ref), (got, got_read, dense_got) = runs
+    (ref, ref_read, _, dense_ref), (got, got_read, _, dense_got) = twin_and_kernel_runs(model, enc, method, opts,
+                                                                                       monkeypatch)
     assert dense_ref == dense_got == 0
     assert torch.equal(got, ref)
     assert got_read == pytest.approx(ref_read, abs=1e-6) and ref_read < 0.95
