@@ -8,7 +8,7 @@ in `index[layer]`. There is exactly one copy of K and V; `view()` materialises a
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -65,29 +65,34 @@ class PagedKVCache:
         return sum(len(t) for t in self.tables.values()) * self.page_bytes
 
     # ---------------------------------------------------------------- data
-    def _slots(self, req: int, start: int, n: int):
-        pos = torch.arange(start, start + n)
-        table = torch.tensor(self.tables[req], dtype=torch.long)
+    def slots(self, req: int, start: int, n: int) -> Tuple[Tensor, Tensor]:
+        """(pages, slots): long tensors [n] on the pool's device locating tokens [start, start + n)
+        of request `req`. One host-to-device copy (the page table); a caller touching the same
+        tokens in every layer computes them once and passes them as `at=` (a copy per layer
+        would wait on the GPU each time)."""
+        dev = self.k.device
+        pos = torch.arange(start, start + n, device=dev)
+        table = torch.tensor(self.tables[req], dtype=torch.long, device=dev)
         return table[pos // self.page_size], pos % self.page_size
 
-    def write(self, layer: int, req: int, start: int, k: Tensor, v: Tensor) -> None:
-        """k, v: [Hkv, T, D] for tokens [start, start + T) of request `req` (already reserved)."""
+    def write(self, layer: int, req: int, start: int, k: Tensor, v: Tensor,
+              at: Optional[Tuple[Tensor, Tensor]] = None) -> None:
+        """k, v: [Hkv, T, D] for tokens [start, start + T) of request `req` (already reserved);
+        at: their slots(req, start, T), if the caller has them."""
         T = k.shape[1]
         if start + T > len(self.tables.get(req, [])) * self.page_size:
             raise CacheFullError(f"request {req}: writing tokens up to {start + T} without reserving them")
-        pages, slots = self._slots(req, start, T)
-        dev = self.k.device
-        self.k[layer, pages.to(dev), :, slots.to(dev)] = k.transpose(0, 1).to(self.k.dtype)
-        self.v[layer, pages.to(dev), :, slots.to(dev)] = v.transpose(0, 1).to(self.v.dtype)
+        pages, slots = self.slots(req, start, T) if at is None else at
+        self.k[layer, pages, :, slots] = k.transpose(0, 1).to(self.k.dtype)
+        self.v[layer, pages, :, slots] = v.transpose(0, 1).to(self.v.dtype)
         if layer == self.num_layers - 1:
             self.lengths[req] = max(self.lengths[req], start + T)
 
-    def read(self, layer: int, req: int, length: int):
-        """k, v: [Hkv, length, D] of one request (a gather, not a view)."""
-        pages, slots = self._slots(req, 0, length)
-        dev = self.k.device
-        k = self.k[layer, pages.to(dev), :, slots.to(dev)].transpose(0, 1)
-        v = self.v[layer, pages.to(dev), :, slots.to(dev)].transpose(0, 1)
+    def read(self, layer: int, req: int, length: int, at: Optional[Tuple[Tensor, Tensor]] = None):
+        """k, v: [Hkv, length, D] of one request (a gather, not a view); at: slots(req, 0, length)."""
+        pages, slots = self.slots(req, 0, length) if at is None else at
+        k = self.k[layer, pages, :, slots].transpose(0, 1)
+        v = self.v[layer, pages, :, slots].transpose(0, 1)
         return k, v
 
     def view(self, layer: int, reqs: List[int], lengths: List[int]):

@@ -105,12 +105,13 @@ class ModelRunner(BatchRows):
         windows = self._prefill_windows(req.method_key)
         ids = torch.tensor(req.token_slice(start, end), device=dev)
         pos = torch.arange(start, end, device=dev)
+        pages, slots = cache.slots(req.id, 0, end)  # once for every layer
 
         def attend_prefill(layer, q, k, v):
             kk, vv = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, T, D]
-            cache.write(layer, req.id, start, kk, vv)
+            cache.write(layer, req.id, start, kk, vv, at=(pages[start:], slots[start:]))
             if start > 0:  # earlier chunks are in the cache: gather the request's keys
-                kk, vv = cache.read(layer, req.id, end)  # [Hkv, end, D]
+                kk, vv = cache.read(layer, req.id, end, at=(pages, slots))  # [Hkv, end, D]
             win = windows[layer]
             # a chunk ending within sink + local of the start is causal on every head: SDPA's kernels
             if win is not None and end > win[1] + win[2]:
@@ -142,11 +143,11 @@ class ModelRunner(BatchRows):
         n = torch.tensor([length], device=self.model.device)
         cfg = self.model.cfg
         per_call = max(1, INDEX_KEY_BYTES // max(1, length * cfg.num_kv_heads * cfg.head_dim * self.cache.k.itemsize))
-        states = []
+        states, at = [], self.cache.slots(req.id, 0, length)
         for first in range(0, cfg.num_layers, per_call):
             layers = list(range(first, min(first + per_call, cfg.num_layers)))
-            states += method.prepare_layers([self.cache.read(layer, req.id, length)[0][None] for layer in layers], n,
-                                            layers)
+            states += method.prepare_layers([self.cache.read(layer, req.id, length, at)[0][None] for layer in layers],
+                                            n, layers)
         self.pending[req.id] = states
 
     def sample_one(self, logits: Tensor, req: Request, position: int) -> int:
