@@ -86,7 +86,7 @@ class LLMEngine:
 
     def __init__(self, model, tokenizer=None, method: str = "dense", kv_pages: Optional[int] = None,
                  page_size: int = 16, max_num_seqs: int = 64, step_tokens: int = 2048, max_waiting: Optional[int] = None,
-                 dense_below: Optional[int] = None, prefill_chunk: int = 1024, paged: Optional[bool] = None,
+                 dense_below: Optional[int] = None, prefill_chunk: Optional[int] = None, paged: Optional[bool] = None,
                  graphs: Optional[bool] = None, gpu_memory_fraction: float = 0.9, **method_options):
         self.model, self.tokenizer = model, tokenizer
         cfg = model.cfg
@@ -105,7 +105,7 @@ class LLMEngine:
             kv_pages = self._default_pages(page_size, max_num_seqs, gpu_memory_fraction)
         if kv_pages < 1:
             raise ValueError(f"kv_pages must be >= 1, got {kv_pages}")
-        self.runner = ModelRunner(model, methods, kv_pages, page_size, prefill_chunk, paged, graphs)
+        self.runner = ModelRunner(model, methods, kv_pages, page_size, prefill_chunk or step_tokens, paged, graphs)
         self.scheduler = Scheduler(kv_pages, page_size, max_num_seqs, step_tokens, cfg.max_positions, max_waiting)
         self.eos = tuple(cfg.eos_token_ids)
         self.stats = EngineStats()
