@@ -45,6 +45,38 @@ def test_continuous_batching_equals_each_request_alone(tiny_model, method, opts,
     assert eng.scheduler.used_pages == 0
 
 
+@pytest.mark.parametrize("method,opts", METHODS)
+@pytest.mark.parametrize("chunk", [None, 40])
+def test_one_forward_prefills_the_chunks_of_several_requests(tiny_model, method, opts, chunk):
+    """Prompts of 1, 54 and 97 tokens arriving together share prefill forwards (one, under
+    a step budget that holds them all; pieces of at most 40 tokens with prefill_chunk=40),
+    and each request's first-token logits are those of its prompt prefilled alone."""
+    ps = [prompts(1, lo=n, hi=n + 1, seed=n)[0] for n in (1, 54, 97)]
+
+    def first_logits(eng, batch):
+        got, forwards = {}, []
+        prefill, forward = eng.runner.prefill, eng.runner._prefill_forward
+
+        def spy(chunks):
+            out = prefill(chunks)
+            got.update({req.id: lg for (req, _, _), lg in zip(chunks, out) if lg is not None})
+            return out
+
+        eng.runner.prefill = spy
+        eng.runner._prefill_forward = lambda pieces: forwards.append([b - a for _, a, b in pieces]) or forward(pieces)
+        ids = [eng.add_request(p, SamplingParams(max_new_tokens=2, ignore_eos=True)) for p in batch]
+        while eng.has_unfinished:
+            eng.step()
+        return [got[i] for i in ids], forwards
+
+    eng = LLMEngine(tiny_model, None, method, step_tokens=256, prefill_chunk=chunk, **opts)
+    together, forwards = first_logits(eng, ps)
+    assert forwards == ([[1, 54, 97]] if chunk is None else [[1], [40], [14], [40], [40], [17]])
+    for p, lg in zip(ps, together):
+        want, _ = first_logits(LLMEngine(tiny_model, None, method, step_tokens=256, **opts), [p])
+        assert (lg - want[0]).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("method,opts", METHODS[:3])
 def test_dead_rows_change_nothing(tiny_model, method, opts):
     """Requests finishing at different steps leave dead rows in the batch (as under CUDA

@@ -214,8 +214,7 @@ class LLMEngine:
                 produced[req.id] = req
         if plan.chunks:
             t0 = time.perf_counter()
-            for req, start, end in plan.chunks:
-                logits = self.runner.prefill(req, start, end)
+            for (req, start, end), logits in zip(plan.chunks, self.runner.prefill(plan.chunks)):
                 self.scheduler.prefilled(req, end)
                 self.stats.prefill_tokens += end - start
                 if logits is not None and not req.output:

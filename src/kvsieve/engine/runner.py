@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from .. import dispatch
@@ -35,6 +36,11 @@ from .scheduler import Request
 # observe(layer, q [B, Hq, D], k, v [B, Hkv, S, D], selection, lengths [B], out [B, Hq, D])
 AttentionObserver = Callable[..., None]
 
+
+# prefill's SDPA backends: not cuDNN, which builds an execution plan for every new prompt
+# length (64 chat prompts of 64-512 tokens on an H100: 4.4 s of prefill with it, 1.3 s
+# without; its kernel saves under 1 ms of a 4K prompt: docs/engine.md)
+PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # keys gathered for one prepare_layers call (several layers' indexes built in one go: a
 # per-layer call is host-bound below ~32K tokens, 11 ms wall for 4 ms of device time at 20K)
@@ -85,46 +91,77 @@ class ModelRunner(BatchRows):
         self._step_logprobs: Optional[Tensor] = None
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, req: Request, start: int, end: int) -> Optional[Tensor]:
-        """Run tokens [start, end) of req through the model into the cache. When the cache
-        then holds the whole prefill target, index it for the request's method and return
-        the last position's logits [vocab] (float32); else None."""
-        self.cache.tables[req.id] = req.pages
-        self.cache.lengths.setdefault(req.id, 0)
-        h = None
-        for a in range(start, end, self.prefill_chunk):
-            h = self._prefill_chunk(req, a, min(end, a + self.prefill_chunk))
-        if end < req.prefill_target:
-            return None
-        self.index_request(req, end)
-        return self.model.logits(h[-1:])[0]
+    def prefill(self, chunks: List[Tuple[Request, int, int]]) -> List[Optional[Tensor]]:
+        """Run a step's prompt chunks (request, start, end) into the cache: the chunks of
+        several requests share one forward of at most prefill_chunk tokens (a longer chunk is
+        cut into pieces, run in order). A request whose cache then holds its whole prefill
+        target is indexed for its method. Returns per chunk the logits [vocab] (float32) of
+        its last position when the request's prefill is complete, else None."""
+        for req, _, _ in chunks:
+            self.cache.tables[req.id] = req.pages
+            self.cache.lengths.setdefault(req.id, 0)
+        pieces = [(req, a, min(end, a + self.prefill_chunk))
+                  for req, start, end in chunks for a in range(start, end, self.prefill_chunk)]
+        last: Dict[int, Tensor] = {}  # request id -> hidden state [hidden] of its latest token
+        group: List[Tuple[Request, int, int]] = []
+        with sdpa_kernel(PREFILL_SDPA):
+            for i, piece in enumerate(pieces):
+                group.append(piece)
+                if i + 1 == len(pieces) or sum(b - a for _, a, b in group) + pieces[i + 1][2] - pieces[i + 1][1] \
+                        > self.prefill_chunk:
+                    h, off = self._prefill_forward(group), 0
+                    for req, a, b in group:
+                        off += b - a
+                        last[req.id] = h[off - 1]
+                    group = []
+        out: List[Optional[Tensor]] = []
+        for req, _, end in chunks:
+            if end < req.prefill_target:
+                out.append(None)
+                continue
+            self.index_request(req, end)
+            out.append(self.model.logits(last[req.id][None])[0])
+        return out
 
-    def _prefill_chunk(self, req: Request, start: int, end: int) -> Tensor:
-        """One forward over tokens [start, end) of req; returns their hidden states [T, hidden]."""
+    def _prefill_forward(self, pieces: List[Tuple[Request, int, int]]) -> Tensor:
+        """One forward over the tokens of pieces [(request, start, end)], concatenated in
+        order; attention runs per piece over its own request's cache. Returns the hidden
+        states [sum of piece lengths, hidden]."""
         dev, cache = self.model.device, self.cache
-        windows = self._prefill_windows(req.method_key)
-        ids = torch.tensor(req.token_slice(start, end), device=dev)
-        pos = torch.arange(start, end, device=dev)
-        pages, slots = cache.slots(req.id, 0, end)  # once for every layer
+        ids = torch.tensor([t for req, a, b in pieces for t in req.token_slice(a, b)], device=dev)
+        pos = torch.cat([torch.arange(a, b, device=dev) for _, a, b in pieces])
+        segments, off = [], 0
+        for req, a, b in pieces:  # each piece's cache slots, once for every layer
+            segments.append((req.id, a, b, off, cache.slots(req.id, 0, b), self._prefill_windows(req.method_key)))
+            off += b - a
 
         def attend_prefill(layer, q, k, v):
-            kk, vv = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, T, D]
-            cache.write(layer, req.id, start, kk, vv, at=(pages[start:], slots[start:]))
-            if start > 0:  # earlier chunks are in the cache: gather the request's keys
-                kk, vv = cache.read(layer, req.id, end, at=(pages, slots))  # [Hkv, end, D]
-            win = windows[layer]
-            # a chunk ending within sink + local of the start is causal on every head: SDPA's kernels
-            if win is not None and end > win[1] + win[2]:
-                return dispatch.block_sparse_prefill(q, kk, vv, win[0], win[1], win[2])
-            qq = q.transpose(0, 1)[None]
-            if start == 0:  # square causal: SDPA's flash / cuDNN kernels on the GPU
-                o = F.scaled_dot_product_attention(qq, kk[None], vv[None], is_causal=True, enable_gqa=True)
-            else:  # a later chunk: causal aligned to the bottom right (no materialised mask)
-                o = F.scaled_dot_product_attention(qq, kk[None], vv[None], attn_mask=causal_lower_right(end - start, end),
-                                                   enable_gqa=True)
-            return o[0].transpose(0, 1)
+            outs = [self._attend_piece(layer, rid, a, b, where, windows[layer], q[o:o + b - a], k[o:o + b - a],
+                                       v[o:o + b - a]) for rid, a, b, o, where, windows in segments]
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
 
         return self.model.forward(ids, pos, attend_prefill)
+
+    def _attend_piece(self, layer: int, rid: int, start: int, end: int, where: Tuple[Tensor, Tensor], win,
+                      q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Tokens [start, end) of request rid at one layer: q [T, Hq, D], k, v [T, Hkv, D] ->
+        attention output [T, Hq, D], after writing k, v to the cache (where: the request's
+        cache slots of tokens [0, end)); win: None (causal) or (streaming flags, sink, local)."""
+        cache, (pages, slots) = self.cache, where
+        kk, vv = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, T, D]
+        cache.write(layer, rid, start, kk, vv, at=(pages[start:], slots[start:]))
+        if start > 0:  # earlier chunks are in the cache: gather the request's keys
+            kk, vv = cache.read(layer, rid, end, at=where)  # [Hkv, end, D]
+        # a chunk ending within sink + local of the start is causal on every head: SDPA's kernels
+        if win is not None and end > win[1] + win[2]:
+            return dispatch.block_sparse_prefill(q, kk, vv, win[0], win[1], win[2])
+        qq = q.transpose(0, 1)[None]
+        if start == 0:  # square causal: SDPA's flash / cuDNN kernels on the GPU
+            o = F.scaled_dot_product_attention(qq, kk[None], vv[None], is_causal=True, enable_gqa=True)
+        else:  # a later chunk: causal aligned to the bottom right (no materialised mask)
+            o = F.scaled_dot_product_attention(qq, kk[None], vv[None], attn_mask=causal_lower_right(end - start, end),
+                                               enable_gqa=True)
+        return o[0].transpose(0, 1)
 
     def _prefill_windows(self, key: str) -> list:
         """Per layer: None (dense causal) or (streaming flags on the device, sink, local)."""
