@@ -7,7 +7,7 @@ For each method, prompt length and (prefill_chunk, step_tokens) setting: a fresh
 warmed up, runs one request to its first token; the wall time (TTFT) is timed three times
 and the third run is profiled (torch profiler): device time per kernel and in total, so
 wall minus device time is host time and launch gaps. --host adds a cProfile of the host
-functions. --concurrent N instead profiles the host over N requests of 1K-7.5K tokens submitted
+functions. --concurrent N instead profiles the host over N requests of 1K-7.5K tokens (--prompt-range) submitted
 together (as scripts/gpu_engine.py's concurrent part; 32 new tokens each): wall, the engine's
 prefill and decode seconds, and the host functions by own time.
 Writes OUT/engine-prefill.json and prints one line per case.
@@ -69,11 +69,11 @@ def host(run, top=20):
     return sorted(rows, key=lambda r: -r["own_ms"])[:top]
 
 
-def concurrent(model, tok, base, method, n):
+def concurrent(model, tok, base, method, n, lo=1024, hi=7500):
     import random
 
     rng = random.Random(0)
-    prompts = [base[-rng.randint(1024, 7500):] for _ in range(n)]
+    prompts = [base[-rng.randint(lo, hi):] for _ in range(n)]
     eng = LLMEngine(model, tok, method, max_num_seqs=n, dense_below=0)
     eng.warmup([m for m in eng.warmup_lengths() if m < 2 * max(map(len, prompts))])
     params = SamplingParams(32, ignore_eos=True)
@@ -86,7 +86,10 @@ def concurrent(model, tok, base, method, n):
     r = {"method": method, "requests": n, "wall_s": round(wall, 3), "prefill_s": round(st.prefill_s, 3),
          "decode_s": round(st.decode_s, 3), "decode_steps": st.decode_steps, "prefill_tokens": st.prefill_tokens}
     print(json.dumps(r), flush=True)
+    t0 = time.perf_counter()
     r["host"] = host(lambda: eng.generate(prompts, params), top=30)
+    r["profiled_wall_s"] = round(time.perf_counter() - t0, 3)
+    print("    profiled run", r["profiled_wall_s"], "s", flush=True)
     for h in r["host"][:14]:
         print("    ", h, flush=True)
     return r
@@ -103,14 +106,19 @@ def main() -> int:
     ap.add_argument("--host", action="store_true")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--concurrent", type=int, default=0)
+    ap.add_argument("--no-cudnn", action="store_true", help="turn SDPA's cuDNN backend off for the whole run")
+    ap.add_argument("--prompt-range", default="1024,7500", help="--concurrent: prompt lengths drawn from LO,HI")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.no_cudnn:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     model, tok, _ = load_model(args.model, dtype=torch.bfloat16 if args.device == "cuda" else torch.float32,
                               device=args.device)
     doc, _, _ = document_prompt(lambda s: len(tok.encode(s, add_special_tokens=False)),
                                 max(int(x) for x in args.lengths.split(",")))
     base = tok.encode(doc + DEFAULT_QUESTION)
-    rows = [] if not args.concurrent else [concurrent(model, tok, base, method, args.concurrent)
+    lo, hi = (int(x) for x in args.prompt_range.split(","))
+    rows = [] if not args.concurrent else [concurrent(model, tok, base, method, args.concurrent, lo, hi)
                                            for method in args.methods.split(",")]
     for method in ([] if args.concurrent else args.methods.split(",")):
         for chunk in (int(x) for x in args.chunks.split(",")):

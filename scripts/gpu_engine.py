@@ -9,6 +9,8 @@ single:     the built-in ~4K-token prompt at batch 1, every method, tokens/s thr
 crossover:  batch 1 at several prompt lengths with dense_below=0 (sparse forced on);
 concurrent: 32 requests of mixed lengths (1K-7.5K) submitted together: aggregate tokens/s,
             time to first token and time per output token, p50/p99.
+chat:       64 short requests (64-512 tokens, 64 new tokens each) submitted together, dense (a
+            chat server's load: prefill is many small prompts).
 e2e8b:      the Llama-3.1-8B shape (random weights) at batch 1-8, 8K-128K, steady-state decode.
 cb8b, cb64: continuous batching on that shape: 24 requests of 8K-32K (32 new tokens) and
             64 requests of 8K-64K (64 new tokens), submitted together; dense, tactic, lserve.
@@ -141,6 +143,16 @@ def concurrent(model, tok, log, n=32, new_tokens=128):
         del eng
         gc.collect()
     return rows
+
+
+def chat(model, tok, log, n=64, new_tokens=64):
+    rng = random.Random(1)
+    base = doc_ids(tok, 2000)
+    prompts = [base[-rng.randint(64, 512):] for _ in range(n)]
+    eng = LLMEngine(model, tok, "dense", max_num_seqs=n)
+    row = {"method": "dense", **run_batch(eng, prompts, new_tokens)}
+    log(row)
+    return [row]
 
 
 def check(model, tok, log):
