@@ -77,6 +77,19 @@ def test_one_forward_prefills_the_chunks_of_several_requests(tiny_model, method,
         assert (lg - want[0]).abs().max() < 1e-4
 
 
+def test_dense_prefill_reads_no_keys_back_for_its_index(tiny_model, monkeypatch):
+    """A dense request's index is the KV head count: its prefill writes the cache and gathers
+    nothing back (a one-chunk prompt); quest's index reads every layer's keys."""
+    reads = []
+    for method, want in (("dense", 0), ("quest", 2)):
+        eng = LLMEngine(tiny_model, None, method, step_tokens=256)
+        read = eng.runner.cache.read
+        monkeypatch.setattr(eng.runner.cache, "read", lambda *a, **kw: reads.append(a[0]) or read(*a, **kw))
+        eng.generate([prompts(1, lo=97, hi=98)[0]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+        assert len(reads) == want, method
+        reads.clear()
+
+
 @pytest.mark.parametrize("method,opts", METHODS[:3])
 def test_dead_rows_change_nothing(tiny_model, method, opts):
     """Requests finishing at different steps leave dead rows in the batch (as under CUDA

@@ -281,3 +281,18 @@ def test_default_cluster_size_reaches_the_paper_size_at_128k():
         cs, w = m.cluster_size_for(n), 16384
         windows = [min(w, n - i) for i in range(0, n, w)]
         assert sum(-(-lw // cs) for lw in windows) <= 4096, n
+
+
+@pytest.mark.parametrize("name", ["dense", "streaming", "quest", "tactic", "lserve"])
+def test_a_method_that_reads_no_keys_at_prepare_builds_the_same_index_from_an_empty_tensor(name):
+    """prepare_reads_keys=False lets the engine skip gathering a prompt's keys; it must hold:
+    the index from an empty [1, Hkv, 0, D] tensor equals the one from the real keys."""
+    from kvsieve.methods import METHOD_NAMES
+
+    assert name in METHOD_NAMES
+    m = make_method(name)
+    k = torch.randn(1, 3, 54, 64)
+    n = torch.tensor([54])
+    real = m.prepare_layers([k, k], n, [0, 1])
+    empty = m.prepare_layers([k.new_empty(1, 3, 0, 64)] * 2, n, [0, 1]) if not m.prepare_reads_keys else None
+    assert (empty == real) == (not m.prepare_reads_keys)

@@ -179,6 +179,10 @@ class ModelRunner(BatchRows):
         method = self.methods[req.method_key]
         n = torch.tensor([length], device=self.model.device)
         cfg = self.model.cfg
+        if not method.prepare_reads_keys:  # an index of the head count: no gather of the prompt's keys
+            empty = self.cache.k.new_empty(1, cfg.num_kv_heads, 0, cfg.head_dim)
+            self.pending[req.id] = method.prepare_layers([empty] * cfg.num_layers, n, list(range(cfg.num_layers)))
+            return
         per_call = max(1, INDEX_KEY_BYTES // max(1, length * cfg.num_kv_heads * cfg.head_dim * self.cache.k.itemsize))
         states, at = [], self.cache.slots(req.id, 0, length)
         for first in range(0, cfg.num_layers, per_call):

@@ -74,6 +74,9 @@ class SparseMethod:
     # generated tokens before the index's build cost is repaid by cheaper decode steps; on
     # CUDA the engine attends densely for a request that asks for fewer (0: nothing to repay)
     index_payback_tokens: ClassVar[int] = 0
+    # prepare() reads the keys' values; False: only their shape (the KV head count), so the
+    # engine hands it an empty [1, Hkv, 0, D] tensor instead of gathering the prompt's keys
+    prepare_reads_keys: ClassVar[bool] = True
 
     def prepare(self, k: Tensor, lengths: Tensor, layer: int = 0) -> Optional[Any]:
         """Build the per-layer index from keys k [B, Hkv, S, D] (valid: first lengths[b])."""

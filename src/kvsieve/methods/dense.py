@@ -15,6 +15,7 @@ class Dense(SparseMethod):
     config: DenseConfig = DenseConfig()
     name = "dense"
     layer_independent_plan = True
+    prepare_reads_keys = False
 
     def select(self, q, k, lengths, state):
         return Selection(all_valid(k, lengths))

@@ -17,6 +17,7 @@ class Streaming(SparseMethod):
     config: StreamingConfig = StreamingConfig()
     name = "streaming"
     layer_independent_plan = True
+    prepare_reads_keys = False
 
     def select(self, q, k, lengths, state):
         B, H, S, _ = k.shape
