@@ -20,7 +20,16 @@ def test_write_read_roundtrip_at_awkward_lengths():
     for req, (k, v) in data.items():
         rk, rv = c.read(1, req, k.shape[1])
         assert torch.equal(rk, k) and torch.equal(rv, v)
-    kk, vv = c.view(0, [2, 0], [97, 1])
+        # the layout the paged kernels read: token t in page table[t // 16], slot t % 16
+        table = c.tables[req]
+        for t in range(k.shape[1]):
+            assert torch.equal(c.k[1, table[t // 16], :, t % 16], k[:, t]) and torch.equal(c.v[0, table[t // 16], :, t % 16], v[:, t])
+        # rows computed once and passed as at= read and write the same places
+        at = c.rows(req, 0, k.shape[1])
+        assert torch.equal(c.read(0, req, k.shape[1], at=at)[0], k)
+        c.write(0, req, 5 % k.shape[1], k[:, 5 % k.shape[1]:] * 2, v[:, 5 % k.shape[1]:], at=at[:, 5 % k.shape[1]:])
+        assert torch.equal(c.read(0, req, k.shape[1])[0][:, 5 % k.shape[1]:], 2 * k[:, 5 % k.shape[1]:])
+    kk, vv = c.view(1, [2, 0], [97, 1])
     assert torch.equal(kk[0], data[2][0]) and torch.equal(kk[1, :, :1], data[0][0]) and (kk[1, :, 1:] == 0).all()
 
 

@@ -8,7 +8,7 @@ in `index[layer]`. There is exactly one copy of K and V; `view()` materialises a
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -65,34 +65,36 @@ class PagedKVCache:
         return sum(len(t) for t in self.tables.values()) * self.page_bytes
 
     # ---------------------------------------------------------------- data
-    def slots(self, req: int, start: int, n: int) -> Tuple[Tensor, Tensor]:
-        """(pages, slots): long tensors [n] on the pool's device locating tokens [start, start + n)
-        of request `req`. One host-to-device copy (the page table); a caller touching the same
-        tokens in every layer computes them once and passes them as `at=` (a copy per layer
-        would wait on the GPU each time)."""
-        dev = self.k.device
+    def rows(self, req: int, start: int, n: int) -> Tensor:
+        """Rows [Hkv, n] (long, on the pool's device) of tokens [start, start + n) of request
+        `req` in one layer's pool viewed as [pages * Hkv * page_size, D]. One host-to-device
+        copy (the page table): a caller touching the same tokens in every layer computes them
+        once and passes them as `at=` (a copy per layer would wait on the GPU each time)."""
+        dev, Hkv, ps = self.k.device, self.k.shape[2], self.page_size
         pos = torch.arange(start, start + n, device=dev)
         table = torch.tensor(self.tables[req], dtype=torch.long, device=dev)
-        return table[pos // self.page_size], pos % self.page_size
+        heads = torch.arange(Hkv, device=dev)[:, None]
+        return (table[pos // ps][None, :] * Hkv + heads) * ps + (pos % ps)[None, :]
 
-    def write(self, layer: int, req: int, start: int, k: Tensor, v: Tensor,
-              at: Optional[Tuple[Tensor, Tensor]] = None) -> None:
+    def write(self, layer: int, req: int, start: int, k: Tensor, v: Tensor, at: Optional[Tensor] = None) -> None:
         """k, v: [Hkv, T, D] for tokens [start, start + T) of request `req` (already reserved);
-        at: their slots(req, start, T), if the caller has them."""
-        T = k.shape[1]
+        at: their rows(req, start, T), if the caller has them."""
+        T, D = k.shape[1], k.shape[2]
         if start + T > len(self.tables.get(req, [])) * self.page_size:
             raise CacheFullError(f"request {req}: writing tokens up to {start + T} without reserving them")
-        pages, slots = self.slots(req, start, T) if at is None else at
-        self.k[layer, pages, :, slots] = k.transpose(0, 1).to(self.k.dtype)
-        self.v[layer, pages, :, slots] = v.transpose(0, 1).to(self.v.dtype)
+        rows = (self.rows(req, start, T) if at is None else at).reshape(-1)
+        # one flat row copy: far less host work than indexing [page, :, slot] (89 -> 37 us on the CPU)
+        self.k[layer].view(-1, D).index_copy_(0, rows, k.reshape(-1, D).to(self.k.dtype))
+        self.v[layer].view(-1, D).index_copy_(0, rows, v.reshape(-1, D).to(self.v.dtype))
         if layer == self.num_layers - 1:
             self.lengths[req] = max(self.lengths[req], start + T)
 
-    def read(self, layer: int, req: int, length: int, at: Optional[Tuple[Tensor, Tensor]] = None):
-        """k, v: [Hkv, length, D] of one request (a gather, not a view); at: slots(req, 0, length)."""
-        pages, slots = self.slots(req, 0, length) if at is None else at
-        k = self.k[layer, pages, :, slots].transpose(0, 1)
-        v = self.v[layer, pages, :, slots].transpose(0, 1)
+    def read(self, layer: int, req: int, length: int, at: Optional[Tensor] = None):
+        """k, v: [Hkv, length, D] of one request (a gather, not a view); at: rows(req, 0, length)."""
+        rows = (self.rows(req, 0, length) if at is None else at).reshape(-1)
+        Hkv, D = self.k.shape[2], self.k.shape[4]
+        k = self.k[layer].view(-1, D).index_select(0, rows).view(Hkv, length, D)
+        v = self.v[layer].view(-1, D).index_select(0, rows).view(Hkv, length, D)
         return k, v
 
     def view(self, layer: int, reqs: List[int], lengths: List[int]):

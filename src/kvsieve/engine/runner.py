@@ -131,8 +131,8 @@ class ModelRunner(BatchRows):
         ids = torch.tensor([t for req, a, b in pieces for t in req.token_slice(a, b)], device=dev)
         pos = torch.cat([torch.arange(a, b, device=dev) for _, a, b in pieces])
         segments, off = [], 0
-        for req, a, b in pieces:  # each piece's cache slots, once for every layer
-            segments.append((req.id, a, b, off, cache.slots(req.id, 0, b), self._prefill_windows(req.method_key)))
+        for req, a, b in pieces:  # each piece's cache rows, once for every layer
+            segments.append((req.id, a, b, off, cache.rows(req.id, 0, b), self._prefill_windows(req.method_key)))
             off += b - a
 
         def attend_prefill(layer, q, k, v):
@@ -142,14 +142,14 @@ class ModelRunner(BatchRows):
 
         return self.model.forward(ids, pos, attend_prefill)
 
-    def _attend_piece(self, layer: int, rid: int, start: int, end: int, where: Tuple[Tensor, Tensor], win,
+    def _attend_piece(self, layer: int, rid: int, start: int, end: int, where: Tensor, win,
                       q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Tokens [start, end) of request rid at one layer: q [T, Hq, D], k, v [T, Hkv, D] ->
         attention output [T, Hq, D], after writing k, v to the cache (where: the request's
-        cache slots of tokens [0, end)); win: None (causal) or (streaming flags, sink, local)."""
-        cache, (pages, slots) = self.cache, where
+        cache rows of tokens [0, end), [Hkv, end]); win: None (causal) or (streaming flags, sink, local)."""
+        cache = self.cache
         kk, vv = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, T, D]
-        cache.write(layer, rid, start, kk, vv, at=(pages[start:], slots[start:]))
+        cache.write(layer, rid, start, kk, vv, at=where[:, start:])
         if start > 0:  # earlier chunks are in the cache: gather the request's keys
             kk, vv = cache.read(layer, rid, end, at=where)  # [Hkv, end, D]
         # a chunk ending within sink + local of the start is causal on every head: SDPA's kernels
@@ -184,7 +184,7 @@ class ModelRunner(BatchRows):
             self.pending[req.id] = method.prepare_layers([empty] * cfg.num_layers, n, list(range(cfg.num_layers)))
             return
         per_call = max(1, INDEX_KEY_BYTES // max(1, length * cfg.num_kv_heads * cfg.head_dim * self.cache.k.itemsize))
-        states, at = [], self.cache.slots(req.id, 0, length)
+        states, at = [], self.cache.rows(req.id, 0, length)
         for first in range(0, cfg.num_layers, per_call):
             layers = list(range(first, min(first + per_call, cfg.num_layers)))
             states += method.prepare_layers([self.cache.read(layer, req.id, length, at)[0][None] for layer in layers],
