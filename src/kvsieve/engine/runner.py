@@ -47,6 +47,20 @@ PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPB
 INDEX_KEY_BYTES = 256 << 20
 
 
+def _packs(pieces: List[Tuple[Request, int, int]], limit: int):
+    """Consecutive pieces (request, start, end) grouped into forwards of at most `limit`
+    tokens (a piece is never split; one longer than limit runs alone)."""
+    group, size = [], 0
+    for p in pieces:
+        if group and size + p[2] - p[1] > limit:
+            yield group
+            group, size = [], 0
+        group.append(p)
+        size += p[2] - p[1]
+    if group:
+        yield group
+
+
 class ModelRunner(BatchRows):
     """model: LlamaModel-like (cfg, dtype, device, forward(tokens, positions, attend), logits);
     methods: method key -> SparseMethod; num_pages x page_size tokens of KV pool.
@@ -103,17 +117,12 @@ class ModelRunner(BatchRows):
         pieces = [(req, a, min(end, a + self.prefill_chunk))
                   for req, start, end in chunks for a in range(start, end, self.prefill_chunk)]
         last: Dict[int, Tensor] = {}  # request id -> hidden state [hidden] of its latest token
-        group: List[Tuple[Request, int, int]] = []
         with sdpa_kernel(PREFILL_SDPA):
-            for i, piece in enumerate(pieces):
-                group.append(piece)
-                if i + 1 == len(pieces) or sum(b - a for _, a, b in group) + pieces[i + 1][2] - pieces[i + 1][1] \
-                        > self.prefill_chunk:
-                    h, off = self._prefill_forward(group), 0
-                    for req, a, b in group:
-                        off += b - a
-                        last[req.id] = h[off - 1]
-                    group = []
+            for group in _packs(pieces, self.prefill_chunk):
+                h, off = self._prefill_forward(group), 0
+                for req, a, b in group:
+                    off += b - a
+                    last[req.id] = h[off - 1]
         out: List[Optional[Tensor]] = []
         for req, _, end in chunks:
             if end < req.prefill_target:
@@ -156,7 +165,7 @@ class ModelRunner(BatchRows):
         if win is not None and end > win[1] + win[2]:
             return dispatch.block_sparse_prefill(q, kk, vv, win[0], win[1], win[2])
         qq = q.transpose(0, 1)[None]
-        if start == 0:  # square causal: SDPA's flash / cuDNN kernels on the GPU
+        if start == 0:  # square causal: SDPA's flash kernel on the GPU
             o = F.scaled_dot_product_attention(qq, kk[None], vv[None], is_causal=True, enable_gqa=True)
         else:  # a later chunk: causal aligned to the bottom right (no materialised mask)
             o = F.scaled_dot_product_attention(qq, kk[None], vv[None], attn_mask=causal_lower_right(end - start, end),
