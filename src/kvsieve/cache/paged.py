@@ -14,6 +14,14 @@ import torch
 from torch import Tensor
 
 
+def flat_rows(pool_rows: Tensor, num_kv_heads: int, page_size: int) -> Tensor:
+    """Pool rows (page * page_size + slot) [..., Hkv or 1, N], per KV head or shared by all
+    -> rows [..., Hkv, N] of a layer's pool [pages, Hkv, page_size, D] viewed as
+    [pages * Hkv * page_size, D]."""
+    heads = torch.arange(num_kv_heads, device=pool_rows.device)[:, None]
+    return ((pool_rows // page_size) * num_kv_heads + heads) * page_size + pool_rows % page_size
+
+
 class CacheFullError(ValueError):
     """The pool has no room for a request; raised instead of crashing."""
 
@@ -70,11 +78,10 @@ class PagedKVCache:
         `req` in one layer's pool viewed as [pages * Hkv * page_size, D]. One host-to-device
         copy (the page table): a caller touching the same tokens in every layer computes them
         once and passes them as `at=` (a copy per layer would wait on the GPU each time)."""
-        dev, Hkv, ps = self.k.device, self.k.shape[2], self.page_size
+        dev, ps = self.k.device, self.page_size
         pos = torch.arange(start, start + n, device=dev)
         table = torch.tensor(self.tables[req], dtype=torch.long, device=dev)
-        heads = torch.arange(Hkv, device=dev)[:, None]
-        return (table[pos // ps][None, :] * Hkv + heads) * ps + (pos % ps)[None, :]
+        return flat_rows((table[pos // ps] * ps + pos % ps)[None], self.k.shape[2], ps)
 
     def write(self, layer: int, req: int, start: int, k: Tensor, v: Tensor, at: Optional[Tensor] = None) -> None:
         """k, v: [Hkv, T, D] for tokens [start, start + T) of request `req` (already reserved);

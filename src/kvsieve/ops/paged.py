@@ -18,6 +18,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..cache.paged import flat_rows
 from .attention import compute_dtype
 
 
@@ -51,10 +52,10 @@ def gather_tokens(pool: Tensor, block_table: Tensor, positions: Tensor, rows: bo
     page_size = pool.shape[2]
     B, Hkv, N = positions.shape
     pos = (positions if rows else to_pool_rows(block_table, positions, page_size)).long()
-    heads = torch.arange(Hkv, device=pool.device)[None, :, None]
     if pool.is_contiguous():  # one flat row gather: several times faster than 3-index indexing on the CPU
-        flat = ((pos // page_size) * Hkv + heads) * page_size + pos % page_size
+        flat = flat_rows(pos, Hkv, page_size)
         return pool.view(-1, pool.shape[-1]).index_select(0, flat.view(-1)).view(B, Hkv, N, -1)
+    heads = torch.arange(Hkv, device=pool.device)[None, :, None]
     return pool[pos // page_size, heads.expand(B, Hkv, N), pos % page_size]
 
 
