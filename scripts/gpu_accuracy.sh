@@ -8,6 +8,7 @@
 #   suite    kvsieve eval --tasks suite, 200 cases per seed in $SEEDS (default 0) in $DTYPE (default
 #            bfloat16), dense/tactic/hybrid/quest/lserve at their defaults (OUT/DTYPE-seedN: report.md,
 #            results.json)
+#   dense    dense alone on the suite (what the options step needs), each seed in $SEEDS
 #   exact    the same seeds' exact-attention control: quest with a budget of the whole context
 #   curve    the same suite with knob points: tactic/hybrid at $THRESHOLDS, quest/lserve at $FRACTIONS
 #            of context (default 0.8,0.95 and 0.1,0.2; $CURVE_METHODS picks the methods)
@@ -49,6 +50,9 @@ for step in "$@"; do
       ;;
     suite)
       for s in ${SEEDS:-0}; do suite $s --methods dense,tactic,hybrid,quest,lserve; done
+      ;;
+    dense)
+      for s in ${SEEDS:-0}; do suite $s --methods dense; done
       ;;
     curve)
       for s in ${SEEDS:-0}; do

@@ -443,6 +443,7 @@ def test_windowed_kmeans_is_per_window_and_kernels_agree():
     ("tactic", {"threshold": 0.3, "min_budget": 100}), ("tactic", {"max_budget": 50}),
     ("hybrid", {"threshold": 0.7, "streaming_heads": ((True, False),), "sink": 8, "local": 32}),
     ("tactic", {"threshold": 0.3, "protect": 48}), ("tactic", {"protect": 0}),
+    ("tactic", {"threshold": 0.3, "protect": 48, "protect_bound": "box"}),
     ("tactic", {"segment_samples": 3, "head_max_tokens": 4, "protect": 0}),
 ])
 def test_plan_selects_exactly_the_reference_mask(name, opts, monkeypatch):

@@ -1,9 +1,10 @@
-"""Tactic's protected clusters: cluster radii, the q.k upper bound, and the needle they recover."""
+"""Tactic's protected clusters: cluster radii and min/max boxes, the q.k upper bounds, and the
+needle they recover."""
 import pytest
 import torch
 
 from kvsieve import make_method, sparse_decode
-from kvsieve.ops.select import cluster_radius, radius_bound, summary_scores
+from kvsieve.ops.select import cluster_box, cluster_radius, radius_bound, summary_scores
 
 from conftest import clustered_qkv, oracle, rel_err
 
@@ -26,6 +27,47 @@ def test_cluster_radius_matches_float64_oracle(S, C, D, dtype):
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     assert want[1, -1] == 0 and got[1, -1] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("S,C,D", [(1, 1, 64), (54, 7, 128), (97, 13, 64)])
+def test_cluster_box_matches_float64_oracle(S, C, D, dtype):
+    g = torch.Generator().manual_seed(S + C + D + 1)
+    x = torch.randn(3, S, D, generator=g).to(dtype)
+    assign = torch.randint(-1, C, (3, S), generator=g)
+    assign[1] = assign[1].clamp(max=C - 2) if C > 1 else -1  # cluster C-1 empty in row 1
+    kmin, kmax = cluster_box(x, assign, C, chunk=13)  # chunks that do not divide S
+    assert kmin.dtype == kmax.dtype == dtype and kmin.shape == (3, C, D)
+    for n in range(3):
+        for c in range(C):
+            members = x[n][assign[n] == c].double()
+            lo, hi = (members.amin(0), members.amax(0)) if len(members) else (torch.zeros(D),) * 2
+            assert torch.equal(kmin[n, c].double(), lo.double()) and torch.equal(kmax[n, c].double(), hi.double())
+
+
+def _group_max_qk_per_cluster(q, k, assign, G):
+    """[B, Hkv] dicts cluster -> the group's largest q.k over its members (float64)."""
+    B, Hkv, S, D = k.shape
+    qk = torch.einsum("bhgd,bhsd->bhgs", q.double().view(B, Hkv, G, D), k.double()).amax(2)
+    return [[{c: qk[b, h][assign[b, h, :S] == c].max() for c in assign[b, h][assign[b, h] >= 0].unique().tolist()}
+             for h in range(Hkv)] for b in range(B)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("G", [1, 3, 4, 8])
+@pytest.mark.parametrize("S,D", [(54, 64), (97, 128), (600, 64)])
+def test_box_bound_holds_for_every_member_and_is_tight(S, D, G, dtype):
+    """The box bound is at least every member's q.k, and equals it for a one-member cluster."""
+    q, k, _ = clustered_qkv(2, 2 * G, 2, S, D, sharpness=4.0, seed=S + G + D + 1, dtype=dtype)
+    lengths = torch.tensor([S, max(1, S - 20)])
+    st = make_method("tactic", cluster_size=8, sink=2, local=4).prepare(k, lengths)
+    _, bound = summary_scores(q, st.kmin, st.kmax, st.num_clusters[:, None].expand(2, 2))
+    for b, per_b in enumerate(_group_max_qk_per_cluster(q, k, st.assign, G)):
+        for h, tops in enumerate(per_b):
+            for c, top in tops.items():
+                assert bound[b, h, c] >= top - 1e-4 * top.abs().clamp(min=1), (b, h, c)
+                if st.sizes[b, h, c] == 1:
+                    torch.testing.assert_close(bound[b, h, c].double(), top, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -61,6 +103,19 @@ def test_fold_keeps_radius_an_upper_bound():
     assert int(st.num_indexed[0]) == 868  # the folds happened
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fold_keeps_the_box_exact(dtype):
+    """After folds the box is still exactly each cluster's channel-wise member min/max."""
+    _, k, _ = clustered_qkv(1, 4, 2, 900, 64, sharpness=6.0, seed=6, dtype=dtype)
+    m = make_method("tactic", fold_every=100, local=32, cluster_size=16)
+    st = m.prepare(k, torch.tensor([500]))
+    for n in (600, 700, 900):
+        st = m.append(st, k, torch.tensor([n]))
+        lo, hi = cluster_box(k[0, :, :n], st.assign[0, :, :n], st.sizes.shape[-1])
+        assert torch.equal(st.kmin[0], lo) and torch.equal(st.kmax[0], hi), n
+    assert int(st.num_indexed[0]) == 868
+
+
 def _plant_needle(q, k, m, lengths):
     """Move one member of the lowest-ranked multi-token cluster of (request 0, KV head 0)
     onto the query direction: a key that q scores highest although its cluster ranks low.
@@ -76,15 +131,17 @@ def _plant_needle(q, k, m, lengths):
     top = (k[0, 0].double() @ q0).max()  # the needle outscores every key for query head 0: e^5 x (scaled)
     k[0, 0, t] = ((top + 5 * k.shape[-1] ** 0.5) * q0 / q0.norm() ** 2).to(k.dtype)
     st.radius = cluster_radius(k.flatten(0, 1), st.assign.flatten(0, 1), st.centroids.flatten(0, 1)).view_as(st.radius)
+    st.kmin, st.kmax = (b.view_as(st.kmin) for b in cluster_box(k.flatten(0, 1), st.assign.flatten(0, 1), st.kmin.shape[2]))
     return st, t
 
 
+@pytest.mark.parametrize("bound", ["radius", "box"])
 @pytest.mark.parametrize("G", [1, 4])
-def test_protect_recovers_a_needle_hidden_in_a_low_ranked_cluster(G):
+def test_protect_recovers_a_needle_hidden_in_a_low_ranked_cluster(G, bound):
     q, k, v = clustered_qkv(1, 2 * G, 2, 1500, 64, sharpness=3.0, seed=21 + G, dtype=torch.float32)
     lengths = torch.tensor([1500])
     off = make_method("tactic", threshold=0.5, protect=0)
-    on = make_method("tactic", threshold=0.5, protect=64)
+    on = make_method("tactic", threshold=0.5, protect=64, protect_bound=bound)
     st, t = _plant_needle(q, k, off, lengths)
     miss = off.select(q, k, lengths, st)
     hit = on.select(q, k, lengths, st)
@@ -105,9 +162,11 @@ def test_protect_is_reported_and_zero_disables_it():
     assert torch.equal(r1.mask, r1.stats["head_mask"].view(1, 1, 4, -1).any(2))
     with pytest.raises(ValueError, match="protect"):
         make_method("tactic", protect=-1)
+    with pytest.raises(ValueError, match="protect_bound must be 'radius' or 'box', got 'ball'"):
+        make_method("tactic", protect_bound="ball")
 
 
-def test_merge_and_take_states_carry_radius():
+def test_merge_and_take_states_carry_radius_and_box():
     _, k, _ = clustered_qkv(2, 2, 2, 300, 64, seed=8, dtype=torch.float32)
     m = make_method("tactic", cluster_size=16)
     a = m.prepare(k[:1, :, :120], torch.tensor([120]))
@@ -118,3 +177,7 @@ def test_merge_and_take_states_carry_radius():
     assert torch.equal(back.radius[0], b.radius[0])
     Ca = a.radius.shape[-1]
     assert torch.equal(back.radius[1, :, :Ca], a.radius[0]) and (back.radius[1, :, Ca:] == 0).all()
+    for name in ("kmin", "kmax"):
+        got, ta, tb = getattr(back, name), getattr(a, name), getattr(b, name)
+        assert got.shape[2] == merged.sizes.shape[-1]
+        assert torch.equal(got[0], tb[0]) and torch.equal(got[1, :, :Ca], ta[0]) and (got[1, :, Ca:] == 0).all()

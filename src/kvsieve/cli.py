@@ -19,6 +19,8 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
                                                    "where a head would pass 4096 clusters: 32 at 128K tokens)")
     p.add_argument("--protect", type=int, help="tactic/hybrid threshold mode: tokens of clusters whose members "
                                                "could score highest, taken before the mass threshold (256; 0: off)")
+    p.add_argument("--protect-bound", choices=["radius", "box"], help="tactic/hybrid: rank protected clusters by "
+                   "q.c + |q| r (radius) or by their members' channel-wise min/max (box)")
     p.add_argument("--budget", type=int, help="quest/lserve: token budget of selected pages; tactic: fixed "
                                               "per-KV-head token budget instead of the threshold (GPU fast path)")
     p.add_argument("--page-size", type=int, help="quest/lserve: logical page size in tokens")
@@ -34,7 +36,8 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
 
 def method_options(args: argparse.Namespace) -> dict:
     """The method options the user actually gave (unset ones keep the method's defaults)."""
-    names = {"threshold": "threshold", "cluster_size": "cluster_size", "protect": "protect", "budget": "budget",
+    names = {"threshold": "threshold", "cluster_size": "cluster_size", "protect": "protect",
+             "protect_bound": "protect_bound", "budget": "budget",
              "page_size": "page_size", "sink": "sink", "local": "local", "prefill_local": "prefill_local",
              "sparse_prefill": "sparse_prefill"}
     return {dst: getattr(args, src) for src, dst in names.items() if getattr(args, src, None) is not None}

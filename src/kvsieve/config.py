@@ -217,6 +217,12 @@ class TacticConfig(MethodConfig):
         low-ranked cluster: on the retrieval suite (SmolLM2, 2K tokens, 28 cases dense
         answers) tactic found 20/28 reading 21.5% of the KV; with protect=256 27/28 at
         28.8% (docs/accuracy-history.md). Not used with a fixed `budget`.
+    protect_bound: how the protected clusters are ranked. "radius": q.c + |q| r as above.
+        "box": sum_i max(q_i min_i, q_i max_i) over the channel-wise min/max of the
+        cluster's members (Quest's page bound, per cluster). [ours] "radius". |q| r
+        dominates the radius bound, so it ranks clusters by their width: on a suite miss
+        (docs/accuracy.md, seed 2, 7,680 tokens) the cluster holding 0.94 of a head's mass
+        ranks 228th by the radius bound and 10th by the box.
     """
 
     threshold: float = 0.93
@@ -238,6 +244,7 @@ class TacticConfig(MethodConfig):
     budget: Optional[int] = None
     cluster_window: Optional[int] = 16384
     protect: int = 256
+    protect_bound: str = "radius"
 
     def __post_init__(self):
         _fraction("threshold", self.threshold)
@@ -276,3 +283,5 @@ class TacticConfig(MethodConfig):
             )
         _non_negative_int("fold_every", self.fold_every)
         _non_negative_int("protect", self.protect)
+        if self.protect_bound not in ("radius", "box"):
+            raise ValueError(f"protect_bound must be 'radius' or 'box', got {self.protect_bound!r}")

@@ -24,7 +24,10 @@ class ClusterIndex:
     iters: K-means updates performed at prepare.
     radius [B, Hkv, C] float32 (float64 for float64 keys): an upper bound of the distance
     from each centroid to its members (exact at prepare; a fold adds how far the centroid
-    moved), for the protected clusters (TacticConfig.protect).
+    moved), for the protected clusters (TacticConfig.protect, protect_bound "radius").
+    kmin, kmax [B, Hkv, C, D] in the keys' dtype: the channel-wise min/max of each cluster's
+    members (exact, also after a fold; 0 for empty clusters), the box that bounds q.k for
+    protect_bound "box".
     members/entry_start/sizes32: the same index as CSR for the paged fast path (token
     ids grouped by cluster [B, Hkv, S] int32, first member of each cluster and cluster
     sizes [B, Hkv, C] int32); built on first use, rebuilt in place after a fold.
@@ -45,6 +48,8 @@ class ClusterIndex:
     host_indexed: Optional[List[int]] = None  # num_indexed mirrored on the host: no sync per step
     consts: Optional[dict] = None
     radius: Optional[Tensor] = None
+    kmin: Optional[Tensor] = None
+    kmax: Optional[Tensor] = None
     csr_stale: Set[int] = field(default_factory=set)  # rows changed since the CSR view was built
 
     def widen(self, C: int, S: int) -> None:
@@ -58,6 +63,8 @@ class ClusterIndex:
             self.centroids = F.pad(self.centroids, (0, 0, 0, C - c))
             self.sizes = F.pad(self.sizes, (0, C - c))
             self.radius = None if self.radius is None else F.pad(self.radius, (0, C - c))
+            self.kmin = None if self.kmin is None else F.pad(self.kmin, (0, 0, 0, C - c))
+            self.kmax = None if self.kmax is None else F.pad(self.kmax, (0, 0, 0, C - c))
             if self.sizes32 is not None and self.sizes32.shape[-1] == c:
                 end = self.entry_start[..., -1:] + self.sizes32[..., -1:]
                 self.entry_start = torch.cat([self.entry_start, end.expand(*end.shape[:-1], C - c)], -1)
@@ -95,6 +102,31 @@ class ClusterIndex:
             self.max_size = max(self.max_size, int(sizes32.max()))
         self.csr_stale = set()
         return not fits
+
+
+ROW_TENSORS = ("centroids", "sizes", "assign", "num_indexed", "num_clusters", "radius", "kmin", "kmax",
+               "members", "entry_start", "sizes32")  # one row per request: moved with it
+
+
+def take_rows(st: ClusterIndex, rows: List[int]) -> ClusterIndex:
+    """The index of rows `rows` of st (in that order; the CSR view's staleness follows them)."""
+    r = torch.tensor(rows, device=st.sizes.device)
+    host = st.host_indexed or st.num_indexed.tolist()
+    picked = {n: None if getattr(st, n) is None else getattr(st, n).index_select(0, r) for n in ROW_TENSORS}
+    return dataclasses.replace(st, **picked, host_indexed=[host[i] for i in rows], consts=None,
+                               csr_stale={i for i, row in enumerate(rows) if row in st.csr_stale})
+
+
+def concat_rows(states: List[ClusterIndex]) -> ClusterIndex:
+    """The rows of every index, each widened to the widest (their CSR views carried over,
+    not re-sorted; built for parts that have none, stale rows rebuilt)."""
+    C = max(s.centroids.shape[2] for s in states)
+    S = max(s.assign.shape[-1] for s in states)
+    parts = [widened(with_csr(s), C, S) for s in states]
+    cat = {n: None if any(getattr(p, n) is None for p in parts) else torch.cat([getattr(p, n) for p in parts])
+           for n in ROW_TENSORS}
+    return ClusterIndex(**cat, iters=max(s.iters for s in states), max_size=max(p.max_size for p in parts),
+                        host_indexed=[i for s in states for i in (s.host_indexed or s.num_indexed.tolist())])
 
 
 def with_csr(st: ClusterIndex) -> ClusterIndex:

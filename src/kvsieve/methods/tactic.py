@@ -13,11 +13,11 @@ from ..ops.fit import FitLayout, estimate_budget, segment_mask
 from ..ops.paged import PagedKeys, row_table
 from ..ops.threshold import AlwaysTokens
 from ..ops.kmeans import nearest_centroid
-from ..ops.select import cluster_radius, radius_bound, select_by_budget, summary_scores
+from ..ops.select import cluster_box, cluster_radius, radius_bound, select_by_budget, summary_scores
 from ..side_branch import SideBranch
 from . import fit_tables
 from .base import Selection, SparseMethod, TokenPlan, capacity_bucket, streaming_window
-from .cluster_index import ClusterIndex, csr_view, widened, with_csr
+from .cluster_index import ClusterIndex, concat_rows, csr_view, take_rows, widened
 
 
 @dataclass
@@ -55,7 +55,8 @@ class Tactic(SparseMethod):
                                  torch.zeros(B, Hkv, 1, dtype=torch.long, device=k.device),
                                  torch.full((B, Hkv, S), -1, dtype=torch.long, device=k.device),
                                  lengths.clone(), torch.zeros_like(lengths), host_indexed=lengths.tolist(),
-                                 radius=k.new_zeros(B, Hkv, 1, dtype=torch.float32)) for k in ks]
+                                 radius=k.new_zeros(B, Hkv, 1, dtype=torch.float32),
+                                 kmin=k.new_zeros(B, Hkv, 1, D), kmax=k.new_zeros(B, Hkv, 1, D)) for k in ks]
         sizes_by_row = [self.cluster_size_for(n - sink) for n in host]
         if len(set(sizes_by_row)) > 1:  # requests of different cluster sizes: each on its own
             per_request = [self.prepare_layers([k[b:b + 1] for k in ks], lengths[b:b + 1], layers) for b in range(B)]
@@ -71,13 +72,15 @@ class Tactic(SparseMethod):
         low = ks[0].dtype in (torch.float16, torch.bfloat16)
         cent = res.centroids.to(ks[0].dtype) if low else res.centroids
         radius = cluster_radius(x, res.assign, cent).view(L, B, Hkv, C)
+        kmin, kmax = (t.view(L, B, Hkv, C, D) for t in cluster_box(x, res.assign, C))
         cent, sizes = cent.view(L, B, Hkv, C, D), res.sizes.view(L, B, Hkv, C)
         used = res.num_clusters.view(L, B, Hkv)[:, :, 0]
         # the CSR view of every layer in one sort (a join or a rebuild then copies it)
         members, start, sizes32 = csr_view(assign, sizes)
         max_size = int(sizes32.max()) if sizes32.numel() else 0
         return [ClusterIndex(cent[i], sizes[i], assign[i], indexed_end.clone(), used[i].clone(), res.iters,
-                             members[i], start[i], sizes32[i], max_size, host_indexed=list(host), radius=radius[i])
+                             members[i], start[i], sizes32[i], max_size, host_indexed=list(host), radius=radius[i],
+                             kmin=kmin[i], kmax=kmax[i])
                 for i in range(L)]
 
     def cluster_size_for(self, n: int) -> int:
@@ -124,6 +127,10 @@ class Tactic(SparseMethod):
         new_cent = torch.where(cnt[..., None] > 0, (cent * old + add) / new_total, cent).to(st.centroids.dtype)
         moved = (new_cent.to(cent.dtype) - cent).norm(dim=-1)  # old members are at most this much farther
         st.radius[b] = torch.maximum(st.radius[b] + moved, cluster_radius(x, a, new_cent)).to(st.radius.dtype)
+        lo, hi = cluster_box(k[:, start:end].to(st.kmin.dtype), a, C)
+        had, got = (st.sizes[b] > 0)[..., None], (cnt > 0)[..., None]
+        st.kmin[b] = torch.where(got, torch.where(had, torch.minimum(st.kmin[b], lo), lo), st.kmin[b])
+        st.kmax[b] = torch.where(got, torch.where(had, torch.maximum(st.kmax[b], hi), hi), st.kmax[b])
         st.centroids[b] = new_cent  # cent may alias st.centroids[b]: written last
         st.sizes[b] += cnt
         st.assign[b, :, start:end] = a
@@ -187,7 +194,10 @@ class Tactic(SparseMethod):
         # 5. GQA union + protected clusters + tokens attended regardless
         head_mask = sel_q | always.view(B, Hq, S)
         if cfg.protect:  # attended by every head of the group
-            bound = radius_bound(cscore, q, st.radius)
+            if cfg.protect_bound == "box":
+                _, bound = summary_scores(q, st.kmin, st.kmax, st.num_clusters[:, None].expand(B, Hkv))
+            else:
+                bound = radius_bound(cscore, q, st.radius)
             protected, _, _ = select_by_budget(bound, st.sizes, torch.full_like(st.sizes[..., 0], cfg.protect))
             head_mask |= (protected.gather(-1, st.assign[..., :S].clamp(min=0)) & in_list_kv).repeat_interleave(G, 1)
         mask = head_mask.view(B, Hkv, G, S).any(2)
@@ -248,28 +258,10 @@ class Tactic(SparseMethod):
         return fixed if tail <= fixed else capacity_bucket(tail)
 
     def merge_states(self, states: List[ClusterIndex]) -> ClusterIndex:
-        """Rows of every part, each widened to the widest part (their CSR views carried over,
-        not re-sorted; built for parts that have none, stale rows rebuilt)."""
-        C = max(s.centroids.shape[2] for s in states)
-        S = max(s.assign.shape[-1] for s in states)
-        parts = [widened(with_csr(s), C, S) for s in states]
-
-        def cat(name):
-            return torch.cat([getattr(p, name) for p in parts])
-        return ClusterIndex(cat("centroids"), cat("sizes"), cat("assign"), cat("num_indexed"), cat("num_clusters"),
-                            max(s.iters for s in states), cat("members"), cat("entry_start"), cat("sizes32"),
-                            max(p.max_size for p in parts),
-                            host_indexed=[i for s in states for i in (s.host_indexed or s.num_indexed.tolist())],
-                            radius=cat("radius"))
+        return concat_rows(states)
 
     def take_states(self, state: ClusterIndex, rows: List[int]) -> ClusterIndex:
-        r = torch.tensor(rows, device=state.sizes.device)
-        pick = (lambda t: None if t is None else t.index_select(0, r))  # noqa: E731
-        host = state.host_indexed or state.num_indexed.tolist()
-        return ClusterIndex(pick(state.centroids), pick(state.sizes), pick(state.assign), pick(state.num_indexed),
-                            pick(state.num_clusters), state.iters, pick(state.members), pick(state.entry_start),
-                            pick(state.sizes32), state.max_size, [host[i] for i in rows], radius=pick(state.radius),
-                            csr_stale={i for i, r in enumerate(rows) if r in state.csr_stale})
+        return take_rows(state, rows)
 
     def clusters_for(self, length: int) -> int:
         """Cluster slots prepare() gives the index of one `length`-token request."""
@@ -299,7 +291,7 @@ class Tactic(SparseMethod):
                and state.sizes32.shape == state.sizes.shape and new.members is not None
                and new.members.shape == new.assign.shape and not new.csr_stale)
         wide = widened(new, state.centroids.shape[2], state.assign.shape[-1])
-        for name in ("centroids", "sizes", "radius", "assign") + (("members", "entry_start", "sizes32") if csr else ()):
+        for name in ("centroids", "sizes", "radius", "kmin", "kmax", "assign") + (("members", "entry_start", "sizes32") if csr else ()):
             getattr(state, name)[row].copy_(getattr(wide, name)[0])
         state.num_indexed[row] = new.num_indexed[0]
         state.num_clusters[row] = new.num_clusters[0]
@@ -372,10 +364,15 @@ class Tactic(SparseMethod):
         cfg = self.config
         B, Hq, D = q.shape
         Hkv, C = st.sizes.shape[1:]
-        skeys, bound = dispatch.cluster_scores(q, st.centroids, st.sizes32, st.radius if cfg.protect else None)
+        box = cfg.protect_bound == "box"
+        radius = st.radius if cfg.protect and not box else None
+        skeys, bound = dispatch.cluster_scores(q, st.centroids, st.sizes32, radius)
         protected, branch = None, SideBranch(q.device)
         if cfg.protect:  # only the union reads it: beside the ranking and the fit (H100 128K x 8: -9 us)
             with branch:
+                if box:
+                    n_valid = st.num_clusters[:, None].expand(B, Hkv)
+                    _, bound = dispatch.summary_scores(q, st.kmin, st.kmax, n_valid, group_only=True)
                 protected, _, _ = dispatch.select_by_budget(bound, st.sizes32, c["protect"])
         order, ranked, csize = dispatch.rank_clusters(skeys, st.sizes32)
         W = c["positions"].shape[-1]

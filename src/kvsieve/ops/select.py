@@ -82,6 +82,27 @@ def cluster_radius(x: Tensor, assign: Tensor, centroids: Tensor, chunk: int = 81
     return radius
 
 
+def cluster_box(x: Tensor, assign: Tensor, C: int, chunk: int = 8192) -> Tuple[Tensor, Tensor]:
+    """Channel-wise min and max of each cluster's members.
+
+    x [N, S, D] keys; assign [N, S] cluster id in [0, C) (-1: not in the index). Returns
+    kmin, kmax [N, C, D] in x's dtype (exact: min/max round nothing), 0 for empty
+    clusters. Reads the keys in chunks of `chunk` tokens."""
+    N, S, D = x.shape
+    inf = float("inf")
+    kmin = x.new_full((N, C, D), inf)
+    kmax = x.new_full((N, C, D), -inf)
+    for s in range(0, S, chunk):
+        a = assign[:, s:s + chunk]
+        out = (a < 0)[..., None]
+        idx = a.clamp(min=0)[..., None].expand(-1, -1, D)
+        xs = x[:, s:s + chunk]
+        kmin.scatter_reduce_(1, idx, xs.masked_fill(out, inf), "amin")
+        kmax.scatter_reduce_(1, idx, xs.masked_fill(out, -inf), "amax")
+    empty = torch.isinf(kmin[..., :1])  # no member: +inf left in every channel
+    return kmin.masked_fill(empty, 0), kmax.masked_fill(empty, 0)
+
+
 def radius_bound(per_head: Tensor, q: Tensor, radius: Tensor) -> Tensor:
     """Upper bound of q.k over each cluster's members, max over each KV head's group.
 
