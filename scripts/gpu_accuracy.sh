@@ -21,6 +21,9 @@
 #            (OUT/options-DTYPE-seedN.jsonl)
 #   fidelity the equal-cost fidelity task (tactic/hybrid over P, quest/lserve/streaming over budgets)
 #            at its default lengths; $FID_ARGS adds options (e.g. --lengths 7680); folder /tmp/sfid
+# $GPU_MEM (default 0.9): the share of free GPU memory each run's KV pool may take. Several runs
+# on one GPU at once (one per seed) need it lower: in float32 a pool of 64 full-length requests
+# is 24 GB, and 4-6 such runs at 0.9 ran out of memory on an H100 (3 fitted).
 # suite, curve, exact and pattern share /tmp/ssuite-DTYPE-sSEED, so a run cut off by a call's time limit resumes
 # where it stopped (while the machine stays warm); `pack` tars them to OUT/ssuite.tgz.
 set -uo pipefail
@@ -31,6 +34,7 @@ DTYPE=${DTYPE:-bfloat16}
 suite() {  # suite SEED ARGS...: one seed's suite cells in $DTYPE, its report copied to OUT/DTYPE-seedSEED
   local s=$1; shift
   python3 -m kvsieve eval --no-progress --device cuda --dtype $DTYPE --tasks suite --seed "$s" \
+    --gpu-memory-fraction ${GPU_MEM:-0.9} \
     --out /tmp/ssuite-$DTYPE-s$s "$@"
   mkdir -p "$OUT/$DTYPE-seed$s" && cp /tmp/ssuite-$DTYPE-s$s/report.md /tmp/ssuite-$DTYPE-s$s/results.json \
     "$OUT/$DTYPE-seed$s/"
@@ -74,7 +78,7 @@ for step in "$@"; do
       opts=${OPTIONS:-}; [ -n "$opts" ] || opts='[{}]'
       for s in ${SEEDS:-0}; do
         python3 scripts/suite_cases.py --results /tmp/ssuite-$DTYPE-s$s/results.json --right --no-dense \
-          --device cuda --dtype $DTYPE --method ${METHOD:-tactic} --options "$opts" \
+          --device cuda --dtype $DTYPE --method ${METHOD:-tactic} --options "$opts" --gpu-memory-fraction ${GPU_MEM:-0.9} \
           --jsonl "$OUT/options-$DTYPE-seed$s.jsonl"
       done
       ;;

@@ -55,6 +55,7 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--max-num-seqs", type=int, help="engine batch (default: 64 on cuda as in `kvsieve eval`, else 4)")
+    ap.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="CUDA: share of free memory for the KV pool")
     ap.add_argument("--no-dense", action="store_true", help="skip the dense run that comes first by default")
     ap.add_argument("--jsonl", help="also append each option's result line to this file")
     args = ap.parse_args()
@@ -73,7 +74,7 @@ def main() -> int:
     cases = [c for c in build_suite(tok, tuple(plan["suite_lengths"]), plan["suite_cases"], plan["seed"], src)
              if c.id in want]
     seqs = args.max_num_seqs or (64 if args.device.startswith("cuda") else 4)
-    eng = LLMEngine(model, tok, "dense", dense_below=0, max_num_seqs=seqs)
+    eng = LLMEngine(model, tok, "dense", dense_below=0, max_num_seqs=seqs, gpu_memory_fraction=args.gpu_memory_fraction)
     for opts in [{"method": "dense"}] * (not args.no_dense) + json.loads(args.options):
         opts = dict(opts)
         shown = dict(opts)

@@ -213,6 +213,13 @@ def test_eval_seed_reaches_the_plan():
     assert build_plan(build_parser().parse_args(["eval"]), 8192).seed == 0
 
 
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.2"])
+def test_eval_gpu_memory_fraction_out_of_range(capsys, tmp_path, value):
+    code, out = run_cli(capsys, "eval", "--quick", "--out", str(tmp_path / "o"), "--gpu-memory-fraction", value)
+    assert code == 2 and f"--gpu-memory-fraction must be in (0, 1], got {float(value)}" in out.err
+    assert len(error_lines(out.err)) == 1 and not (tmp_path / "o").exists()
+
+
 def test_eval_unwritable_output_directory(capsys, tmp_path):
     (tmp_path / "f").write_text("")
     code, out = run_cli(capsys, "eval", "--quick", "--out", str(tmp_path / "f" / "o"))
@@ -220,20 +227,21 @@ def test_eval_unwritable_output_directory(capsys, tmp_path):
 
 
 def test_eval_small_smoke_and_resume(capsys, tmp_path):
-    """Every task end to end on the embedded model at 512 tokens, three methods (the CI
-    slice; the whole --quick preset is the slow test below), then a re-run that resumes."""
+    """Every task end to end on the embedded model, three methods (the CI slice; the whole
+    --quick preset is the slow test below), then a re-run that resumes. Fidelity at 1,024
+    tokens: at 512 tactic's 512 protected tokens would cover the whole context."""
     out_dir = tmp_path / "small"
     argv = ["eval", "--quick", "--out", str(out_dir), "--no-progress", "--methods", "dense,tactic,quest",
-            "--lengths", "512", "--retrieval-lengths", "512", "--suite-lengths", "512", "--suite-cases", "3",
+            "--lengths", "1024", "--retrieval-lengths", "512", "--suite-lengths", "512", "--suite-cases", "3",
             "--variants", "passkey", "--decode-tokens", "4"]
     code, out = run_cli(capsys, *argv)
     assert code == 0, out.err
     res = json.loads((out_dir / "results.json").read_text())
     cells = {c["id"]: c for c in res["cells"]}
     assert len(cells) == 5 + 5 + 3, sorted(cells)  # fidelity: dense, 3 P, quest; retrieval: the same; suite: 3
-    dense = cells["fidelity/512/dense"]
+    dense = cells["fidelity/1024/dense"]
     assert dense["mass_mean"] == pytest.approx(1.0) and dense["out_err_mean"] < 1e-5 and dense["kl"] < 1e-9
-    tactic = [cells[f"fidelity/512/tactic P={p}"] for p in (0.8, 0.9, 0.95)]
+    tactic = [cells[f"fidelity/1024/tactic P={p}"] for p in (0.8, 0.9, 0.95)]
     assert all(0 < c["kv_fraction"] < 1 and 0.3 < c["mass_mean"] <= 1 for c in tactic), tactic
     assert tactic[0]["mass_mean"] <= tactic[1]["mass_mean"] <= tactic[2]["mass_mean"]
     assert len(tactic[1]["layer_head"]["mass"]) == 30 and len(tactic[1]["layer_head"]["mass"][0]) == 9
@@ -244,7 +252,7 @@ def test_eval_small_smoke_and_resume(capsys, tmp_path):
         assert c["found"] == sum(s == d == 1.0 for s, d in zip(c["scores"], suite["dense"]["scores"]))
     report = (out_dir / "report.md").read_text()
     assert "tactic P=0.9" in report and "Retrieval suite" in report
-    assert (out_dir / "fidelity-512.png").stat().st_size > 10_000
+    assert (out_dir / "fidelity-1024.png").stat().st_size > 10_000
 
     code, out = run_cli(capsys, *argv)
     assert code == 0 and "13 cells resumed" in out.out

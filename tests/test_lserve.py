@@ -197,7 +197,7 @@ def test_lserve_default_budget_is_its_own_and_options_override_it():
 
 
 @pytest.mark.parametrize("method,opts", [("lserve", {"budget": 64}), ("hybrid", {"budget": 40}),
-                                         ("hybrid", {"threshold": 0.5})])
+                                         ("hybrid", {"threshold": 0.5, "protect": 64})])
 def test_paged_decode_with_streaming_heads_matches_the_reference_path(tiny_model, method, opts):
     """The fast path (Λ lists for streaming heads, planned page/cluster lists for the others,
     one paged kernel) generates what the mask-based reference path generates."""

@@ -119,7 +119,7 @@ def test_fold_keeps_the_box_exact(dtype):
 def _plant_needle(q, k, m, lengths):
     """Move one member of the lowest-ranked multi-token cluster of (request 0, KV head 0)
     onto the query direction: a key that q scores highest although its cluster ranks low.
-    Returns the index (radius refreshed for the moved key) and the needle's position."""
+    Returns the index (radius and box refreshed for the moved key) and the needle's position."""
     st = m.prepare(k, lengths)
     D = k.shape[-1]
     G = q.shape[1] // k.shape[1]
@@ -131,7 +131,8 @@ def _plant_needle(q, k, m, lengths):
     top = (k[0, 0].double() @ q0).max()  # the needle outscores every key for query head 0: e^5 x (scaled)
     k[0, 0, t] = ((top + 5 * k.shape[-1] ** 0.5) * q0 / q0.norm() ** 2).to(k.dtype)
     st.radius = cluster_radius(k.flatten(0, 1), st.assign.flatten(0, 1), st.centroids.flatten(0, 1)).view_as(st.radius)
-    st.kmin, st.kmax = (b.view_as(st.kmin) for b in cluster_box(k.flatten(0, 1), st.assign.flatten(0, 1), st.kmin.shape[2]))
+    box = cluster_box(k.flatten(0, 1), st.assign.flatten(0, 1), st.centroids.shape[2])
+    st.kmin, st.kmax = (b.view(*st.centroids.shape) for b in box)
     return st, t
 
 
@@ -181,3 +182,15 @@ def test_merge_and_take_states_carry_radius_and_box():
         got, ta, tb = getattr(back, name), getattr(a, name), getattr(b, name)
         assert got.shape[2] == merged.sizes.shape[-1]
         assert torch.equal(got[0], tb[0]) and torch.equal(got[1, :, :Ca], ta[0]) and (got[1, :, Ca:] == 0).all()
+
+
+def test_the_index_keeps_a_box_only_where_the_plan_reads_it():
+    _, k, _ = clustered_qkv(1, 2, 2, 300, 64, seed=9, dtype=torch.float32)
+    lengths = torch.tensor([300])
+    assert make_method("tactic").prepare(k, lengths).kmin is not None  # the default: box
+    for opts in ({"protect_bound": "radius"}, {"protect": 0}, {"budget": 64}):
+        st = make_method("tactic", **opts).prepare(k, lengths)
+        assert st.kmin is None and st.kmax is None, opts
+        m = make_method("tactic", fold_every=50, **opts)  # a fold and row moves without a box
+        st = m.append(m.prepare(k, torch.tensor([200])), k, torch.tensor([300]))
+        assert m.take_states(m.merge_states([st, st]), [1]).kmin is None

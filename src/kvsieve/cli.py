@@ -18,9 +18,9 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster-size", type=int, help="tactic/hybrid: average tokens per cluster (16; larger "
                                                    "where a head would pass 4096 clusters: 32 at 128K tokens)")
     p.add_argument("--protect", type=int, help="tactic/hybrid threshold mode: tokens of clusters whose members "
-                                               "could score highest, taken before the mass threshold (256; 0: off)")
+                                               "could score highest, taken before the mass threshold (512; 0: off)")
     p.add_argument("--protect-bound", choices=["radius", "box"], help="tactic/hybrid: rank protected clusters by "
-                   "q.c + |q| r (radius) or by their members' channel-wise min/max (box)")
+                   "their members' channel-wise min/max (box, the default) or by q.c + |q| r (radius)")
     p.add_argument("--budget", type=int, help="quest/lserve: token budget of selected pages; tactic: fixed "
                                               "per-KV-head token budget instead of the threshold (GPU fast path)")
     p.add_argument("--page-size", type=int, help="quest/lserve: logical page size in tokens")

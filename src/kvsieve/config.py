@@ -210,19 +210,23 @@ class TacticConfig(MethodConfig):
         globally). [ours] 16384: full-context K-means at 128K costs ~6-10% of dense
         prefill, over the 5% target (docs/benchmarks.md). None: one K-means per head.
     protect: threshold mode also takes, per KV head, the clusters whose members could
-        score highest: ranked by the group's max of the bound q.c + |q| r (r: the
-        cluster's radius, so no member's q.k exceeds it) and taken while their total
-        stays <= protect tokens (the best one at least). [ours] 256; 0 disables. Ranking
-        by q.c alone hides a needle whose key sits far from its centroid in a wide,
-        low-ranked cluster: on the retrieval suite (SmolLM2, 2K tokens, 28 cases dense
-        answers) tactic found 20/28 reading 21.5% of the KV; with protect=256 27/28 at
-        28.8% (docs/accuracy-history.md). Not used with a fixed `budget`.
-    protect_bound: how the protected clusters are ranked. "radius": q.c + |q| r as above.
-        "box": sum_i max(q_i min_i, q_i max_i) over the channel-wise min/max of the
-        cluster's members (Quest's page bound, per cluster). [ours] "radius". |q| r
-        dominates the radius bound, so it ranks clusters by their width: on a suite miss
-        (docs/accuracy.md, seed 2, 7,680 tokens) the cluster holding 0.94 of a head's mass
-        ranks 228th by the radius bound and 10th by the box.
+        score highest (ranked by the group's max of `protect_bound`) while their total
+        stays <= protect tokens (the best one at least). [ours] 512; 0 disables. Not used
+        with a fixed `budget`. Ranking by q.c alone hides a needle whose key sits far from
+        its centroid in a wide, low-ranked cluster (retrieval suite, SmolLM2, 2K tokens:
+        20/28 without, 27/28 with 256 radius-ranked tokens; docs/accuracy-history.md). On
+        the six-seed suite in float32 (834 cases dense answers, H100, docs/accuracy.md):
+        512 box-ranked tokens find 98.9% (825) reading 15.9% of a 7.5K cache; 256 tokens
+        98.4% (821, radius) and 98.2% (819, box) at 13.4-13.6%; P = 0.97 without more
+        protection 98.8% at 21.2%.
+    protect_bound: how the protected clusters are ranked. "box": sum_i max(q_i min_i,
+        q_i max_i) over the channel-wise min/max of the cluster's members (Quest's page
+        bound, per cluster; the index keeps the box, 2x the centroids' memory). "radius":
+        q.c + |q| r (r: the cluster's radius). [ours] "box". |q| r dominates the radius
+        bound, so it ranks clusters by their width: on a suite miss (docs/accuracy.md, seed
+        2, 7,680 tokens) the cluster holding 0.94 of a head's mass ranks 228th by the
+        radius bound and 10th by the box. At 256 tokens the two bounds find as many cases
+        (821 / 819); 512 radius-ranked tokens were not measured on the suite.
     """
 
     threshold: float = 0.93
@@ -243,8 +247,8 @@ class TacticConfig(MethodConfig):
     local: int = 32
     budget: Optional[int] = None
     cluster_window: Optional[int] = 16384
-    protect: int = 256
-    protect_bound: str = "radius"
+    protect: int = 512
+    protect_bound: str = "box"
 
     def __post_init__(self):
         _fraction("threshold", self.threshold)

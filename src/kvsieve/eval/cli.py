@@ -49,6 +49,8 @@ def register(sub) -> None:
     p.add_argument("--suite-fractions", help="extra quest/lserve/streaming budgets in the suite, fractions of context")
     p.add_argument("--streaming-heads", metavar="FILE", help="pattern for lserve/hybrid from `kvsieve calibrate` "
                    "('none': no streaming head; default: the shipped pattern of the embedded model)")
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="CUDA: share of the free GPU memory the "
+                   "KV pool may take (lower it to run several evals on one GPU; default 0.9)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--no-progress", action="store_true")
@@ -130,6 +132,8 @@ def cmd_eval(args) -> int:
     from .store import ResultStore
 
     t_start = time.time()
+    if not 0 < args.gpu_memory_fraction <= 1:
+        raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {args.gpu_memory_fraction}")
     # fail fast on what needs no model: unknown names, output directory, text file
     EvalPlan(**{k: v for k, v in {"tasks": args.tasks and _list(args.tasks, "--tasks", str),
                                   "methods": args.methods and _list(args.methods, "--methods", str)}.items()
@@ -162,7 +166,7 @@ def cmd_eval(args) -> int:
 
     def engine(**kw):  # every request attends with its own method (no crossover, no dense fallback)
         return LLMEngine(model, tok, "dense", dense_below=0, max_num_seqs=64 if args.device.startswith("cuda") else 8,
-                         **kw)
+                         gpu_memory_fraction=args.gpu_memory_fraction, **kw)
     if "fidelity" in plan.tasks:  # its attention observer needs the reference path
         run_fidelity(engine(paged=False), text_ids, plan, store, progress, heads, special_prefix(tok))
     if "retrieval" in plan.tasks or "suite" in plan.tasks:

@@ -56,7 +56,7 @@ class Tactic(SparseMethod):
                                  torch.full((B, Hkv, S), -1, dtype=torch.long, device=k.device),
                                  lengths.clone(), torch.zeros_like(lengths), host_indexed=lengths.tolist(),
                                  radius=k.new_zeros(B, Hkv, 1, dtype=torch.float32),
-                                 kmin=k.new_zeros(B, Hkv, 1, D), kmax=k.new_zeros(B, Hkv, 1, D)) for k in ks]
+                                 **self._empty_box(k.new_zeros(B, Hkv, 1, D))) for k in ks]
         sizes_by_row = [self.cluster_size_for(n - sink) for n in host]
         if len(set(sizes_by_row)) > 1:  # requests of different cluster sizes: each on its own
             per_request = [self.prepare_layers([k[b:b + 1] for k in ks], lengths[b:b + 1], layers) for b in range(B)]
@@ -72,7 +72,7 @@ class Tactic(SparseMethod):
         low = ks[0].dtype in (torch.float16, torch.bfloat16)
         cent = res.centroids.to(ks[0].dtype) if low else res.centroids
         radius = cluster_radius(x, res.assign, cent).view(L, B, Hkv, C)
-        kmin, kmax = (t.view(L, B, Hkv, C, D) for t in cluster_box(x, res.assign, C))
+        box = [t.view(L, B, Hkv, C, D) for t in cluster_box(x, res.assign, C)] if self._uses_box() else [[None] * L] * 2
         cent, sizes = cent.view(L, B, Hkv, C, D), res.sizes.view(L, B, Hkv, C)
         used = res.num_clusters.view(L, B, Hkv)[:, :, 0]
         # the CSR view of every layer in one sort (a join or a rebuild then copies it)
@@ -80,8 +80,17 @@ class Tactic(SparseMethod):
         max_size = int(sizes32.max()) if sizes32.numel() else 0
         return [ClusterIndex(cent[i], sizes[i], assign[i], indexed_end.clone(), used[i].clone(), res.iters,
                              members[i], start[i], sizes32[i], max_size, host_indexed=list(host), radius=radius[i],
-                             kmin=kmin[i], kmax=kmax[i])
+                             kmin=box[0][i], kmax=box[1][i])
                 for i in range(L)]
+
+    def _uses_box(self) -> bool:
+        """The index keeps each cluster's min/max box only where the plan ranks protected clusters by it."""
+        cfg = self.config
+        return cfg.protect > 0 and cfg.protect_bound == "box" and cfg.budget is None
+
+    def _empty_box(self, zeros: Tensor) -> dict:
+        """kmin/kmax of an index with no cluster (zeros [B, Hkv, 1, D]), when the index keeps a box."""
+        return {"kmin": zeros, "kmax": zeros.clone()} if self._uses_box() else {}
 
     def cluster_size_for(self, n: int) -> int:
         """The average cluster size K-means uses for a head of n indexed tokens: the
@@ -127,10 +136,11 @@ class Tactic(SparseMethod):
         new_cent = torch.where(cnt[..., None] > 0, (cent * old + add) / new_total, cent).to(st.centroids.dtype)
         moved = (new_cent.to(cent.dtype) - cent).norm(dim=-1)  # old members are at most this much farther
         st.radius[b] = torch.maximum(st.radius[b] + moved, cluster_radius(x, a, new_cent)).to(st.radius.dtype)
-        lo, hi = cluster_box(k[:, start:end].to(st.kmin.dtype), a, C)
-        had, got = (st.sizes[b] > 0)[..., None], (cnt > 0)[..., None]
-        st.kmin[b] = torch.where(got, torch.where(had, torch.minimum(st.kmin[b], lo), lo), st.kmin[b])
-        st.kmax[b] = torch.where(got, torch.where(had, torch.maximum(st.kmax[b], hi), hi), st.kmax[b])
+        if st.kmin is not None:
+            lo, hi = cluster_box(k[:, start:end].to(st.kmin.dtype), a, C)
+            had, got = (st.sizes[b] > 0)[..., None], (cnt > 0)[..., None]
+            st.kmin[b] = torch.where(got, torch.where(had, torch.minimum(st.kmin[b], lo), lo), st.kmin[b])
+            st.kmax[b] = torch.where(got, torch.where(had, torch.maximum(st.kmax[b], hi), hi), st.kmax[b])
         st.centroids[b] = new_cent  # cent may alias st.centroids[b]: written last
         st.sizes[b] += cnt
         st.assign[b, :, start:end] = a
@@ -291,8 +301,11 @@ class Tactic(SparseMethod):
                and state.sizes32.shape == state.sizes.shape and new.members is not None
                and new.members.shape == new.assign.shape and not new.csr_stale)
         wide = widened(new, state.centroids.shape[2], state.assign.shape[-1])
-        for name in ("centroids", "sizes", "radius", "kmin", "kmax", "assign") + (("members", "entry_start", "sizes32") if csr else ()):
-            getattr(state, name)[row].copy_(getattr(wide, name)[0])
+        names = ("centroids", "sizes", "radius", "kmin", "kmax", "assign") + (
+            ("members", "entry_start", "sizes32") if csr else ())
+        for name in names:
+            if getattr(state, name) is not None:  # kmin/kmax: only where the config keeps a box
+                getattr(state, name)[row].copy_(getattr(wide, name)[0])
         state.num_indexed[row] = new.num_indexed[0]
         state.num_clusters[row] = new.num_clusters[0]
         state.host_indexed[row] = (new.host_indexed or new.num_indexed.tolist())[0]
