@@ -1,10 +1,12 @@
 """One suite case, one layer and query head, under Tactic (issue 18's diagnosis of a miss).
 
-    python3 scripts/needle_head_probe.py SEED CASE_ID ANSWER LAYER QHEAD [THRESHOLD]
+    python3 scripts/needle_head_probe.py SEED|RUN_DIR CASE_ID ANSWER LAYER QHEAD [THRESHOLD]
     python3 scripts/needle_head_probe.py 2 45-multihop-pydoc-7680-d0.67-plain " Liskamere." 7 7 0.99
+    python3 scripts/needle_head_probe.py docs/accuracy/protect-box-2026-11-25/seed5 \
+        1-name-generated-7680-d0.28-plain " Wilhelmina Kettleby." 18 8
 
-Teacher-forces dense's ANSWER (text) after the case's prompt (rebuilt from
-docs/accuracy/suite-2026-11-23-seedSEED) through LLMEngine's reference path, float32 on the
+Teacher-forces dense's ANSWER (text) after the case's prompt (rebuilt from RUN_DIR's
+results.json and generated.txt, or docs/accuracy/suite-2026-11-23-seedSEED) through LLMEngine's reference path, float32 on the
 CPU. At every answer step prints, for that head: its five most attended tokens (needle or
 not, q.k), each token's cluster (size, radius, the head's q.c) and the cluster's rank, with
 the tokens ranked before it, by the group's q.c, by the radius bound and by a min/max box
@@ -23,8 +25,9 @@ from kvsieve.engine import LLMEngine
 from kvsieve.eval.suite import build_suite, filler_sources
 from kvsieve.model.loader import load_model
 
-SEED, CASE, ANSWER = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-d = os.path.join(os.path.dirname(__file__), "..", "docs", "accuracy", f"suite-2026-11-23-seed{SEED}")
+CASE, ANSWER = sys.argv[2], sys.argv[3]
+d = sys.argv[1] if os.path.isdir(sys.argv[1]) else os.path.join(  # a run's folder, or a seed of the 2026-11-23 runs
+    os.path.dirname(__file__), "..", "docs", "accuracy", f"suite-2026-11-23-seed{int(sys.argv[1])}")
 res = json.loads(Path(d + "/results.json").read_text()); plan = res["plan"]
 model, tok, _ = load_model(None, dtype=torch.float32, device="cpu")
 src = {k: v for k, v in filler_sources(Path(d + "/generated.txt").read_text()).items() if k in plan["suite_sources"]}
@@ -77,5 +80,5 @@ def obs(layer, *a):
     if layer == model.cfg.num_layers - 1:
         step[0] += 1
 
-eng.score([list(case.prompt_ids)], [ans], "tactic", {"threshold": float(sys.argv[6]) if len(sys.argv) > 6 else 0.93},
+eng.score([list(case.prompt_ids)], [ans], "tactic", {"threshold": float(sys.argv[6])} if len(sys.argv) > 6 else {},
           observe=obs)
