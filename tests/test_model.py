@@ -91,6 +91,7 @@ def test_batch_of_prompts_matches_single_runs(embedded):
 
 @pytest.mark.parametrize("method,opts", [("dense", {}), ("quest", {"budget": 128}), ("tactic", {"budget": 200}),
                                          ("tactic", {"protect": 64}), ("tactic", {"protect": 64, "protect_bound": "box"}),
+                                         ("tactic", {"protect": 64, "dense_heads": ((1, 0), (7, 2))}),
                                          ("streaming", {"sink": 16, "local": 64})])
 def test_paged_fast_path_generates_what_the_reference_path_does(embedded, method, opts):
     """Plan + paged attention straight on the cache pages (the GPU path, here with the
@@ -194,6 +195,8 @@ def test_generate_json_contract(capsys):
     (["--method", "fancy", "--prompt", "hi"], "unknown method 'fancy'"),
     (["--method", "tactic", "--page-size", "100", "--prompt", "hi"], "unknown option(s) page_size for method 'tactic'"),
     (["--threshold", "1.5", "--prompt", "hi"], "threshold must be a number in (0, 1]"),
+    (["--dense-heads", "7-2", "--prompt", "hi"], "--dense-heads must be layer:kv_head pairs separated by commas"),
+    (["--dense-heads", "7:9", "--prompt", "hi"], "dense_heads names KV head 9 of layer 7, which has 3 KV heads"),
     (["--prompt-file", "/nonexistent.txt"], "prompt file '/nonexistent.txt' not found"),
     (["--prompt", "hi", "--max-new-tokens", "8200"], "the model allows 8192 positions"),
 ])

@@ -194,3 +194,30 @@ def test_the_index_keeps_a_box_only_where_the_plan_reads_it():
         m = make_method("tactic", fold_every=50, **opts)  # a fold and row moves without a box
         st = m.append(m.prepare(k, torch.tensor([200])), k, torch.tensor([300]))
         assert m.take_states(m.merge_states([st, st]), [1]).kmin is None
+
+
+def test_dense_heads_attend_every_token_of_their_layer_only():
+    q, k, v = clustered_qkv(2, 6, 3, 300, 64, sharpness=6.0, seed=12, dtype=torch.float32)
+    lengths = torch.tensor([300, 97])
+    m = make_method("tactic", threshold=0.5, protect=32, dense_heads=[(1, 2), (4, 0)])
+    base = make_method("tactic", threshold=0.5, protect=32)
+    for layer, dense in ((0, []), (1, [2]), (4, [0])):
+        st = m.prepare(k, lengths, layer)
+        sel, ref = m.select(q, k, lengths, st), base.select(q, k, lengths, base.prepare(k, lengths, layer))
+        for h in range(3):
+            if h in dense:
+                assert sel.mask[0, h].all() and sel.mask[1, h, :97].all() and not sel.mask[1, h, 97:].any()
+            else:
+                assert torch.equal(sel.mask[:, h], ref.mask[:, h]), (layer, h)
+        assert not ref.mask.all()
+        merged = m.take_states(m.merge_states([st, st]), [3, 0])
+        assert (merged.dense is None) == (not dense)
+        assert not dense or merged.dense.tolist() == [h in dense for h in range(3)]
+    with pytest.raises(ValueError, match="dense_heads names KV head 5 of layer 1, which has 3 KV heads"):
+        make_method("tactic", dense_heads=[(1, 5)]).prepare(k, lengths, 1)
+    with pytest.raises(ValueError, match=r"dense_heads must be \(layer, kv_head\) pairs"):
+        make_method("tactic", dense_heads=[(1, -2)])
+    with pytest.raises(ValueError, match="dense_heads applies to the threshold mode"):
+        make_method("tactic", dense_heads=[(1, 2)], budget=64)
+    with pytest.raises(ValueError, match="a hybrid's static heads come from its streaming pattern"):
+        make_method("hybrid", dense_heads=[(1, 2)])

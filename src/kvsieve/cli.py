@@ -21,6 +21,8 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
                                                "could score highest, taken before the mass threshold (512; 0: off)")
     p.add_argument("--protect-bound", choices=["radius", "box"], help="tactic/hybrid: rank protected clusters by "
                    "their members' channel-wise min/max (box, the default) or by q.c + |q| r (radius)")
+    p.add_argument("--dense-heads", metavar="L:H,...", help="tactic threshold mode: (layer:KV head) pairs "
+                   "attended densely, e.g. 7:2,18:2 (default none)")
     p.add_argument("--budget", type=int, help="quest/lserve: token budget of selected pages; tactic: fixed "
                                               "per-KV-head token budget instead of the threshold (GPU fast path)")
     p.add_argument("--page-size", type=int, help="quest/lserve: logical page size in tokens")
@@ -40,7 +42,19 @@ def method_options(args: argparse.Namespace) -> dict:
              "protect_bound": "protect_bound", "budget": "budget",
              "page_size": "page_size", "sink": "sink", "local": "local", "prefill_local": "prefill_local",
              "sparse_prefill": "sparse_prefill"}
-    return {dst: getattr(args, src) for src, dst in names.items() if getattr(args, src, None) is not None}
+    opts = {dst: getattr(args, src) for src, dst in names.items() if getattr(args, src, None) is not None}
+    if getattr(args, "dense_heads", None) is not None:
+        opts["dense_heads"] = parse_heads(args.dense_heads)
+    return opts
+
+
+def parse_heads(text: str) -> tuple:
+    """'7:2,18:2' -> ((7, 2), (18, 2))."""
+    try:
+        return tuple((int(a), int(b)) for a, b in (p.split(":") for p in text.split(",") if p.strip()))
+    except ValueError:
+        raise ValueError(f"--dense-heads must be layer:kv_head pairs separated by commas, e.g. 7:2,18:2; "
+                         f"got {text!r}") from None
 
 
 def cmd_demo(args) -> int:

@@ -227,6 +227,14 @@ class TacticConfig(MethodConfig):
         2, 7,680 tokens) the cluster holding 0.94 of a head's mass ranks 228th by the
         radius bound and 10th by the box. At 256 tokens the two bounds find as many cases
         (821 / 819); 512 radius-ranked tokens were not measured on the suite.
+    dense_heads: (layer, KV head) pairs attended densely, every token at every step
+        (threshold mode; not in a hybrid, whose static heads come from its pattern). [ours]
+        none. For retrieval heads that put most of their mass on one needle token whose
+        cluster ranks low: over 20 suite cases at 7,680 tokens (CPU, float32), tactic read
+        under half of such a needle mass in layer 7, query head 7 at 10 answer steps of 8 cases,
+        and two of three misses rebuilt on the CPU lose it in layer 18's KV head 2
+        (docs/accuracy.md). Each dense KV head of the embedded model adds 1/90 of the KV
+        read. Not yet measured on the suite: no default.
     """
 
     threshold: float = 0.93
@@ -249,6 +257,7 @@ class TacticConfig(MethodConfig):
     cluster_window: Optional[int] = 16384
     protect: int = 512
     protect_bound: str = "box"
+    dense_heads: Tuple[Tuple[int, int], ...] = ()
 
     def __post_init__(self):
         _fraction("threshold", self.threshold)
@@ -289,3 +298,15 @@ class TacticConfig(MethodConfig):
         _non_negative_int("protect", self.protect)
         if self.protect_bound not in ("radius", "box"):
             raise ValueError(f"protect_bound must be 'radius' or 'box', got {self.protect_bound!r}")
+        try:
+            pairs = tuple((int(a), int(b)) for a, b in self.dense_heads)
+            ok = all(not isinstance(y, bool) and x >= 0 and float(x) == y
+                     for pair, given in zip(pairs, self.dense_heads) for x, y in zip(pair, given))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"dense_heads must be (layer, kv_head) pairs of integers >= 0, e.g. ((7, 2),), "
+                             f"got {self.dense_heads!r}")
+        if pairs and self.budget is not None:
+            raise ValueError("dense_heads applies to the threshold mode; drop budget or dense_heads")
+        object.__setattr__(self, "dense_heads", tuple(sorted(set(pairs))))

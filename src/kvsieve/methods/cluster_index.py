@@ -28,6 +28,8 @@ class ClusterIndex:
     kmin, kmax [B, Hkv, C, D] in the keys' dtype: the channel-wise min/max of each cluster's
     members (exact, also after a fold; 0 for empty clusters), the box that bounds q.k for
     protect_bound "box".
+    dense [Hkv] bool or None: KV heads of this layer attended densely (TacticConfig.dense_heads;
+    a property of the layer, shared by every row).
     members/entry_start/sizes32: the same index as CSR for the paged fast path (token
     ids grouped by cluster [B, Hkv, S] int32, first member of each cluster and cluster
     sizes [B, Hkv, C] int32); built on first use, rebuilt in place after a fold.
@@ -50,6 +52,7 @@ class ClusterIndex:
     radius: Optional[Tensor] = None
     kmin: Optional[Tensor] = None
     kmax: Optional[Tensor] = None
+    dense: Optional[Tensor] = None
     csr_stale: Set[int] = field(default_factory=set)  # rows changed since the CSR view was built
 
     def widen(self, C: int, S: int) -> None:
@@ -126,6 +129,7 @@ def concat_rows(states: List[ClusterIndex]) -> ClusterIndex:
     cat = {n: None if any(getattr(p, n) is None for p in parts) else torch.cat([getattr(p, n) for p in parts])
            for n in ROW_TENSORS}
     return ClusterIndex(**cat, iters=max(s.iters for s in states), max_size=max(p.max_size for p in parts),
+                        dense=states[0].dense,
                         host_indexed=[i for s in states for i in (s.host_indexed or s.num_indexed.tolist())])
 
 

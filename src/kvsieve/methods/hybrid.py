@@ -67,6 +67,8 @@ class HybridConfig(MethodConfig):
             _non_negative_int("prefill_local", self.prefill_local)
         if self.dynamic in ("hybrid", "lserve"):
             raise ValueError(f"dynamic method must not itself be hybrid, got {self.dynamic!r}")
+        if getattr(self.dynamic_config, "dense_heads", ()):
+            raise ValueError("dense_heads is a tactic option; a hybrid's static heads come from its streaming pattern")
 
     @classmethod
     def from_options(cls, method: str, **options):

@@ -56,7 +56,8 @@ class Tactic(SparseMethod):
                                  torch.full((B, Hkv, S), -1, dtype=torch.long, device=k.device),
                                  lengths.clone(), torch.zeros_like(lengths), host_indexed=lengths.tolist(),
                                  radius=k.new_zeros(B, Hkv, 1, dtype=torch.float32),
-                                 **self._empty_box(k.new_zeros(B, Hkv, 1, D))) for k in ks]
+                                 dense=self._dense_flags(layer, Hkv, k.device),
+                                 **self._empty_box(k.new_zeros(B, Hkv, 1, D))) for k, layer in zip(ks, layers)]
         sizes_by_row = [self.cluster_size_for(n - sink) for n in host]
         if len(set(sizes_by_row)) > 1:  # requests of different cluster sizes: each on its own
             per_request = [self.prepare_layers([k[b:b + 1] for k in ks], lengths[b:b + 1], layers) for b in range(B)]
@@ -80,8 +81,17 @@ class Tactic(SparseMethod):
         max_size = int(sizes32.max()) if sizes32.numel() else 0
         return [ClusterIndex(cent[i], sizes[i], assign[i], indexed_end.clone(), used[i].clone(), res.iters,
                              members[i], start[i], sizes32[i], max_size, host_indexed=list(host), radius=radius[i],
-                             kmin=box[0][i], kmax=box[1][i])
+                             kmin=box[0][i], kmax=box[1][i], dense=self._dense_flags(layers[i], Hkv, x.device))
                 for i in range(L)]
+
+    def _dense_flags(self, layer: int, Hkv: int, device) -> Optional[Tensor]:
+        """[Hkv] bool: this layer's KV heads in dense_heads; None when it has none."""
+        heads = [h for L, h in self.config.dense_heads if L == layer]
+        if not heads:
+            return None
+        if max(heads) >= Hkv:
+            raise ValueError(f"dense_heads names KV head {max(heads)} of layer {layer}, which has {Hkv} KV heads")
+        return torch.tensor([h in heads for h in range(Hkv)], device=device)
 
     def _uses_box(self) -> bool:
         """The index keeps each cluster's min/max box only where the plan ranks protected clusters by it."""
@@ -210,6 +220,8 @@ class Tactic(SparseMethod):
                 bound = radius_bound(cscore, q, st.radius)
             protected, _, _ = select_by_budget(bound, st.sizes, torch.full_like(st.sizes[..., 0], cfg.protect))
             head_mask |= (protected.gather(-1, st.assign[..., :S].clamp(min=0)) & in_list_kv).repeat_interleave(G, 1)
+        if st.dense is not None:  # every valid token of the dense KV heads
+            head_mask |= (st.dense[None, :, None] & valid[:, None, :]).repeat_interleave(G, 1)
         mask = head_mask.view(B, Hkv, G, S).any(2)
         return Selection(mask, {"head_budget": sel_q.sum(-1), "head_mask": head_mask})
 
@@ -346,7 +358,10 @@ class Tactic(SparseMethod):
         else:
             _, group_max = dispatch.summary_scores(q, state.centroids, None, n_valid, group_only=True)
             chosen, offsets, total = dispatch.select_by_budget(group_max, state.sizes32, c["budget"])
-        stream, cap = streaming_window(skip, window, self.plan_capacity(state, host_lengths))
+        cap = self.plan_capacity(state, host_lengths)
+        if state.dense is not None:  # a window as long as the list: every token (threshold mode: cap >= length)
+            skip, window = state.dense, (0, cap)
+        stream, cap = streaming_window(skip, window, cap)
         table, page = row_table(keys)
         idx, counts = dispatch.compact_tokens(chosen, offsets, total, state.members, state.entry_start,
                                               state.sizes32, 0, c["sink"], state.num_indexed[:, None], lengths, cap,
