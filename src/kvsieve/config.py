@@ -229,12 +229,13 @@ class TacticConfig(MethodConfig):
         (821 / 819); 512 radius-ranked tokens were not measured on the suite.
     dense_heads: (layer, KV head) pairs attended densely, every token at every step
         (threshold mode; not in a hybrid, whose static heads come from its pattern). [ours]
-        none. For retrieval heads that put most of their mass on one needle token whose
-        cluster ranks low: over 20 suite cases at 7,680 tokens (CPU, float32), tactic read
-        under half of such a needle mass in layer 7, query head 7 at 10 answer steps of 8 cases,
-        and two of three misses rebuilt on the CPU lose it in layer 18's KV head 2
-        (docs/accuracy.md). Each dense KV head of the embedded model adds 1/90 of the KV
-        read. Not yet measured on the suite: no default.
+        none. For retrieval and copy heads that put most of their mass on needle tokens in
+        low-ranked clusters. Over 53 suite cases at 7,680 tokens (CPU, float32), tactic
+        read under half of such a needle mass (> 0.3) in layer 7, query head 7 at 31 answer
+        steps of 26 cases. Two of three misses rebuilt on the CPU lose it in layer 18's KV
+        head 2, and `((7, 2), (18, 2))` finds all three (in-sample; docs/accuracy.md). Each
+        dense KV head of the embedded model adds up to 1/90 of the KV read. Not yet measured
+        on the suite: no default.
     """
 
     threshold: float = 0.93
