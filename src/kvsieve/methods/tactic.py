@@ -91,7 +91,11 @@ class Tactic(SparseMethod):
             return None
         if max(heads) >= Hkv:
             raise ValueError(f"dense_heads names KV head {max(heads)} of layer {layer}, which has {Hkv} KV heads")
-        return torch.tensor([h in heads for h in range(Hkv)], device=device)
+        cache = self.__dict__.setdefault("_dense_flags_cache", {})  # one upload per layer, not per prefill
+        key = (layer, Hkv, str(device))
+        if key not in cache:
+            cache[key] = torch.tensor([h in heads for h in range(Hkv)], device=device)
+        return cache[key]
 
     def _uses_box(self) -> bool:
         """The index keeps each cluster's min/max box only where the plan ranks protected clusters by it."""
