@@ -9,7 +9,8 @@ Cases are rebuilt from the run's seed (0) and filler sources; the run's generate
 from generated.txt beside results.json. --misses M: the cases dense answered right and M's
 default missed; --right: every case dense answered right (a slice's found/KV read per option).
 lserve/hybrid run with the model's shipped streaming heads unless an option dict gives
-"streaming_ratio": r (that fraction of KV heads, chosen by the shipped pattern's scores).
+"streaming_ratio": r (that fraction of KV heads, chosen by the shipped pattern's scores);
+tactic with its shipped dense heads unless it gives "dense_heads".
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from kvsieve.engine import LLMEngine, SamplingParams  # noqa: E402
 from kvsieve.eval.suite import build_suite, filler_sources  # noqa: E402
 from kvsieve.model.loader import load_model  # noqa: E402
-from kvsieve.patterns import STREAMING_METHODS, choose_streaming, default_pattern, load_pattern  # noqa: E402
+from kvsieve.patterns import (STREAMING_METHODS, choose_streaming, default_pattern, dense_heads_for,  # noqa: E402
+                              load_pattern)
 
 
 def chosen_ids(cells: dict, args) -> list:
@@ -84,6 +86,9 @@ def main() -> int:
             opts["streaming_heads"] = choose_streaming(scores, ratio)
         elif method in STREAMING_METHODS and shipped:
             opts["streaming_heads"] = load_pattern(shipped)
+        dense = dense_heads_for(method, opts, model_dir, model.cfg.num_layers, model.cfg.num_kv_heads)
+        if dense:  # tactic's shipped dense heads, unless the option dict names its own ("dense_heads": [] for none)
+            opts["dense_heads"] = dense
         t0 = time.time()
         outs = eng.generate([c.prompt_ids for c in cases], [SamplingParams(c.max_new_tokens) for c in cases],
                             method, opts)

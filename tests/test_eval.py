@@ -229,7 +229,8 @@ def test_eval_unwritable_output_directory(capsys, tmp_path):
 def test_eval_small_smoke_and_resume(capsys, tmp_path):
     """Every task end to end on the embedded model, three methods (the CI slice; the whole
     --quick preset is the slow test below), then a re-run that resumes. Fidelity at 1,024
-    tokens: at 512 tactic's 512 protected tokens would cover the whole context."""
+    tokens: at 512 tactic's protected tokens and dense head would leave little to select.
+    tactic runs with the embedded model's shipped dense heads; its cells name them."""
     out_dir = tmp_path / "small"
     argv = ["eval", "--quick", "--out", str(out_dir), "--no-progress", "--methods", "dense,tactic,quest",
             "--lengths", "1024", "--retrieval-lengths", "512", "--suite-lengths", "512", "--suite-cases", "3",
@@ -237,8 +238,15 @@ def test_eval_small_smoke_and_resume(capsys, tmp_path):
     code, out = run_cli(capsys, *argv)
     assert code == 0, out.err
     res = json.loads((out_dir / "results.json").read_text())
-    cells = {c["id"]: c for c in res["cells"]}
+    from kvsieve.patterns import EMBEDDED_PATTERN, load_dense_heads, pattern_tag
+
+    shipped = load_dense_heads(EMBEDDED_PATTERN)
+    tag = f" heads={pattern_tag(shipped)}"
+    assert all(c["id"].endswith(tag) == (" tactic " in f" {c['id'].split('/')[-1]}") for c in res["cells"])
+    cells = {c["id"].split(" heads=")[0]: c for c in res["cells"]}
     assert len(cells) == 5 + 5 + 3, sorted(cells)  # fidelity: dense, 3 P, quest; retrieval: the same; suite: 3
+    assert res["dense_heads"]["tactic"] == [list(h) for h in shipped] and shipped
+    assert cells["suite/512/tactic default"]["options"]["dense_heads"] == [list(h) for h in shipped]
     dense = cells["fidelity/1024/dense"]
     assert dense["mass_mean"] == pytest.approx(1.0) and dense["out_err_mean"] < 1e-5 and dense["kl"] < 1e-9
     tactic = [cells[f"fidelity/1024/tactic P={p}"] for p in (0.8, 0.9, 0.95)]
@@ -276,6 +284,7 @@ def test_eval_quick_smoke_and_resume(capsys, tmp_path):
     # the shipped pattern is the default, at each method's own validated ratio
     heads, hybrid_heads = (f" heads={pattern_tag(pattern_for(m, None, resolve_model_dir(None), 30, 3))}"
                            for m in ("lserve", "hybrid"))
+    cells.update({k.split(" heads=")[0]: c for k, c in cells.items() if "/tactic " in k})  # tactic's dense heads
     assert heads != hybrid_heads and f"fidelity/2048/hybrid P=0.9{hybrid_heads}" in cells
     for label in ("tactic P=0.8", "tactic P=0.9", "tactic P=0.95", "quest 10%", f"lserve 10%{heads}", "streaming 10%"):
         c = cells[f"fidelity/2048/{label}"]

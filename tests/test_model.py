@@ -187,6 +187,17 @@ def test_generate_json_contract(capsys):
     assert rc == 0 and "quest (dense attention)" in err and "pass --dense-below 0 to force quest" in err
 
 
+def test_generate_tactic_takes_the_shipped_dense_heads_in_threshold_mode_only(capsys):
+    from kvsieve.patterns import EMBEDDED_PATTERN, load_dense_heads
+
+    argv = ["generate", "--prompt", "Name a color.", "--max-new-tokens", "2", "--method", "tactic", "--json"]
+    shipped = [list(h) for h in load_dense_heads(EMBEDDED_PATTERN, 30, 3)]
+    for extra, want in [((), shipped), (("--dense-heads", "none"), []), (("--dense-heads", "3:1"), [[3, 1]]),
+                        (("--budget", "64"), None)]:
+        rc, out, _ = run_cli(capsys, *argv, *extra)
+        assert rc == 0 and json.loads(out)["options"].get("dense_heads") == want, extra
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--model", "/nonexistent/model"], "does not exist"),
     (["--model", "tests"], "unknown model format"),
@@ -196,7 +207,10 @@ def test_generate_json_contract(capsys):
     (["--method", "tactic", "--page-size", "100", "--prompt", "hi"], "unknown option(s) page_size for method 'tactic'"),
     (["--threshold", "1.5", "--prompt", "hi"], "threshold must be a number in (0, 1]"),
     (["--dense-heads", "7-2", "--prompt", "hi"], "--dense-heads must be layer:kv_head pairs separated by commas"),
-    (["--dense-heads", "7:9", "--prompt", "hi"], "dense_heads names KV head 9 of layer 7, which has 3 KV heads"),
+    (["--dense-heads", "7:9", "--prompt", "hi"], "name 7:9, but this model has 30 layers x 3 KV heads"),
+    (["--dense-heads", "30:0", "--prompt", "hi"], "name 30:0, but this model has 30 layers x 3 KV heads"),
+    (["--dense-heads", "/nonexistent/heads.json", "--prompt", "hi"], "dense-heads file '/nonexistent/heads.json' "
+                                                                        "not found"),
     (["--prompt-file", "/nonexistent.txt"], "prompt file '/nonexistent.txt' not found"),
     (["--prompt", "hi", "--max-new-tokens", "8200"], "the model allows 8192 positions"),
 ])

@@ -18,11 +18,12 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster-size", type=int, help="tactic/hybrid: average tokens per cluster (16; larger "
                                                    "where a head would pass 4096 clusters: 32 at 128K tokens)")
     p.add_argument("--protect", type=int, help="tactic/hybrid threshold mode: tokens of clusters whose members "
-                                               "could score highest, taken before the mass threshold (512; 0: off)")
+                                               "could score highest, taken before the mass threshold (tactic 256, hybrid 512; 0: off)")
     p.add_argument("--protect-bound", choices=["radius", "box"], help="tactic/hybrid: rank protected clusters by "
                    "their members' channel-wise min/max (box, the default) or by q.c + |q| r (radius)")
-    p.add_argument("--dense-heads", metavar="L:H,...", help="tactic threshold mode: (layer:KV head) pairs "
-                   "attended densely, e.g. 7:2,18:2 (default none)")
+    p.add_argument("--dense-heads", metavar="L:H,...|FILE|none", help="tactic threshold mode: KV heads attended "
+                   "densely, as layer:head pairs (7:2,18:2) or a `kvsieve calibrate` file's (default: the "
+                   "embedded model's calibrated ones, 7:2; other models none)")
     p.add_argument("--budget", type=int, help="quest/lserve: token budget of selected pages; tactic: fixed "
                                               "per-KV-head token budget instead of the threshold (GPU fast path)")
     p.add_argument("--page-size", type=int, help="quest/lserve: logical page size in tokens")
@@ -49,7 +50,15 @@ def method_options(args: argparse.Namespace) -> dict:
 
 
 def parse_heads(text: str) -> tuple:
-    """'7:2,18:2' -> ((7, 2), (18, 2))."""
+    """'7:2,18:2' -> ((7, 2), (18, 2)); 'none' -> (); a file's dense_heads (kvsieve calibrate)."""
+    from pathlib import Path
+
+    if text.strip().lower() == "none":
+        return ()
+    if text.endswith(".json") or Path(text).is_file():
+        from .patterns import load_dense_heads
+
+        return load_dense_heads(text)
     try:
         return tuple((int(a), int(b)) for a, b in (p.split(":") for p in text.split(",") if p.strip()))
     except ValueError:

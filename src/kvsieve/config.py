@@ -211,14 +211,16 @@ class TacticConfig(MethodConfig):
         prefill, over the 5% target (docs/benchmarks.md). None: one K-means per head.
     protect: threshold mode also takes, per KV head, the clusters whose members could
         score highest (ranked by the group's max of `protect_bound`) while their total
-        stays <= protect tokens (the best one at least). [ours] 512; 0 disables. Not used
-        with a fixed `budget`. Ranking by q.c alone hides a needle whose key sits far from
-        its centroid in a wide, low-ranked cluster (retrieval suite, SmolLM2, 2K tokens:
-        20/28 without, 27/28 with 256 radius-ranked tokens; docs/accuracy-history.md). On
-        the six-seed suite in float32 (834 cases dense answers, H100, docs/accuracy.md):
-        512 box-ranked tokens find 98.9% (825) reading 15.9% of a 7.5K cache; 256 tokens
-        98.4% (821, radius) and 98.2% (819, box) at 13.4-13.6%; P = 0.97 without more
-        protection 98.8% at 21.2%.
+        stays <= protect tokens (the best one at least). [ours] 256 (a hybrid's tactic
+        heads: 512); 0 disables. Not used with a fixed `budget`. Ranking by q.c alone hides
+        a needle whose key sits far from its centroid in a wide, low-ranked cluster
+        (retrieval suite, SmolLM2, 2K tokens: 20/28 without, 27/28 with 256 radius-ranked
+        tokens; docs/accuracy-history.md). On the six-seed suite in float32 (834 cases
+        dense answers, H100, docs/accuracy.md), without dense heads: 512 box-ranked tokens
+        find 98.9% (825) reading 15.9% of a 7.5K cache, 512 radius-ranked 99.2% (827) at
+        15.6%; 256 tokens 98.4% (821, radius) and 98.2% (819, box) at 13.4-13.6%; with the
+        embedded model's calibrated dense head, 256 box-ranked tokens find 99.0% (826) at
+        14.7%, 128 tokens fewer.
     protect_bound: how the protected clusters are ranked. "box": sum_i max(q_i min_i,
         q_i max_i) over the channel-wise min/max of the cluster's members (Quest's page
         bound, per cluster; the index keeps the box, 2x the centroids' memory). "radius":
@@ -229,13 +231,14 @@ class TacticConfig(MethodConfig):
         (821 / 819); 512 radius-ranked tokens were not measured on the suite.
     dense_heads: (layer, KV head) pairs attended densely, every token at every step
         (threshold mode; not in a hybrid, whose static heads come from its pattern). [ours]
-        none. For retrieval and copy heads that put most of their mass on needle tokens in
-        low-ranked clusters. Over 53 suite cases at 7,680 tokens (CPU, float32), tactic
-        read under half of such a needle mass (> 0.3) in layer 7, query head 7 at 31 answer
-        steps of 26 cases. Two of three misses rebuilt on the CPU lose it in layer 18's KV
-        head 2, and `((7, 2), (18, 2))` finds all three (in-sample; docs/accuracy.md). Each
-        dense KV head of the embedded model adds up to 1/90 of the KV read. Not yet measured
-        on the suite: no default.
+        none here; the command-line entry points (generate, serve, eval) give tactic the
+        model's calibrated ones (patterns.dense_heads_for: `dense_heads` of the model's
+        pattern file, from `kvsieve calibrate`; the embedded model ships ((7, 2),)). For
+        retrieval heads that put most of their mass on needle tokens in low-ranked
+        clusters: over 53 suite cases at 7,680 tokens, tactic read under half of such a
+        needle mass (> 0.3) in layer 7, query head 7 at 31 answer steps of 26 cases; the
+        calibration, on held-out cases, ranks that KV head first by far. Each dense KV head
+        of the embedded model adds up to 1/90 of the KV read (docs/accuracy.md).
     """
 
     threshold: float = 0.93
@@ -256,7 +259,7 @@ class TacticConfig(MethodConfig):
     local: int = 32
     budget: Optional[int] = None
     cluster_window: Optional[int] = 16384
-    protect: int = 512
+    protect: int = 256
     protect_bound: str = "box"
     dense_heads: Tuple[Tuple[int, int], ...] = ()
 

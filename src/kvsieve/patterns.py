@@ -8,11 +8,15 @@ A pattern is found offline by `kvsieve calibrate` and stored as human-readable J
      "score": [[0.91, 0.42, 0.77], ...],        the calibration score per layer and KV head
      "lambda_mass_text": ..., "lambda_mass_retrieval": ..., (its parts; output errors alike)
      "criterion": "...", "calibration": {...},
-     "method_ratios": {"hybrid": 0.125}}        optional: a method's own validated ratio
+     "method_ratios": {"hybrid": 0.125},        optional: a method's own validated ratio
+     "dense_heads": [[7, 2]]}                   optional: (layer, KV head) pairs tactic attends
+                                                densely (its retrieval heads, also calibrated)
 
 `load_pattern` checks it against the model it is used with; for a method named in
 `method_ratios` it streams that share of heads instead (the highest `score`, the model's
 `window_layers` always), so lserve and hybrid can each run at the ratio validated for them.
+`dense_heads_for` gives tactic the file's `dense_heads` the same way: the shipped file's for
+the embedded model unless the user names others (`--dense-heads`).
 """
 from __future__ import annotations
 
@@ -110,10 +114,12 @@ def pattern_for(method: str, path: Optional[str], model_dir, num_layers: int, nu
     return load_pattern(path, num_layers, num_kv_heads, method) if path else None
 
 
-def heads_for(heads, method: str) -> Optional[Pattern]:
-    """The pattern `method` runs with, from one pattern shared by every streaming method or
-    a dict {method: pattern} (pattern_for of each)."""
-    return heads.get(method) if isinstance(heads, dict) else heads
+def heads_for(heads, method: str):
+    """The heads `method` runs with, from one pattern shared by every streaming method or a
+    dict {method: heads} (model_heads: streaming patterns, and tactic's dense heads)."""
+    if isinstance(heads, dict):
+        return heads.get(method)
+    return heads if method in STREAMING_METHODS else None
 
 
 def pattern_tag(pattern: Optional[Pattern]) -> str:
@@ -123,3 +129,74 @@ def pattern_tag(pattern: Optional[Pattern]) -> str:
     import hashlib
 
     return hashlib.sha1(repr(pattern).encode()).hexdigest()[:8]
+
+
+DENSE_HEAD_METHODS = ("tactic",)
+
+
+def load_dense_heads(path, num_layers: Optional[int] = None, num_kv_heads: Optional[int] = None
+                     ) -> Tuple[Tuple[int, int], ...]:
+    """A pattern file's `dense_heads` as sorted (layer, KV head) pairs, () when it has none;
+    with the model's layer and KV-head counts, checked to name heads the model has."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"dense-heads file {str(path)!r} not found; give layer:kv_head pairs (e.g. 7:2) "
+                                "or a file from `kvsieve calibrate --out FILE`")
+    try:
+        pairs = json.loads(p.read_text()).get("dense_heads") or []
+        heads = tuple(sorted({(int(a), int(b)) for a, b in pairs}))
+        if any(a < 0 or b < 0 for a, b in heads):
+            raise ValueError("layers and KV heads must be >= 0")
+    except (json.JSONDecodeError, AttributeError, TypeError, ValueError) as e:
+        raise ValueError(f"malformed 'dense_heads' in {str(path)!r}: {e}; regenerate it with `kvsieve calibrate`"
+                         ) from None
+    check_dense_heads(heads, num_layers, num_kv_heads, f"file {str(path)!r}")
+    return heads
+
+
+def check_dense_heads(heads, num_layers: Optional[int], num_kv_heads: Optional[int], source: str) -> None:
+    """Every (layer, KV head) pair names a head of a model with these counts."""
+    bad = [(a, b) for a, b in heads if num_layers is not None and (a >= num_layers or b >= num_kv_heads)]
+    if bad:
+        raise ValueError(f"dense heads of {source} name {bad[0][0]}:{bad[0][1]}, but this model has {num_layers} "
+                         f"layers x {num_kv_heads} KV heads; calibrate this model with `kvsieve calibrate`")
+
+
+def dense_heads_for(method: str, options: Dict, model_dir, num_layers: int, num_kv_heads: int
+                    ) -> Optional[Tuple[Tuple[int, int], ...]]:
+    """The dense heads tactic runs with when `options` (the user's) name none: the shipped
+    file's for a known model, else None. None too for other methods and for tactic's
+    fixed-budget mode (dense heads belong to the threshold mode)."""
+    if "dense_heads" in options:
+        check_dense_heads(options["dense_heads"], num_layers, num_kv_heads, "--dense-heads")
+        return None
+    if method not in DENSE_HEAD_METHODS or options.get("budget") is not None:
+        return None
+    path = default_pattern(model_dir)
+    return (load_dense_heads(path, num_layers, num_kv_heads) or None) if path else None
+
+
+def model_head_options(method: str, options: Dict, model_dir, num_layers: int, num_kv_heads: int,
+                       streaming_path: Optional[str] = None) -> Dict:
+    """The options a model's head files add to `method`'s (the user's `options` win):
+    streaming_heads for lserve/hybrid (pattern_for), dense_heads for tactic (dense_heads_for)."""
+    out: Dict = {}
+    heads = pattern_for(method, streaming_path, model_dir, num_layers, num_kv_heads)
+    if heads is not None:
+        out["streaming_heads"] = heads
+    dense = dense_heads_for(method, options, model_dir, num_layers, num_kv_heads)
+    if dense is not None:
+        out["dense_heads"] = dense
+    return out
+
+
+def model_heads(model_dir, num_layers: int, num_kv_heads: int, streaming_path: Optional[str] = None,
+                dense_heads=None) -> Dict:
+    """{method: its heads} for eval and serve: each streaming method's pattern (pattern_for;
+    a file may give hybrid another ratio) and tactic's dense heads (`dense_heads` given, or the
+    shipped file's; () for none). Read with heads_for."""
+    heads: Dict = {m: pattern_for(m, streaming_path, model_dir, num_layers, num_kv_heads) for m in STREAMING_METHODS}
+    given = {} if dense_heads is None else {"dense_heads": dense_heads}
+    shipped = dense_heads_for("tactic", given, model_dir, num_layers, num_kv_heads)
+    heads["tactic"] = tuple(dense_heads) if dense_heads is not None else (shipped or ())
+    return heads

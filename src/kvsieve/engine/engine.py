@@ -18,7 +18,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..methods import config_for, make_method
+from ..methods import config_for, make_method, merge_options
 from .runner import ModelRunner
 from .scheduler import Request, SamplingParams, Scheduler
 
@@ -146,7 +146,7 @@ class LLMEngine:
         name = method or self.default_method
         opts = dict(options or {})
         if method is None or method == self.default_method:
-            opts = {**self.default_options, **opts}
+            opts = merge_options(self.default_options, opts)
         if self.default_options.get("streaming_heads") is not None and name in ("lserve", "hybrid"):
             opts.setdefault("streaming_heads", self.default_options["streaming_heads"])
         config_for(name, **opts)  # one clear ValueError for a bad method or option

@@ -10,6 +10,13 @@ retrieval data: a head that fetches a fact from far back loses it under Λ even 
 looks local on plain text). A head's score is the smaller of the two means; the `ratio` of
 KV heads with the highest score (ranked over all layers) become streaming heads.
 The relative output error of Λ attention is recorded alongside, for inspection.
+
+Tactic's dense heads, in the same file: on retrieval-suite cases of a calibration seed (held
+out from `kvsieve eval --seed` splits), teacher-forced on the expected answer under tactic's
+defaults, per (layer, KV head) the dense softmax mass on the needle's tokens that tactic's
+selection leaves out (the max over the head's query group), averaged over answer steps; the
+`--dense-heads` heads that lose the most become `dense_heads` (retrieval heads whose needle
+sits in low-ranked clusters: attended densely, they cost 1/heads of the KV read each).
 """
 from __future__ import annotations
 
@@ -45,6 +52,51 @@ class LambdaMass:
     def means(self):
         n = self.count.clamp(min=1)[:, None]
         return self.mass / n, self.err / n
+
+
+class NeedleLoss:
+    """Engine observer for one request at a time (set `span`, [S] bool over its prompt): per
+    (layer, KV head), the dense softmax mass on the span the method's selection leaves out,
+    the max over the head's query group, summed over steps."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int):
+        self.lost = torch.zeros(num_layers, num_kv_heads, dtype=torch.float64)
+        self.steps = 0
+        self.span: Optional[torch.Tensor] = None
+
+    def __call__(self, layer, q, k, v, sel, lengths, out) -> None:
+        B, Hkv, S, _ = k.shape
+        if layer == 0:
+            self.steps += B
+        span = torch.nn.functional.pad(self.span.to(k.device), (0, S - len(self.span)))[None, None].expand(B, Hkv, S)
+        needle = attention_fidelity(q, k, v, span, lengths, out)[0]
+        kept = attention_fidelity(q, k, v, span & sel.mask, lengths, out)[0]
+        self.lost[layer] += (needle - kept).view(B, Hkv, -1).amax(-1).sum(0).cpu()
+
+
+def measure_needle_loss(model, tok, cases, method: str = "tactic", options: Optional[dict] = None):
+    """cases: suite cases (prompt_ids, needle_spans, expected). Returns [layers, kv_heads]
+    float64: per KV head the needle mass `method` leaves out, mean over the answer steps (the
+    first tokens of each case's expected answer, teacher-forced)."""
+    from ..engine import LLMEngine
+
+    cfg = model.cfg
+    obs = NeedleLoss(cfg.num_layers, cfg.num_kv_heads)
+    engine = LLMEngine(model, None, "dense", max_num_seqs=1, paged=False, dense_below=0,
+                       kv_pages=max(-(-(len(c.prompt_ids) + 9) // 16) for c in cases))
+    for case in cases:
+        answer = tok.encode(" " + case.expected[0], add_special_tokens=False)[:8]
+        obs.span = torch.zeros(len(case.prompt_ids), dtype=torch.bool)
+        for a, b in case.needle_spans:
+            obs.span[a:b] = True
+        engine.score([list(case.prompt_ids)], [answer], method, options or {}, observe=obs)
+    return obs.lost / max(obs.steps, 1)
+
+
+def choose_dense_heads(lost, count: int):
+    """The `count` (layer, KV head) pairs with the largest needle loss (those with none never)."""
+    flat = sorted(((-float(x), i, j) for i, row in enumerate(lost.tolist()) for j, x in enumerate(row)))
+    return sorted((i, j) for x, i, j in flat[:count] if x < 0)
 
 
 def measure_lambda_mass(model, prompts, continuations, sink: int, local: int):
@@ -86,13 +138,18 @@ def suite_retrieval_prompts(tok, length: int, count: int, seed: int = CALIBRATIO
     spread over [0.05, 0.95]) of `length` tokens on Python's own texts, each with its first
     expected answer (" <answer>") as token lists of one length: the answer's first tokens,
     where the model reads the needle."""
-    from .suite import build_suite, filler_sources
-
-    sources = {k: v for k, v in filler_sources().items() if k in ("pydoc", "stdlib")}
-    cases = build_suite(tok, [length], count, seed, sources)
+    cases = calibration_cases(tok, length, count, seed)
     answers = [tok.encode(" " + c.expected[0], add_special_tokens=False) for c in cases]
     n = min(map(len, answers))
     return [list(c.prompt_ids) for c in cases], [a[:n] for a in answers]
+
+
+def calibration_cases(tok, length: int, count: int, seed: int = CALIBRATION_SEED):
+    """`count` suite cases of `length` tokens on Python's own texts (pydoc topics, stdlib)."""
+    from .suite import build_suite, filler_sources
+
+    sources = {k: v for k, v in filler_sources().items() if k in ("pydoc", "stdlib")}
+    return build_suite(tok, [length], count, seed, sources)
 
 
 def parse_method_ratios(text: Optional[str]) -> Dict[str, float]:
@@ -140,6 +197,12 @@ def register(sub) -> None:
                         "retrieval (docs/accuracy.md)")
     p.add_argument("--method-ratios", help="a method's own validated ratio, e.g. hybrid=0.125: that method streams "
                                            "that share of heads (highest score) from this file")
+    p.add_argument("--dense-heads", type=int, default=1,
+                   help="KV heads tactic attends densely: those losing the most needle mass under tactic on "
+                        "--dense-cases suite cases of the calibration seed (1: on SmolLM2's suite, tactic with 256 "
+                        "protected tokens found 98.2%% without it and 99.0%% with it; a second head did not help, "
+                        "docs/accuracy.md; 0: none)")
+    p.add_argument("--dense-cases", type=int, default=24, help="suite cases measured for --dense-heads (24)")
     p.add_argument("--out", help="pattern file to write (default: <model name>.streaming.json)")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_calibrate)
@@ -158,6 +221,9 @@ def cmd_calibrate(args) -> int:
             raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
     if args.retrieval is None:
         args.retrieval = 24 if args.retrieval_data == "suite" else 5
+    if args.dense_heads < 0 or args.dense_cases < 1:
+        raise ValueError(f"--dense-heads must be >= 0 and --dense-cases >= 1, got {args.dense_heads}, "
+                         f"{args.dense_cases}")
     if args.windows < 1 or args.steps < 1 or args.retrieval < 0:
         raise ValueError(f"--windows and --steps must be >= 1 and --retrieval >= 0, got {args.windows}, "
                          f"{args.steps}, {args.retrieval}")
@@ -182,6 +248,17 @@ def cmd_calibrate(args) -> int:
         r_mass, r_err = measure_lambda_mass(model, *make(tok, length, args.retrieval), args.sink, args.local)
         tables.update(lambda_mass_retrieval=r_mass.tolist(), lambda_err_retrieval=r_err.tolist())
         mass = torch.minimum(mass, r_mass)
+    dense = {}
+    if args.dense_heads:
+        lost = measure_needle_loss(model, tok, calibration_cases(tok, length, args.dense_cases))
+        tables["tactic_needle_lost"] = lost.tolist()
+        dense = {"dense_heads": [list(h) for h in choose_dense_heads(lost, args.dense_heads)],
+                 "dense_heads_criterion": "the --dense-heads KV heads whose dense needle mass tactic's selection "
+                                          "(defaults) leaves out is largest (tactic_needle_lost: max over the query "
+                                          f"group, mean over answer steps of {args.dense_cases} suite cases, seed "
+                                          f"{CALIBRATION_SEED})",
+                 "dense_heads_calibration": {"cases": args.dense_cases, "length": length, "seed": CALIBRATION_SEED,
+                                             "device": str(model.device), "dtype": str(model.dtype)}}
     window = getattr(model.cfg, "layer_window", None)
     local = [i for i in range(model.cfg.num_layers) if window and window(i) is not None]
     pattern = choose_streaming(mass.tolist(), args.ratio, local)
@@ -191,7 +268,7 @@ def cmd_calibrate(args) -> int:
         "criterion": "score = dense softmax mass kept by the sink+local (Λ) mask per KV head, the smaller of its "
                      "means over teacher-forced decode steps on real text and over retrieval answer steps; the "
                      "`ratio` heads with the highest score stream",
-        **({"method_ratios": method_ratios} if method_ratios else {}),
+        **({"method_ratios": method_ratios} if method_ratios else {}), **dense,
         "calibration": {"text": args.text_file or "pydoc_data.topics", "windows": args.windows,
                         "length": length, "steps": args.steps, "retrieval_prompts": args.retrieval,
                         "retrieval_data": (f"suite seed {CALIBRATION_SEED}" if args.retrieval_data == "suite"
@@ -205,5 +282,8 @@ def cmd_calibrate(args) -> int:
     for i, row in enumerate(pattern):
         flags = " ".join(f"{'S' if f else '.'}{m:.2f}" for f, m in zip(row, mass[i].tolist()))
         print(f"layer {i:>3}: {flags}")
+    if dense:
+        print("tactic's dense heads (layer:KV head, needle mass lost): " + ", ".join(
+            f"{i}:{j} {tables['tactic_needle_lost'][i][j]:.3f}" for i, j in dense["dense_heads"]))
     print(f"wrote {out} ({time.time() - t0:.0f} s)", file=sys.stderr)
     return 0

@@ -49,6 +49,8 @@ def register(sub) -> None:
     p.add_argument("--suite-fractions", help="extra quest/lserve/streaming budgets in the suite, fractions of context")
     p.add_argument("--streaming-heads", metavar="FILE", help="pattern for lserve/hybrid from `kvsieve calibrate` "
                    "('none': no streaming head; default: the shipped pattern of the embedded model)")
+    p.add_argument("--dense-heads", metavar="L:H,...|FILE|none", help="tactic's densely attended KV heads "
+                   "(default: the embedded model's calibrated ones)")
     p.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="CUDA: share of the free GPU memory the "
                    "KV pool may take (lower it to run several evals on one GPU; default 0.9)")
     p.add_argument("--device", default="cpu")
@@ -126,7 +128,8 @@ def cmd_eval(args) -> int:
     import torch
 
     from ..model.loader import load_model
-    from ..patterns import STREAMING_METHODS, pattern_for, pattern_tag
+    from ..cli import parse_heads
+    from ..patterns import STREAMING_METHODS, model_heads, pattern_tag
     from .harness import plan_cell_ids, run_fidelity, run_retrieval, special_prefix
     from .report import write_report
     from .store import ResultStore
@@ -142,8 +145,9 @@ def cmd_eval(args) -> int:
     text = read_text(args.text_file)
     model, tok, model_dir = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     plan = build_plan(args, model.cfg.max_positions)
-    heads = {m: pattern_for(m, args.streaming_heads, model_dir, model.cfg.num_layers, model.cfg.num_kv_heads)
-             for m in STREAMING_METHODS}  # each method's own (a pattern file may give hybrid another ratio)
+    # each streaming method's own pattern (a file may give hybrid another ratio), tactic's dense heads
+    heads = model_heads(model_dir, model.cfg.num_layers, model.cfg.num_kv_heads, args.streaming_heads,
+                        None if args.dense_heads is None else parse_heads(args.dense_heads))
     text_ids = tok.encode(text, add_special_tokens=False) if "fidelity" in plan.tasks else []
     import kvsieve
 
@@ -190,7 +194,10 @@ def cmd_eval(args) -> int:
         "runs": runs, "streaming_heads": None if heads["lserve"] is None else {
             "file": args.streaming_heads or "shipped pattern", "tag": pattern_tag(heads["lserve"]),
             "streaming": sum(map(sum, heads["lserve"])), "kv_heads": sum(map(len, heads["lserve"])),
-            "methods": {m: {"tag": pattern_tag(h), "streaming": sum(map(sum, h))} for m, h in heads.items()}},
+            "methods": {m: {"tag": pattern_tag(heads[m]), "streaming": sum(map(sum, heads[m]))}
+                        for m in STREAMING_METHODS if heads[m] is not None}},
+        "dense_heads": {"tactic": [list(h) for h in heads["tactic"]],
+                        "file": args.dense_heads or "shipped pattern"},
         "cells": [store.get(i) for i in ids if store.get(i)],
     }
     with open(store.dir / "results.json", "w") as f:

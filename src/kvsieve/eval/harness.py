@@ -24,7 +24,7 @@ import torch
 from .needles import MAX_NEW_TOKENS, VARIANTS, make_task
 from .metrics import AttentionFidelity, next_token_metrics
 from .store import ResultStore
-from ..patterns import STREAMING_METHODS, heads_for, pattern_tag
+from ..patterns import DENSE_HEAD_METHODS, STREAMING_METHODS, heads_for, pattern_tag
 from .sweep import EVAL_METHODS, MethodPoint, headline_points, sweep_points
 
 TASKS = ("fidelity", "retrieval", "suite")
@@ -110,9 +110,11 @@ Progress = Callable[[str], None]  # called with a cell id after each cell, finis
 
 
 def cell_id(parts: Sequence, point: MethodPoint, heads=None) -> str:
-    """e.g. "fidelity/2048/tactic P=0.9"; lserve/hybrid cells also name their streaming heads."""
+    """e.g. "fidelity/2048/tactic P=0.9"; lserve/hybrid cells also name their streaming heads,
+    tactic cells their dense heads (where it has any)."""
     heads = heads_for(heads, point.method)
-    tag = f" heads={pattern_tag(heads)}" if point.method in STREAMING_METHODS and heads is not None else ""
+    named = point.method in STREAMING_METHODS and heads is not None or point.method in DENSE_HEAD_METHODS and heads
+    tag = f" heads={pattern_tag(heads)}" if named else ""
     return "/".join(map(str, [*parts, point.label])) + tag
 
 

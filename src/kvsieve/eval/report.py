@@ -167,6 +167,15 @@ def _streaming_note(heads: Dict) -> str:
             + f" of {heads['kv_heads']} KV heads stream ({heads['file']})")
 
 
+def _dense_heads_note(results: Dict) -> List[str]:
+    """e.g. "- tactic's dense KV heads: 7:2 (shipped pattern)" (absent in older results)."""
+    dense = results.get("dense_heads")
+    if not dense:
+        return []
+    heads = ", ".join(f"{a}:{b}" for a, b in dense["tactic"]) or "none"
+    return [f"- tactic's dense KV heads (layer:head, attended densely): {heads} ({dense['file']})"]
+
+
 def write_report(results: Dict, out_dir) -> Report:
     out_dir = Path(out_dir)
     lengths = sorted({c["length"] for c in results["cells"] if c["task"] == "fidelity"})
@@ -187,6 +196,7 @@ def write_report(results: Dict, out_dir) -> Report:
                  "none: no pattern for this model, so lserve = hierarchical page selection on every head and "
                  "hybrid = tactic" if results["streaming_heads"] is None else
                  _streaming_note(results["streaming_heads"])),
+             *_dense_heads_note(results),
              *([f"- fidelity text: {results['text']} ({results['text_tokens']} tokens)"] if lengths else []),
              *_window_note(results),
              f"- versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items())]

@@ -40,10 +40,13 @@ class MethodPoint:
 
     def options(self, context: int, streaming_heads=None) -> Dict:
         """Method options for a prompt of `context` tokens. streaming_heads: the model's
-        pattern for lserve/hybrid (None: no streaming heads), or a dict of them by method."""
+        pattern for lserve/hybrid (None: no streaming heads), or a dict of heads by method
+        (patterns.model_heads: also tactic's dense heads)."""
         m, f = self.method, self.knob
-        streaming_heads = heads_for(streaming_heads, m)
-        extra = {"streaming_heads": streaming_heads} if m in ("lserve", "hybrid") and streaming_heads else {}
+        heads = heads_for(streaming_heads, m)
+        extra = {"streaming_heads": heads} if m in ("lserve", "hybrid") and heads else {}
+        if m == "tactic" and heads and "budget" not in dict(self.fixed):
+            extra = {"dense_heads": heads}
         extra.update(self.fixed)
         if m == "dense":
             return dict(self.fixed)

@@ -42,4 +42,14 @@ def make_method(name: str, **options) -> SparseMethod:
     return build_method(name, config_for(name, **options))
 
 
-__all__ = ["REGISTRY", "METHOD_NAMES", "Selection", "SparseMethod", "config_for", "build_method", "make_method"]
+def merge_options(defaults: dict, given: dict) -> dict:
+    """A request's options over its engine's defaults for the same method. Dense heads are
+    tactic's threshold-mode option: a request choosing a fixed budget drops the default ones."""
+    out = {**defaults, **given}
+    if given.get("budget") is not None and "dense_heads" not in given:
+        out.pop("dense_heads", None)
+    return out
+
+
+__all__ = ["REGISTRY", "METHOD_NAMES", "Selection", "SparseMethod", "config_for", "build_method", "make_method",
+           "merge_options"]

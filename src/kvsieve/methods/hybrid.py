@@ -52,8 +52,9 @@ class HybridConfig(MethodConfig):
     prefill_local: Optional[int] = None
     dynamic: str = "tactic"
     dynamic_config: Any = None
-    # options the default dynamic method takes in this combination unless given
-    DYNAMIC_DEFAULTS: ClassVar[dict] = {}
+    # options the default dynamic method takes in this combination unless given: tactic
+    # protects 512 tokens here (hybrid's measured default; tactic alone takes 256 + a dense head)
+    DYNAMIC_DEFAULTS: ClassVar[dict] = {"protect": 512}
 
     def __post_init__(self):
         object.__setattr__(self, "streaming_heads", normalize_pattern(self.streaming_heads))

@@ -66,7 +66,7 @@ def cmd_generate(args) -> int:
     from ..cli import method_options
     from ..engine import LLMEngine, SamplingParams, resolve_device
     from ..methods import config_for
-    from ..patterns import pattern_for
+    from ..patterns import model_head_options
     from .loader import load_model
 
     if args.max_new_tokens <= 0:
@@ -80,9 +80,8 @@ def cmd_generate(args) -> int:
     config_for(args.method, **opts)  # fail on bad options before loading anything
     device, dtype = resolve_device(args.device, args.dtype)
     model, tok, model_dir = load_model(args.model, dtype=dtype, device=device)
-    heads = pattern_for(args.method, args.streaming_heads, model_dir, model.cfg.num_layers, model.cfg.num_kv_heads)
-    if heads is not None:
-        opts["streaming_heads"] = heads
+    opts.update(model_head_options(args.method, opts, model_dir, model.cfg.num_layers, model.cfg.num_kv_heads,
+                                   args.streaming_heads))
     prompts, builtin = read_prompts(args, tok)
     pages = args.kv_pages or sum(-(-(len(p) + args.max_new_tokens) // 16) for p in prompts)
     eng = LLMEngine(model, tok, args.method, kv_pages=pages, max_num_seqs=max(len(prompts), 1),
@@ -99,7 +98,7 @@ def cmd_generate(args) -> int:
         "text": texts[0] if len(texts) == 1 else texts,
         "method": args.method,
         "options": {k: v for k, v in opts.items() if k != "streaming_heads"},
-        "streaming_heads": None if heads is None else args.streaming_heads or "shipped pattern",
+        "streaming_heads": None if "streaming_heads" not in opts else args.streaming_heads or "shipped pattern",
         "model": str(model_dir),
         "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "prompt_tokens": len(prompts[0]) if len(prompts) == 1 else [len(p) for p in prompts],

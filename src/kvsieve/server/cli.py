@@ -80,7 +80,7 @@ def cmd_serve(args) -> int:
     from ..engine import LLMEngine, resolve_device
     from ..methods import config_for
     from ..model.loader import load_model
-    from ..patterns import STREAMING_METHODS, pattern_for
+    from ..patterns import STREAMING_METHODS, model_head_options, model_heads
     from .app import create_app
 
     if not 0 <= args.port <= 65535:
@@ -98,12 +98,12 @@ def cmd_serve(args) -> int:
     sock = bind(args.host, args.port)
     model, tok, model_dir = load_model(args.model, dtype=dtype, device=device)
     cfg = model.cfg
-    heads = pattern_for(args.method, args.streaming_heads, model_dir, cfg.num_layers, cfg.num_kv_heads)
-    if heads is not None:
-        opts["streaming_heads"] = heads
-    # the pattern a request asking for lserve/hybrid runs with (each method's own ratio of the file)
-    shipped = {m: pattern_for(m, args.streaming_heads if args.method in STREAMING_METHODS else None, model_dir,
-                              cfg.num_layers, cfg.num_kv_heads) for m in STREAMING_METHODS}
+    opts.update(model_head_options(args.method, opts, model_dir, cfg.num_layers, cfg.num_kv_heads,
+                                   args.streaming_heads))
+    # the heads a request asking for lserve/hybrid (each method's own ratio of the file) or tactic runs with
+    shipped = model_heads(model_dir, cfg.num_layers, cfg.num_kv_heads,
+                          args.streaming_heads if args.method in STREAMING_METHODS else None,
+                          opts.get("dense_heads") if args.method == "tactic" else None)
     pages = args.kv_pages
     if pages is None and device.type != "cuda":  # the engine's default is sized for a GPU's free memory
         per_page = 2 * cfg.num_layers * cfg.num_kv_heads * 16 * cfg.head_dim * model.dtype.itemsize

@@ -1,0 +1,133 @@
+"""Tactic's calibrated dense heads: the calibration's needle-loss measure (against a float64
+oracle), the choice of heads, the pattern file's `dense_heads`, and how every entry point
+(generate, serve, eval) resolves them: the shipped ones by default, the user's instead, none
+in the fixed-budget mode."""
+import json
+
+import pytest
+import torch
+
+from conftest import clustered_qkv, oracle
+from kvsieve.cli import parse_heads
+from kvsieve.eval.calibrate import NeedleLoss, choose_dense_heads
+from kvsieve.eval.harness import cell_id
+from kvsieve.eval.sweep import MethodPoint
+from kvsieve.methods import Selection, config_for, merge_options
+from kvsieve.patterns import (EMBEDDED_PATTERN, dense_heads_for, heads_for, load_dense_heads, model_head_options,
+                              model_heads)
+
+EMBEDDED_DIR = "/models/smollm2-135m-instruct"  # default_pattern goes by the directory's name
+
+
+@pytest.mark.parametrize("G", [1, 3])
+def test_needle_loss_matches_the_float64_oracle(G):
+    Hkv = 2
+    q, k, v = clustered_qkv(2, Hkv * G, Hkv, 97, 64, seed=11, dtype=torch.float32)
+    lengths = torch.tensor([97, 54])
+    span = torch.zeros(60, dtype=torch.bool)
+    span[20:31] = True  # the needle: prompt positions 20..30 (the prompt is shorter than the cache)
+    mask = torch.rand(2, Hkv, 97, generator=torch.Generator().manual_seed(3)) < 0.5
+    obs = NeedleLoss(2, Hkv)
+    obs.span = span
+    obs(0, q, k, v, Selection(mask), lengths, q)  # out: any [B, Hq, D] (the loss does not read it)
+    obs(1, q, k, v, Selection(torch.ones_like(mask)), lengths, q)  # reads everything: loses nothing
+    _, p = oracle(q, k, v, lengths)  # [B, Hq, S] float64
+    full = torch.zeros(97, dtype=torch.bool)
+    full[20:31] = True
+    lost = (p * (full & ~mask.repeat_interleave(G, 1))).sum(-1).view(2, Hkv, G).amax(-1).sum(0)
+    assert obs.steps == 2
+    assert torch.allclose(obs.lost[0], lost, atol=1e-10) and lost.min() > 0
+    assert obs.lost[1].abs().max() < 1e-12
+
+
+def test_choose_dense_heads_takes_the_largest_losses_never_a_lossless_head():
+    lost = torch.tensor([[0.0, 0.02, 0.0], [0.3, 0.0, 0.01]])
+    assert choose_dense_heads(lost, 1) == [(1, 0)]
+    assert choose_dense_heads(lost, 2) == [(0, 1), (1, 0)]
+    assert choose_dense_heads(lost, 5) == [(0, 1), (1, 0), (1, 2)]
+    assert choose_dense_heads(lost, 0) == []
+
+
+def test_pattern_file_dense_heads_are_read_and_checked(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"dense_heads": [[7, 2], [3, 0], [7, 2]]}))
+    assert load_dense_heads(path, 30, 3) == ((3, 0), (7, 2))
+    path.write_text(json.dumps({"streaming": ["000"]}))
+    assert load_dense_heads(path, 30, 3) == ()
+    with pytest.raises(ValueError, match=r"name 7:2, but this model has 4 layers x 3 KV heads"):
+        load_dense_heads(_write(tmp_path, [[7, 2]]), 4, 3)
+    with pytest.raises(ValueError, match="malformed 'dense_heads'"):
+        load_dense_heads(_write(tmp_path, [[1, -1]]))
+    with pytest.raises(ValueError, match="malformed 'dense_heads'"):
+        load_dense_heads(_write(tmp_path, [["a", 1]]))
+    with pytest.raises(FileNotFoundError, match="kvsieve calibrate"):
+        load_dense_heads(tmp_path / "missing.json")
+    assert parse_heads("none") == () and parse_heads(" 7:2, 1:0 ") == ((7, 2), (1, 0))
+    assert parse_heads(str(_write(tmp_path, [[5, 1]]))) == ((5, 1),)
+
+
+def _write(tmp_path, heads):
+    path = tmp_path / "heads.json"
+    path.write_text(json.dumps({"dense_heads": heads}))
+    return path
+
+
+@pytest.mark.skipif(not EMBEDDED_PATTERN.is_file(), reason="no shipped pattern")
+def test_the_embedded_model_ships_dense_heads_that_tactic_takes_by_default():
+    shipped = load_dense_heads(EMBEDDED_PATTERN, 30, 3)
+    assert shipped, "the shipped file names tactic's calibrated dense heads"
+    assert dense_heads_for("tactic", {}, EMBEDDED_DIR, 30, 3) == shipped
+    assert dense_heads_for("tactic", {"threshold": 0.8}, EMBEDDED_DIR, 30, 3) == shipped
+    assert dense_heads_for("tactic", {"budget": 256}, EMBEDDED_DIR, 30, 3) is None  # fixed budget: none
+    assert dense_heads_for("tactic", {"dense_heads": ()}, EMBEDDED_DIR, 30, 3) is None  # the user's win
+    assert dense_heads_for("quest", {}, EMBEDDED_DIR, 30, 3) is None
+    assert dense_heads_for("tactic", {}, "/models/another-model", 30, 3) is None
+    with pytest.raises(ValueError, match="name 31:0, but this model has 30 layers"):
+        dense_heads_for("tactic", {"dense_heads": ((31, 0),)}, EMBEDDED_DIR, 30, 3)
+    opts = model_head_options("tactic", {}, EMBEDDED_DIR, 30, 3)
+    assert opts == {"dense_heads": shipped}
+    assert set(model_head_options("hybrid", {}, EMBEDDED_DIR, 30, 3)) == {"streaming_heads"}
+    heads = model_heads(EMBEDDED_DIR, 30, 3)
+    assert heads["tactic"] == shipped and heads["lserve"] is not None
+    assert model_heads(EMBEDDED_DIR, 30, 3, dense_heads=())["tactic"] == ()
+    assert model_heads("/models/another-model", 30, 3)["tactic"] == ()
+
+
+def test_eval_points_and_cells_carry_tactic_dense_heads():
+    heads = {"tactic": ((7, 2),), "lserve": None, "hybrid": None}
+    assert MethodPoint("tactic", None).options(2048, heads) == {"dense_heads": ((7, 2),)}
+    assert MethodPoint("tactic", 0.9).options(2048, heads) == {"threshold": 0.9, "dense_heads": ((7, 2),)}
+    assert MethodPoint("tactic", None, (("budget", 64),)).options(2048, heads) == {"budget": 64}
+    assert MethodPoint("quest", 0.1).options(2048, heads) == {"budget": 208}
+    assert " heads=" in cell_id(("suite", 1024), MethodPoint("tactic", None), heads)
+    assert " heads=" not in cell_id(("suite", 1024), MethodPoint("tactic", None), {"tactic": ()})
+    assert heads_for(((True, False),), "tactic") is None  # one shared streaming pattern is not tactic's
+    assert heads_for(((True, False),), "hybrid") == ((True, False),)
+
+
+def test_a_request_for_a_fixed_budget_drops_the_default_dense_heads():
+    defaults = {"dense_heads": ((7, 2),)}
+    assert merge_options(defaults, {"budget": 64}) == {"budget": 64}
+    config_for("tactic", **merge_options(defaults, {"budget": 64}))
+    assert merge_options(defaults, {"threshold": 0.8}) == {"dense_heads": ((7, 2),), "threshold": 0.8}
+    given = {"budget": 64, "dense_heads": ((1, 0),)}  # named by the request: kept, and refused
+    with pytest.raises(ValueError, match="dense_heads applies to the threshold mode"):
+        config_for("tactic", **merge_options(defaults, given))
+
+
+def test_calibrate_writes_the_head_losing_the_most_needle_mass(tmp_path, capsys):
+    """`kvsieve calibrate` (small: 3 suite cases of 600 tokens) writes tactic's dense heads
+    beside the streaming pattern: the largest entry of its needle-loss table."""
+    from kvsieve.cli import main
+
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "--length", "600", "--windows", "1", "--steps", "2", "--retrieval", "1",
+                 "--dense-cases", "3", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    lost = torch.tensor(doc["tactic_needle_lost"])
+    assert lost.shape == (30, 3) and lost.max() > 0
+    best = divmod(int(lost.argmax()), 3)
+    assert load_dense_heads(out, 30, 3) == (best,)
+    assert "tactic's dense heads (layer:KV head, needle mass lost): " f"{best[0]}:{best[1]}" in capsys.readouterr().out
+    assert main(["calibrate", "--dense-heads", "-1"]) == 2
+    assert "--dense-heads must be >= 0" in capsys.readouterr().err
