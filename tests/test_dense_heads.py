@@ -131,3 +131,15 @@ def test_calibrate_writes_the_head_losing_the_most_needle_mass(tmp_path, capsys)
     assert "tactic's dense heads (layer:KV head, needle mass lost): " f"{best[0]}:{best[1]}" in capsys.readouterr().out
     assert main(["calibrate", "--dense-heads", "-1"]) == 2
     assert "--dense-heads must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not EMBEDDED_PATTERN.is_file(), reason="no shipped pattern")
+def test_generate_refuses_a_dense_head_that_the_hybrid_streams(capsys):
+    from kvsieve.cli import main
+    from kvsieve.patterns import load_pattern
+
+    pattern = load_pattern(EMBEDDED_PATTERN, 30, 3, "hybrid")
+    layer, head = next((i, j) for i, row in enumerate(pattern) for j, f in enumerate(row) if f)
+    rc = main(["generate", "--method", "hybrid", "--dense-heads", f"{layer}:{head}", "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"dense head {layer}:{head} is a streaming head of this hybrid's pattern" in err

@@ -458,3 +458,18 @@ def test_pool_options_reads_eval_results_and_plots(tmp_path, capsys, monkeypatch
     assert pool_options.main() == 0 and (tmp_path / "c2.png").is_file()
     assert '| float32 | tactic | `{"threshold": 0.95}` | 3,4 | 100.0% (3/3) | 3/3 | 25.0% | 25.0% |' \
         in capsys.readouterr().out
+
+
+def test_pool_options_curve_frontier_and_labels():
+    """The curve's line per method joins only the settings no other beats on read and found."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "pool_options.py"
+    spec = importlib.util.spec_from_file_location("pool_options", path)
+    pool_options = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pool_options)
+    pts = [(14.7, 99.0, "a"), (13.4, 98.6, "b"), (15.9, 98.9, "c"), (13.6, 98.2, "d"), (21.2, 98.8, "e")]
+    assert pool_options.frontier(pts) == [(13.4, 98.6, "b"), (14.7, 99.0, "a")]
+    assert pool_options.short_label('{"threshold": 0.95, "dense_heads": [[7, 2], [8, 0]]}') == "P0.95 dense 7:2,8:0"
+    assert pool_options.short_label("{}") == "default"

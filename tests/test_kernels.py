@@ -445,6 +445,8 @@ def test_windowed_kmeans_is_per_window_and_kernels_agree():
     ("tactic", {"threshold": 0.3, "protect": 48}), ("tactic", {"protect": 0}),
     ("tactic", {"threshold": 0.3, "protect": 48, "protect_bound": "box"}),
     ("tactic", {"threshold": 0.3, "dense_heads": ((0, 1),)}),
+    ("hybrid", {"threshold": 0.3, "dense_heads": ((0, 1),), "streaming_heads": ((True, False),), "sink": 8,
+                "local": 32}),
     ("tactic", {"segment_samples": 3, "head_max_tokens": 4, "protect": 0}),
 ])
 def test_plan_selects_exactly_the_reference_mask(name, opts, monkeypatch):

@@ -92,6 +92,8 @@ def test_batch_of_prompts_matches_single_runs(embedded):
 @pytest.mark.parametrize("method,opts", [("dense", {}), ("quest", {"budget": 128}), ("tactic", {"budget": 200}),
                                          ("tactic", {"protect": 64}), ("tactic", {"protect": 64, "protect_bound": "box"}),
                                          ("tactic", {"protect": 64, "dense_heads": ((1, 0), (7, 2))}),
+                                         ("hybrid", {"protect": 64, "dense_heads": ((1, 1), (7, 2)),
+                                                     "streaming_heads": ((True, False, False),), "local": 64}),
                                          ("streaming", {"sink": 16, "local": 64})])
 def test_paged_fast_path_generates_what_the_reference_path_does(embedded, method, opts):
     """Plan + paged attention straight on the cache pages (the GPU path, here with the

@@ -219,5 +219,14 @@ def test_dense_heads_attend_every_token_of_their_layer_only():
         make_method("tactic", dense_heads=[(1, -2)])
     with pytest.raises(ValueError, match="dense_heads applies to the threshold mode"):
         make_method("tactic", dense_heads=[(1, 2)], budget=64)
-    with pytest.raises(ValueError, match="a hybrid's static heads come from its streaming pattern"):
-        make_method("hybrid", dense_heads=[(1, 2)])
+    # a hybrid's dynamic heads take dense heads too; its streaming heads keep their window
+    stream = ((True, False, False),)
+    hyb = make_method("hybrid", threshold=0.5, protect=32, dense_heads=[(1, 2)], streaming_heads=stream, sink=8,
+                      local=16)
+    plain = make_method("hybrid", threshold=0.5, protect=32, streaming_heads=stream, sink=8, local=16)
+    sel = hyb.select(q, k, lengths, hyb.prepare(k, lengths, 1))
+    ref = plain.select(q, k, lengths, plain.prepare(k, lengths, 1))
+    assert sel.mask[0, 2].all() and sel.mask[1, 2, :97].all() and not sel.mask[1, 2, 97:].any()
+    assert torch.equal(sel.mask[:, :2], ref.mask[:, :2]) and sel.mask[0, 0].sum() == 8 + 16
+    with pytest.raises(ValueError, match="dense head 1:0 is a streaming head of this hybrid's pattern"):
+        make_method("hybrid", dense_heads=[(1, 0)], streaming_heads=stream)

@@ -230,7 +230,7 @@ class TacticConfig(MethodConfig):
         radius bound and 10th by the box. At 256 tokens the two bounds find as many cases
         (821 / 819); 512 radius-ranked tokens were not measured on the suite.
     dense_heads: (layer, KV head) pairs attended densely, every token at every step
-        (threshold mode; not in a hybrid, whose static heads come from its pattern). [ours]
+        (threshold mode; in a hybrid, heads of its dynamic part, never a streaming head). [ours]
         none here; the command-line entry points (generate, serve, eval) give tactic the
         model's calibrated ones (patterns.dense_heads_for: `dense_heads` of the model's
         pattern file, from `kvsieve calibrate`; the embedded model ships ((7, 2),)). For

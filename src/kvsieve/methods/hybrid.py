@@ -68,8 +68,12 @@ class HybridConfig(MethodConfig):
             _non_negative_int("prefill_local", self.prefill_local)
         if self.dynamic in ("hybrid", "lserve"):
             raise ValueError(f"dynamic method must not itself be hybrid, got {self.dynamic!r}")
-        if getattr(self.dynamic_config, "dense_heads", ()):
-            raise ValueError("dense_heads is a tactic option; a hybrid's static heads come from its streaming pattern")
+        pat = self.streaming_heads
+        for layer, head in getattr(self.dynamic_config, "dense_heads", ()):
+            row = pat[0] if pat and len(pat) == 1 else pat[layer] if pat and layer < len(pat) else ()
+            if head < len(row) and row[head]:
+                raise ValueError(f"dense head {layer}:{head} is a streaming head of this hybrid's pattern; "
+                                 "drop it from dense_heads or from the pattern")
 
     @classmethod
     def from_options(cls, method: str, **options):

@@ -349,7 +349,8 @@ class Tactic(SparseMethod):
         Threshold: per-head ranking, exact scores where the fit reads (ops.threshold), the
         group's union of cluster prefixes, then the same compaction; needs `keys`.
         skip [Hkv] bool + window (sink, local): a hybrid's streaming heads, whose lists the
-        compaction writes as that window (their selection is computed and dropped)."""
+        compaction writes as that window (their selection is computed and dropped). Dense
+        heads (state.dense) take every cluster into the union."""
         if state.members is None or state.csr_stale:
             state.build_csr()
         B, Hkv = state.sizes.shape[:2]
@@ -363,8 +364,6 @@ class Tactic(SparseMethod):
             _, group_max = dispatch.summary_scores(q, state.centroids, None, n_valid, group_only=True)
             chosen, offsets, total = dispatch.select_by_budget(group_max, state.sizes32, c["budget"])
         cap = self.plan_capacity(state, host_lengths)
-        if state.dense is not None:  # a window as long as the list: every token (threshold mode: cap >= length)
-            skip, window = state.dense, (0, cap)
         stream, cap = streaming_window(skip, window, cap)
         table, page = row_table(keys)
         idx, counts = dispatch.compact_tokens(chosen, offsets, total, state.members, state.entry_start,
@@ -416,6 +415,9 @@ class Tactic(SparseMethod):
                                       c["n"], csize.view(B * Hq, C), c["head_w"], cfg.threshold, cfg.min_budget,
                                       cfg.max_budget).view(B, Hq)
         branch.join()
+        if st.dense is not None:  # every cluster: with the sinks and the unindexed tail, every token
+            every = st.dense[None, :, None].expand(B, Hkv, C)
+            protected = every if protected is None else protected | every
         return dispatch.union_prefixes(skeys, order, keep, st.sizes32, protected)
 
     def _fit_layout(self, n: Tensor) -> FitLayout:
