@@ -275,6 +275,26 @@ def test_per_request_kvsieve_settings_are_honoured_and_reported(live, engine, cl
     assert r.status_code == 400 and r.json()["error"]["param"] == "kvsieve.cluster_size"
 
 
+def test_per_request_tactic_takes_the_model_dense_heads_unless_it_names_others_or_a_budget(live):
+    """A server started for a model with calibrated dense heads (patterns.model_heads) gives
+    them to requests for tactic in threshold mode; a request's own dense_heads or budget wins."""
+    server = live.app.state.server
+    saved, server.streaming_heads = server.streaming_heads, {"tactic": ((0, 1),), "lserve": None, "hybrid": None}
+    try:
+        assert server.method({"method": "tactic"}) == ("tactic", {"dense_heads": ((0, 1),)})
+        assert server.method({"method": "tactic", "threshold": 0.8})[1] == {"threshold": 0.8, "dense_heads": ((0, 1),)}
+        assert server.method({"method": "tactic", "budget": 64})[1] == {"budget": 64}
+        assert server.method({"method": "tactic", "dense_heads": []})[1] == {"dense_heads": []}
+        assert server.method({"method": "quest"})[1] == {}
+        with pytest.raises(Exception, match="name 99:0, but this model has 30 layers x 3 KV heads") as e:
+            server.method({"method": "tactic", "dense_heads": [[99, 0]]})
+        assert e.value.param == "kvsieve.dense_heads"
+        with pytest.raises(ValueError, match="name 30:1, but this model has 30 layers"):  # the engine checks too
+            server.engine.method_key("tactic", {"dense_heads": ((30, 1),)})
+    finally:
+        server.streaming_heads = saved
+
+
 def test_full_queue_answers_503_with_retry_after_and_admitted_requests_finish(engine):
     small = LLMEngine(engine.model, engine.tokenizer, "dense", kv_pages=8, max_num_seqs=1, max_waiting=1)
     with LiveServer(small) as s:

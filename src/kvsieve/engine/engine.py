@@ -19,6 +19,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..methods import config_for, make_method, merge_options
+from ..patterns import check_dense_heads
 from .runner import ModelRunner
 from .scheduler import Request, SamplingParams, Scheduler
 
@@ -92,6 +93,7 @@ class LLMEngine:
         cfg = model.cfg
         self.default_method = method
         self.default_options = dict(method_options)
+        check_dense_heads(method_options.get("dense_heads", ()), cfg.num_layers, cfg.num_kv_heads, "dense_heads")
         default = make_method(method, **method_options)
         methods = {"default": default}
         if method != "dense":
@@ -150,6 +152,8 @@ class LLMEngine:
         if self.default_options.get("streaming_heads") is not None and name in ("lserve", "hybrid"):
             opts.setdefault("streaming_heads", self.default_options["streaming_heads"])
         config_for(name, **opts)  # one clear ValueError for a bad method or option
+        check_dense_heads(opts.get("dense_heads", ()), self.model.cfg.num_layers, self.model.cfg.num_kv_heads,
+                          "dense_heads")
         key = f"{name}:{sorted((k, repr(v)) for k, v in opts.items())}"
         if key not in self.runner.methods:
             self.runner.methods[key] = make_method(name, **opts)

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import SamplingParams, SchedulerFullError
 from ..methods import METHOD_NAMES, config_for, merge_options
-from ..patterns import DENSE_HEAD_METHODS, STREAMING_METHODS, heads_for
+from ..patterns import DENSE_HEAD_METHODS, STREAMING_METHODS, check_dense_heads, heads_for
 from .driver import DriverStopped, EngineDriver, EngineError, Metrics, RequestStream
 from .schemas import BadRequest, ChatCompletionRequest, CompletionRequest, error_body, parse
 from .text import Detokenizer, StopMatcher
@@ -148,6 +148,11 @@ class Server:
             param = f"kvsieve.{first}" if first in opts else "kvsieve"
             raise BadRequest(f"kvsieve: {msg}" + ("" if "unknown option" in msg else
                                                    " (fix the value in the kvsieve object)"), param) from None
+        cfg = self.engine.model.cfg
+        try:
+            check_dense_heads(merged.get("dense_heads", ()), cfg.num_layers, cfg.num_kv_heads, "kvsieve.dense_heads")
+        except ValueError as e:
+            raise BadRequest(str(e), "kvsieve.dense_heads") from None
         return method, opts
 
     # ------------------------------------------------------------------ prompts
