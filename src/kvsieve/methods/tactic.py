@@ -363,8 +363,7 @@ class Tactic(SparseMethod):
         else:
             _, group_max = dispatch.summary_scores(q, state.centroids, None, n_valid, group_only=True)
             chosen, offsets, total = dispatch.select_by_budget(group_max, state.sizes32, c["budget"])
-        cap = self.plan_capacity(state, host_lengths)
-        stream, cap = streaming_window(skip, window, cap)
+        stream, cap = streaming_window(skip, window, self.plan_capacity(state, host_lengths))
         table, page = row_table(keys)
         idx, counts = dispatch.compact_tokens(chosen, offsets, total, state.members, state.entry_start,
                                               state.sizes32, 0, c["sink"], state.num_indexed[:, None], lengths, cap,
