@@ -85,7 +85,7 @@ def main() -> int:
         if method in STREAMING_METHODS and ratio is not None:
             opts["streaming_heads"] = choose_streaming(scores, ratio)
         elif method in STREAMING_METHODS and shipped:
-            opts["streaming_heads"] = load_pattern(shipped)
+            opts["streaming_heads"] = load_pattern(shipped, method=method)  # hybrid: its own ratio
         dense = dense_heads_for(method, opts, model_dir, model.cfg.num_layers, model.cfg.num_kv_heads)
         if dense:  # tactic's shipped dense heads, unless the option dict names its own ("dense_heads": [] for none)
             opts["dense_heads"] = dense
