@@ -152,6 +152,25 @@ def calibration_cases(tok, length: int, count: int, seed: int = CALIBRATION_SEED
     return build_suite(tok, [length], count, seed, sources)
 
 
+def parse_dense_lengths(text: Optional[str], length: int, limit: int) -> tuple:
+    """--dense-lengths "4096,7680" -> (4096, 7680), checked against the model's `limit` positions
+    (room for the 8 teacher-forced answer tokens); default: `length` and the longest length
+    `kvsieve eval` measures."""
+    from .cli import default_lengths
+
+    if text is None:
+        return tuple(sorted({length, default_lengths(limit)[-1]}))
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--dense-lengths takes comma-separated token counts, got {text!r}") from None
+    bad = [n for n in out if not 64 <= n <= limit - 16]
+    if not out or bad:
+        raise ValueError(f"--dense-lengths must be in [64, {limit - 16}] (the model's {limit} positions less "
+                         f"room for the answer), got {text!r}")
+    return out
+
+
 def parse_method_ratios(text: Optional[str]) -> Dict[str, float]:
     """"hybrid=0.125,lserve=0.25" -> {"hybrid": 0.125, "lserve": 0.25} (checked)."""
     from ..patterns import STREAMING_METHODS, check_ratio
@@ -198,11 +217,15 @@ def register(sub) -> None:
     p.add_argument("--method-ratios", help="a method's own validated ratio, e.g. hybrid=0.125: that method streams "
                                            "that share of heads (highest score) from this file")
     p.add_argument("--dense-heads", type=int, default=1,
-                   help="KV heads tactic attends densely: those losing the most needle mass under tactic on "
-                        "--dense-cases suite cases of the calibration seed (1: on SmolLM2's suite, tactic with 256 "
-                        "protected tokens found 98.2%% without it and 99.0%% with it; a second head did not help, "
-                        "docs/accuracy.md; 0: none)")
-    p.add_argument("--dense-cases", type=int, default=24, help="suite cases measured for --dense-heads (24)")
+                   help="KV heads tactic and hybrid attend densely: those losing the most needle mass under "
+                        "tactic on --dense-cases suite cases of the calibration seed (1: on SmolLM2 the first, 7:2, "
+                        "loses 5x more than any other; the calibration's second, 8:0, found fewer suite cases than "
+                        "the copy head 18:2 the shipped file adds, docs/accuracy.md; validate more with kvsieve "
+                        "eval; 0: none)")
+    p.add_argument("--dense-cases", type=int, default=24, help="suite cases per length measured for --dense-heads (24)")
+    p.add_argument("--dense-lengths", help="comma-separated prompt lengths of those cases (default: --length and "
+                                           "the longest `kvsieve eval` measures, 4096,7680 on SmolLM2: a copy head "
+                                           "may lose its needle only in long contexts)")
     p.add_argument("--out", help="pattern file to write (default: <model name>.streaming.json)")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_calibrate)
@@ -237,6 +260,7 @@ def cmd_calibrate(args) -> int:
     if not args.sink + args.local < length <= limit - args.steps:
         raise ValueError(f"--length must exceed sink + local ({args.sink + args.local}) and leave room for "
                          f"--steps within the model's {limit} positions, got {length}")
+    dense_lengths = parse_dense_lengths(args.dense_lengths, length, limit)
     out = Path(args.out or f"{model_dir.name}.streaming.json")
     ids = tok.encode(text, add_special_tokens=False)
     windows = text_windows(ids, length, args.steps, args.windows, special_prefix(tok))
@@ -250,14 +274,16 @@ def cmd_calibrate(args) -> int:
         mass = torch.minimum(mass, r_mass)
     dense = {}
     if args.dense_heads:
-        lost = measure_needle_loss(model, tok, calibration_cases(tok, length, args.dense_cases))
+        cases = [c for n in dense_lengths for c in calibration_cases(tok, n, args.dense_cases)]
+        lost = measure_needle_loss(model, tok, cases)
         tables["tactic_needle_lost"] = lost.tolist()
         dense = {"dense_heads": [list(h) for h in choose_dense_heads(lost, args.dense_heads)],
                  "dense_heads_criterion": "the --dense-heads KV heads whose dense needle mass tactic's selection "
                                           "(defaults) leaves out is largest (tactic_needle_lost: max over the query "
-                                          f"group, mean over answer steps of {args.dense_cases} suite cases, seed "
-                                          f"{CALIBRATION_SEED})",
-                 "dense_heads_calibration": {"cases": args.dense_cases, "length": length, "seed": CALIBRATION_SEED,
+                                          f"group, mean over answer steps of {args.dense_cases} suite cases per "
+                                          f"length, seed {CALIBRATION_SEED})",
+                 "dense_heads_calibration": {"cases": args.dense_cases, "lengths": list(dense_lengths),
+                                             "seed": CALIBRATION_SEED,
                                              "device": str(model.device), "dtype": str(model.dtype)}}
     window = getattr(model.cfg, "layer_window", None)
     local = [i for i in range(model.cfg.num_layers) if window and window(i) is not None]
