@@ -1,4 +1,4 @@
-"""Tactic's calibrated dense heads: the calibration's needle-loss measure (against a float64
+"""Tactic's (and a hybrid's tactic part's) calibrated dense heads: the calibration's needle-loss measure (against a float64
 oracle), the choice of heads, the pattern file's `dense_heads`, and how every entry point
 (generate, serve, eval) resolves them: the shipped ones by default, the user's instead, none
 in the fixed-budget mode."""
@@ -13,8 +13,8 @@ from kvsieve.eval.calibrate import NeedleLoss, choose_dense_heads
 from kvsieve.eval.harness import cell_id
 from kvsieve.eval.sweep import MethodPoint
 from kvsieve.methods import Selection, config_for, merge_options
-from kvsieve.patterns import (EMBEDDED_PATTERN, dense_heads_for, heads_for, load_dense_heads, model_head_options,
-                              model_heads)
+from kvsieve.patterns import (EMBEDDED_PATTERN, dense_heads_for, dense_heads_of, heads_for, load_dense_heads,
+                              model_head_options, model_heads, save_pattern, unstreamed)
 
 EMBEDDED_DIR = "/models/smollm2-135m-instruct"  # default_pattern goes by the directory's name
 
@@ -73,7 +73,7 @@ def _write(tmp_path, heads):
 
 
 @pytest.mark.skipif(not EMBEDDED_PATTERN.is_file(), reason="no shipped pattern")
-def test_the_embedded_model_ships_dense_heads_that_tactic_takes_by_default():
+def test_the_embedded_model_ships_dense_heads_that_tactic_and_hybrid_take_by_default():
     shipped = load_dense_heads(EMBEDDED_PATTERN, 30, 3)
     assert shipped, "the shipped file names tactic's calibrated dense heads"
     assert dense_heads_for("tactic", {}, EMBEDDED_DIR, 30, 3) == shipped
@@ -86,21 +86,46 @@ def test_the_embedded_model_ships_dense_heads_that_tactic_takes_by_default():
         dense_heads_for("tactic", {"dense_heads": ((31, 0),)}, EMBEDDED_DIR, 30, 3)
     opts = model_head_options("tactic", {}, EMBEDDED_DIR, 30, 3)
     assert opts == {"dense_heads": shipped}
-    assert set(model_head_options("hybrid", {}, EMBEDDED_DIR, 30, 3)) == {"streaming_heads"}
+    hybrid = model_head_options("hybrid", {}, EMBEDDED_DIR, 30, 3)
+    assert hybrid["dense_heads"] == shipped == unstreamed(shipped, hybrid["streaming_heads"])
+    assert set(model_head_options("lserve", {}, EMBEDDED_DIR, 30, 3)) == {"streaming_heads"}
+    assert "dense_heads" not in model_head_options("hybrid", {"budget": 64}, EMBEDDED_DIR, 30, 3)
     heads = model_heads(EMBEDDED_DIR, 30, 3)
-    assert heads["tactic"] == shipped and heads["lserve"] is not None
-    assert model_heads(EMBEDDED_DIR, 30, 3, dense_heads=())["tactic"] == ()
-    assert model_heads("/models/another-model", 30, 3)["tactic"] == ()
+    assert dense_heads_of(heads, "tactic") == shipped == dense_heads_of(heads, "hybrid")
+    assert heads_for(heads, "tactic") is None and heads["lserve"] is not None
+    assert dense_heads_of(heads, "lserve") == () and dense_heads_of(heads, "quest") == ()
+    assert dense_heads_of(model_heads(EMBEDDED_DIR, 30, 3, dense_heads=()), "tactic") == ()
+    assert dense_heads_of(model_heads("/models/another-model", 30, 3), "hybrid") == ()
 
 
-def test_eval_points_and_cells_carry_tactic_dense_heads():
-    heads = {"tactic": ((7, 2),), "lserve": None, "hybrid": None}
+def test_a_hybrid_drops_dense_heads_that_its_pattern_streams(tmp_path):
+    """Dense heads from the model's file (or the user's) that a hybrid's pattern streams are
+    left out for the hybrid (a streaming head sees only its window) and kept for tactic."""
+    pattern = ((True, False, False), (False, False, True))
+    assert unstreamed(((0, 0), (0, 1), (1, 2), (1, 0)), pattern) == ((0, 1), (1, 0))
+    assert unstreamed(((0, 0), (1, 1)), ((True, False),)) == ((1, 1),)  # one row shared by every layer
+    assert unstreamed(((0, 0),), None) == ((0, 0),)
+    path = tmp_path / "p.json"
+    save_pattern(path, [[layer == 7 and h == 2 for h in range(3)] for layer in range(30)], {}, {"model": "m"})
+    heads = model_heads(EMBEDDED_DIR, 30, 3, str(path), dense_heads=((7, 2), (18, 2)))
+    assert dense_heads_of(heads, "hybrid") == ((18, 2),) and dense_heads_of(heads, "tactic") == ((7, 2), (18, 2))
+    assert model_head_options("hybrid", {}, EMBEDDED_DIR, 30, 3, str(path))["dense_heads"] == ((18, 2),)
+
+
+def test_eval_points_and_cells_carry_dense_heads():
+    heads = {"lserve": None, "hybrid": None, "dense": {"tactic": ((7, 2),), "hybrid": ((7, 2),)}}
     assert MethodPoint("tactic", None).options(2048, heads) == {"dense_heads": ((7, 2),)}
     assert MethodPoint("tactic", 0.9).options(2048, heads) == {"threshold": 0.9, "dense_heads": ((7, 2),)}
     assert MethodPoint("tactic", None, (("budget", 64),)).options(2048, heads) == {"budget": 64}
     assert MethodPoint("quest", 0.1).options(2048, heads) == {"budget": 208}
     assert " heads=" in cell_id(("suite", 1024), MethodPoint("tactic", None), heads)
-    assert " heads=" not in cell_id(("suite", 1024), MethodPoint("tactic", None), {"tactic": ()})
+    assert " heads=" not in cell_id(("suite", 1024), MethodPoint("tactic", None), {"dense": {"tactic": ()}})
+    assert MethodPoint("hybrid", 0.9).options(2048, heads) == {"threshold": 0.9, "dense_heads": ((7, 2),)}
+    pattern = ((False, True, False),) * 30
+    both = {**heads, "hybrid": pattern}
+    assert MethodPoint("hybrid", None).options(2048, both) == {"streaming_heads": pattern, "dense_heads": ((7, 2),)}
+    tags = {cell_id(("suite", 1024), MethodPoint("hybrid", None), h) for h in (heads, both, {"hybrid": pattern})}
+    assert len(tags) == 3 and all(" heads=" in t for t in tags)  # the pattern and the dense heads both name a cell
     assert heads_for(((True, False),), "tactic") is None  # one shared streaming pattern is not tactic's
     assert heads_for(((True, False),), "hybrid") == ((True, False),)
 
@@ -116,14 +141,15 @@ def test_a_request_for_a_fixed_budget_drops_the_default_dense_heads():
 
 
 def test_calibrate_writes_the_head_losing_the_most_needle_mass(tmp_path, capsys):
-    """`kvsieve calibrate` (small: 3 suite cases of 600 tokens) writes tactic's dense heads
+    """`kvsieve calibrate` (small: 2 suite cases each of 500 and 600 tokens) writes tactic's dense heads
     beside the streaming pattern: the largest entry of its needle-loss table."""
     from kvsieve.cli import main
 
     out = tmp_path / "p.json"
     assert main(["calibrate", "--length", "600", "--windows", "1", "--steps", "2", "--retrieval", "1",
-                 "--dense-cases", "3", "--out", str(out)]) == 0
+                 "--dense-cases", "2", "--dense-lengths", "500,600", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
+    assert doc["dense_heads_calibration"]["lengths"] == [500, 600]
     lost = torch.tensor(doc["tactic_needle_lost"])
     assert lost.shape == (30, 3) and lost.max() > 0
     best = divmod(int(lost.argmax()), 3)
@@ -131,6 +157,8 @@ def test_calibrate_writes_the_head_losing_the_most_needle_mass(tmp_path, capsys)
     assert "tactic's dense heads (layer:KV head, needle mass lost): " f"{best[0]}:{best[1]}" in capsys.readouterr().out
     assert main(["calibrate", "--dense-heads", "-1"]) == 2
     assert "--dense-heads must be >= 0" in capsys.readouterr().err
+    assert main(["calibrate", "--length", "600", "--dense-lengths", "9000"]) == 2
+    assert "--dense-lengths must be in [64, 8176]" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not EMBEDDED_PATTERN.is_file(), reason="no shipped pattern")

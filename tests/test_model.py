@@ -189,10 +189,11 @@ def test_generate_json_contract(capsys):
     assert rc == 0 and "quest (dense attention)" in err and "pass --dense-below 0 to force quest" in err
 
 
-def test_generate_tactic_takes_the_shipped_dense_heads_in_threshold_mode_only(capsys):
+@pytest.mark.parametrize("method", ["tactic", "hybrid"])
+def test_generate_takes_the_shipped_dense_heads_in_threshold_mode_only(capsys, method):
     from kvsieve.patterns import EMBEDDED_PATTERN, load_dense_heads
 
-    argv = ["generate", "--prompt", "Name a color.", "--max-new-tokens", "2", "--method", "tactic", "--json"]
+    argv = ["generate", "--prompt", "Name a color.", "--max-new-tokens", "2", "--method", method, "--json"]
     shipped = [list(h) for h in load_dense_heads(EMBEDDED_PATTERN, 30, 3)]
     for extra, want in [((), shipped), (("--dense-heads", "none"), []), (("--dense-heads", "3:1"), [[3, 1]]),
                         (("--budget", "64"), None)]:

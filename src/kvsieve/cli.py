@@ -14,16 +14,16 @@ class UsageError(ValueError):
 
 def add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="tactic", help=f"one of: {', '.join(METHOD_NAMES)} (default tactic)")
-    p.add_argument("--threshold", type=float, help="tactic/hybrid: attention-mass threshold P in (0, 1] (0.93)")
+    p.add_argument("--threshold", type=float, help="tactic/hybrid: attention-mass threshold P in (0, 1] (0.92)")
     p.add_argument("--cluster-size", type=int, help="tactic/hybrid: average tokens per cluster (16; larger "
                                                    "where a head would pass 4096 clusters: 32 at 128K tokens)")
     p.add_argument("--protect", type=int, help="tactic/hybrid threshold mode: tokens of clusters whose members "
-                                               "could score highest, taken before the mass threshold (tactic 256, hybrid 512; 0: off)")
+                                               "could score highest, taken before the mass threshold (256; 0: off)")
     p.add_argument("--protect-bound", choices=["radius", "box"], help="tactic/hybrid: rank protected clusters by "
                    "their members' channel-wise min/max (box, the default) or by q.c + |q| r (radius)")
     p.add_argument("--dense-heads", metavar="L:H,...|FILE|none", help="tactic/hybrid threshold mode: KV heads "
-                   "attended densely, as layer:head pairs (7:2,18:2) or a `kvsieve calibrate` file's (tactic's "
-                   "default: the embedded model's calibrated ones, 7:2; hybrid and other models: none)")
+                   "attended densely, as layer:head pairs (7:2,18:2) or a `kvsieve calibrate` file's, or none "
+                   "(default: the embedded model's, 7:2,18:2; other models: none)")
     p.add_argument("--budget", type=int, help="quest/lserve: token budget of selected pages; tactic: fixed "
                                               "per-KV-head token budget instead of the threshold (GPU fast path)")
     p.add_argument("--page-size", type=int, help="quest/lserve: logical page size in tokens")

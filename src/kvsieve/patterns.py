@@ -9,14 +9,16 @@ A pattern is found offline by `kvsieve calibrate` and stored as human-readable J
      "lambda_mass_text": ..., "lambda_mass_retrieval": ..., (its parts; output errors alike)
      "criterion": "...", "calibration": {...},
      "method_ratios": {"hybrid": 0.125},        optional: a method's own validated ratio
-     "dense_heads": [[7, 2]]}                   optional: (layer, KV head) pairs tactic attends
-                                                densely (its retrieval heads, also calibrated)
+     "dense_heads": [[7, 2]]}                   optional: (layer, KV head) pairs tactic and a
+                                                hybrid's tactic part attend densely (retrieval
+                                                heads, also calibrated)
 
 `load_pattern` checks it against the model it is used with; for a method named in
 `method_ratios` it streams that share of heads instead (the highest `score`, the model's
 `window_layers` always), so lserve and hybrid can each run at the ratio validated for them.
-`dense_heads_for` gives tactic the file's `dense_heads` the same way: the shipped file's for
-the embedded model unless the user names others (`--dense-heads`).
+`dense_heads_for` gives tactic and hybrid the file's `dense_heads` the same way: the shipped
+file's for the embedded model unless the user names others (`--dense-heads`); a hybrid drops
+those its pattern streams.
 """
 from __future__ import annotations
 
@@ -115,11 +117,19 @@ def pattern_for(method: str, path: Optional[str], model_dir, num_layers: int, nu
 
 
 def heads_for(heads, method: str):
-    """The heads `method` runs with, from one pattern shared by every streaming method or a
-    dict {method: heads} (model_heads: streaming patterns, and tactic's dense heads)."""
+    """The streaming heads `method` runs with, from one pattern shared by every streaming
+    method or a dict {method: pattern} (model_heads)."""
     if isinstance(heads, dict):
-        return heads.get(method)
+        return heads.get(method) if method in STREAMING_METHODS else None
     return heads if method in STREAMING_METHODS else None
+
+
+def dense_heads_of(heads, method: str) -> Tuple[Tuple[int, int], ...]:
+    """The dense heads `method` runs with, from model_heads' dict (its "dense" entry); () for
+    none, or for a bare pattern."""
+    if not isinstance(heads, dict) or method not in DENSE_HEAD_METHODS:
+        return ()
+    return tuple((heads.get("dense") or {}).get(method) or ())
 
 
 def pattern_tag(pattern: Optional[Pattern]) -> str:
@@ -131,7 +141,7 @@ def pattern_tag(pattern: Optional[Pattern]) -> str:
     return hashlib.sha1(repr(pattern).encode()).hexdigest()[:8]
 
 
-DENSE_HEAD_METHODS = ("tactic",)
+DENSE_HEAD_METHODS = ("tactic", "hybrid")
 
 
 def load_dense_heads(path, num_layers: Optional[int] = None, num_kv_heads: Optional[int] = None
@@ -164,9 +174,9 @@ def check_dense_heads(heads, num_layers: Optional[int], num_kv_heads: Optional[i
 
 def dense_heads_for(method: str, options: Dict, model_dir, num_layers: int, num_kv_heads: int
                     ) -> Optional[Tuple[Tuple[int, int], ...]]:
-    """The dense heads tactic runs with when `options` (the user's) name none: the shipped
-    file's for a known model, else None. None too for other methods and for tactic's
-    fixed-budget mode (dense heads belong to the threshold mode)."""
+    """The dense heads tactic (or a hybrid's tactic part) runs with when `options` (the
+    user's) name none: the shipped file's for a known model, else None. None too for other
+    methods and for the fixed-budget mode (dense heads belong to the threshold mode)."""
     if "dense_heads" in options:
         check_dense_heads(options["dense_heads"], num_layers, num_kv_heads, "--dense-heads")
         return None
@@ -176,27 +186,38 @@ def dense_heads_for(method: str, options: Dict, model_dir, num_layers: int, num_
     return (load_dense_heads(path, num_layers, num_kv_heads) or None) if path else None
 
 
+def unstreamed(dense, pattern: Optional[Pattern]) -> Tuple[Tuple[int, int], ...]:
+    """The dense heads a hybrid with this streaming `pattern` can take: those it does not stream."""
+    if not pattern:
+        return tuple(dense)
+    row = lambda layer: pattern[0] if len(pattern) == 1 else pattern[layer] if layer < len(pattern) else ()  # noqa: E731
+    return tuple((a, b) for a, b in dense if not (b < len(row(a)) and row(a)[b]))
+
+
 def model_head_options(method: str, options: Dict, model_dir, num_layers: int, num_kv_heads: int,
                        streaming_path: Optional[str] = None) -> Dict:
     """The options a model's head files add to `method`'s (the user's `options` win):
-    streaming_heads for lserve/hybrid (pattern_for), dense_heads for tactic (dense_heads_for)."""
+    streaming_heads for lserve/hybrid (pattern_for), dense_heads for tactic and hybrid
+    (dense_heads_for; a hybrid's shipped ones less those its pattern streams)."""
     out: Dict = {}
     heads = pattern_for(method, streaming_path, model_dir, num_layers, num_kv_heads)
     if heads is not None:
         out["streaming_heads"] = heads
     dense = dense_heads_for(method, options, model_dir, num_layers, num_kv_heads)
     if dense is not None:
-        out["dense_heads"] = dense
+        out["dense_heads"] = unstreamed(dense, heads)
     return out
 
 
 def model_heads(model_dir, num_layers: int, num_kv_heads: int, streaming_path: Optional[str] = None,
                 dense_heads=None) -> Dict:
-    """{method: its heads} for eval and serve: each streaming method's pattern (pattern_for;
-    a file may give hybrid another ratio) and tactic's dense heads (`dense_heads` given, or the
-    shipped file's; () for none). Read with heads_for."""
+    """{method: its pattern} for eval and serve: each streaming method's pattern (pattern_for;
+    a file may give hybrid another ratio), and under "dense" {method: its dense heads} for
+    tactic and hybrid (`dense_heads` given, or the shipped file's; () for none; a hybrid's
+    less those its pattern streams). Read with heads_for and dense_heads_of."""
     heads: Dict = {m: pattern_for(m, streaming_path, model_dir, num_layers, num_kv_heads) for m in STREAMING_METHODS}
     given = {} if dense_heads is None else {"dense_heads": dense_heads}
     shipped = dense_heads_for("tactic", given, model_dir, num_layers, num_kv_heads)
-    heads["tactic"] = tuple(dense_heads) if dense_heads is not None else (shipped or ())
+    dense = tuple(dense_heads) if dense_heads is not None else (shipped or ())
+    heads["dense"] = {"tactic": dense, "hybrid": unstreamed(dense, heads["hybrid"])}
     return heads

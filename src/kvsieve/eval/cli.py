@@ -49,8 +49,8 @@ def register(sub) -> None:
     p.add_argument("--suite-fractions", help="extra quest/lserve/streaming budgets in the suite, fractions of context")
     p.add_argument("--streaming-heads", metavar="FILE", help="pattern for lserve/hybrid from `kvsieve calibrate` "
                    "('none': no streaming head; default: the shipped pattern of the embedded model)")
-    p.add_argument("--dense-heads", metavar="L:H,...|FILE|none", help="tactic's densely attended KV heads "
-                   "(default: the embedded model's calibrated ones)")
+    p.add_argument("--dense-heads", metavar="L:H,...|FILE|none", help="tactic's and hybrid's densely attended KV "
+                   "heads (default: the embedded model's calibrated ones; a hybrid drops those it streams)")
     p.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="CUDA: share of the free GPU memory the "
                    "KV pool may take (lower it to run several evals on one GPU; default 0.9)")
     p.add_argument("--device", default="cpu")
@@ -145,7 +145,7 @@ def cmd_eval(args) -> int:
     text = read_text(args.text_file)
     model, tok, model_dir = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     plan = build_plan(args, model.cfg.max_positions)
-    # each streaming method's own pattern (a file may give hybrid another ratio), tactic's dense heads
+    # each streaming method's own pattern (a file may give hybrid another ratio), tactic's/hybrid's dense heads
     heads = model_heads(model_dir, model.cfg.num_layers, model.cfg.num_kv_heads, args.streaming_heads,
                         None if args.dense_heads is None else parse_heads(args.dense_heads))
     text_ids = tok.encode(text, add_special_tokens=False) if "fidelity" in plan.tasks else []
@@ -196,7 +196,7 @@ def cmd_eval(args) -> int:
             "streaming": sum(map(sum, heads["lserve"])), "kv_heads": sum(map(len, heads["lserve"])),
             "methods": {m: {"tag": pattern_tag(heads[m]), "streaming": sum(map(sum, heads[m]))}
                         for m in STREAMING_METHODS if heads[m] is not None}},
-        "dense_heads": {"tactic": [list(h) for h in heads["tactic"]],
+        "dense_heads": {**{m: [list(h) for h in d] for m, d in heads["dense"].items()},
                         "file": args.dense_heads or "shipped pattern"},
         "cells": [store.get(i) for i in ids if store.get(i)],
     }

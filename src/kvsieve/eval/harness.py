@@ -24,7 +24,7 @@ import torch
 from .needles import MAX_NEW_TOKENS, VARIANTS, make_task
 from .metrics import AttentionFidelity, next_token_metrics
 from .store import ResultStore
-from ..patterns import DENSE_HEAD_METHODS, STREAMING_METHODS, heads_for, pattern_tag
+from ..patterns import STREAMING_METHODS, dense_heads_of, heads_for, pattern_tag
 from .sweep import EVAL_METHODS, MethodPoint, headline_points, sweep_points
 
 TASKS = ("fidelity", "retrieval", "suite")
@@ -111,10 +111,11 @@ Progress = Callable[[str], None]  # called with a cell id after each cell, finis
 
 def cell_id(parts: Sequence, point: MethodPoint, heads=None) -> str:
     """e.g. "fidelity/2048/tactic P=0.9"; lserve/hybrid cells also name their streaming heads,
-    tactic cells their dense heads (where it has any)."""
-    heads = heads_for(heads, point.method)
-    named = point.method in STREAMING_METHODS and heads is not None or point.method in DENSE_HEAD_METHODS and heads
-    tag = f" heads={pattern_tag(heads)}" if named else ""
+    tactic/hybrid cells their dense heads (where they have any)."""
+    pattern, dense = heads_for(heads, point.method), dense_heads_of(heads, point.method)
+    named = (pattern, dense) if pattern is not None and dense else dense or pattern
+    streams = point.method in STREAMING_METHODS and pattern is not None
+    tag = f" heads={pattern_tag(named)}" if streams or dense else ""
     return "/".join(map(str, [*parts, point.label])) + tag
 
 

@@ -172,8 +172,10 @@ def _dense_heads_note(results: Dict) -> List[str]:
     dense = results.get("dense_heads")
     if not dense:
         return []
-    heads = ", ".join(f"{a}:{b}" for a, b in dense["tactic"]) or "none"
-    return [f"- tactic's dense KV heads (layer:head, attended densely): {heads} ({dense['file']})"]
+    named = {m: ", ".join(f"{a}:{b}" for a, b in dense[m]) or "none" for m in ("tactic", "hybrid") if m in dense}
+    if named.get("hybrid") == named.get("tactic"):  # one list for both (results before hybrid took them: tactic's)
+        named = {" and ".join(named): named["tactic"]}
+    return [f"- {m}'s dense KV heads (layer:head, attended densely): {h} ({dense['file']})" for m, h in named.items()]
 
 
 def write_report(results: Dict, out_dir) -> Report:

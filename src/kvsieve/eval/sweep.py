@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..patterns import heads_for
+from ..patterns import dense_heads_of, heads_for
 
 EVAL_METHODS = ("dense", "streaming", "quest", "lserve", "tactic", "hybrid")
 THRESHOLD_METHODS = ("tactic", "hybrid")
@@ -41,12 +41,12 @@ class MethodPoint:
     def options(self, context: int, streaming_heads=None) -> Dict:
         """Method options for a prompt of `context` tokens. streaming_heads: the model's
         pattern for lserve/hybrid (None: no streaming heads), or a dict of heads by method
-        (patterns.model_heads: also tactic's dense heads)."""
+        (patterns.model_heads: also tactic's and hybrid's dense heads)."""
         m, f = self.method, self.knob
-        heads = heads_for(streaming_heads, m)
+        heads, dense = heads_for(streaming_heads, m), dense_heads_of(streaming_heads, m)
         extra = {"streaming_heads": heads} if m in ("lserve", "hybrid") and heads else {}
-        if m == "tactic" and heads and "budget" not in dict(self.fixed):
-            extra = {"dense_heads": heads}
+        if dense and "budget" not in dict(self.fixed):
+            extra["dense_heads"] = dense
         extra.update(self.fixed)
         if m == "dense":
             return dict(self.fixed)

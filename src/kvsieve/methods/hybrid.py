@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import MethodConfig, _non_negative_int
+from ..patterns import unstreamed
 from .base import PrefillWindow, Selection, SparseMethod, TokenPlan, recent_and_sink
 
 Pattern = Optional[Tuple[Tuple[bool, ...], ...]]
@@ -52,9 +53,9 @@ class HybridConfig(MethodConfig):
     prefill_local: Optional[int] = None
     dynamic: str = "tactic"
     dynamic_config: Any = None
-    # options the default dynamic method takes in this combination unless given: tactic
-    # protects 512 tokens here (hybrid's measured default; tactic alone takes 256 + a dense head)
-    DYNAMIC_DEFAULTS: ClassVar[dict] = {"protect": 512}
+    # options the default dynamic method takes in this combination unless given (none: a
+    # hybrid's tactic part runs at tactic's defaults, docs/accuracy.md)
+    DYNAMIC_DEFAULTS: ClassVar[dict] = {}
 
     def __post_init__(self):
         object.__setattr__(self, "streaming_heads", normalize_pattern(self.streaming_heads))
@@ -68,12 +69,12 @@ class HybridConfig(MethodConfig):
             _non_negative_int("prefill_local", self.prefill_local)
         if self.dynamic in ("hybrid", "lserve"):
             raise ValueError(f"dynamic method must not itself be hybrid, got {self.dynamic!r}")
-        pat = self.streaming_heads
-        for layer, head in getattr(self.dynamic_config, "dense_heads", ()):
-            row = pat[0] if pat and len(pat) == 1 else pat[layer] if pat and layer < len(pat) else ()
-            if head < len(row) and row[head]:
-                raise ValueError(f"dense head {layer}:{head} is a streaming head of this hybrid's pattern; "
-                                 "drop it from dense_heads or from the pattern")
+        dense = tuple(getattr(self.dynamic_config, "dense_heads", ()))
+        streamed = [h for h in dense if h not in unstreamed(dense, self.streaming_heads)]
+        if streamed:
+            layer, head = streamed[0]
+            raise ValueError(f"dense head {layer}:{head} is a streaming head of this hybrid's pattern; "
+                             "drop it from dense_heads or from the pattern")
 
     @classmethod
     def from_options(cls, method: str, **options):

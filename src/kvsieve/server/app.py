@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import SamplingParams, SchedulerFullError
 from ..methods import METHOD_NAMES, config_for, merge_options
-from ..patterns import DENSE_HEAD_METHODS, STREAMING_METHODS, check_dense_heads, heads_for
+from ..patterns import STREAMING_METHODS, check_dense_heads, dense_heads_of, heads_for
 from .driver import DriverStopped, EngineDriver, EngineError, Metrics, RequestStream
 from .schemas import BadRequest, ChatCompletionRequest, CompletionRequest, error_body, parse
 from .text import Detokenizer, StopMatcher
@@ -136,9 +136,9 @@ class Server:
             opts["streaming_heads"] = None
         elif name in STREAMING_METHODS and heads_for(self.streaming_heads, name) is not None:
             opts["streaming_heads"] = heads_for(self.streaming_heads, name)
-        if (name in DENSE_HEAD_METHODS and heads_for(self.streaming_heads, name) and "dense_heads" not in opts
+        if (dense_heads_of(self.streaming_heads, name) and "dense_heads" not in opts
                 and opts.get("budget") is None):  # the model's calibrated dense heads (threshold mode)
-            opts["dense_heads"] = heads_for(self.streaming_heads, name)
+            opts["dense_heads"] = dense_heads_of(self.streaming_heads, name)
         merged = merge_options(self.engine.default_options, opts) if name == self.engine.default_method else opts
         try:
             config_for(name, **merged)
@@ -335,8 +335,8 @@ def create_app(engine, model_name: str = "kvsieve", *, streaming_heads=None, max
                retry_after_s: int = 1, drain_s: float = 0.0, registry=None) -> FastAPI:
     """The app for `engine` (not started: uvicorn's lifespan starts and stops the driver).
     streaming_heads: the pattern that per-request lserve/hybrid run with, or a dict
-    {method: heads} (patterns.model_heads: each streaming method's pattern, tactic's dense
-    heads); drain_s: at shutdown, how long requests still in flight may
+    {method: heads} (patterns.model_heads: each streaming method's pattern, tactic's and
+    hybrid's dense heads); drain_s: at shutdown, how long requests still in flight may
     run before they are aborted."""
     server = Server(engine, model_name, streaming_heads, max_method_configs, retry_after_s, drain_s, registry)
 

@@ -80,7 +80,7 @@ def cmd_serve(args) -> int:
     from ..engine import LLMEngine, resolve_device
     from ..methods import config_for
     from ..model.loader import load_model
-    from ..patterns import STREAMING_METHODS, model_head_options, model_heads
+    from ..patterns import DENSE_HEAD_METHODS, STREAMING_METHODS, model_head_options, model_heads
     from .app import create_app
 
     if not 0 <= args.port <= 65535:
@@ -103,7 +103,7 @@ def cmd_serve(args) -> int:
     # the heads a request asking for lserve/hybrid (each method's own ratio of the file) or tactic runs with
     shipped = model_heads(model_dir, cfg.num_layers, cfg.num_kv_heads,
                           args.streaming_heads if args.method in STREAMING_METHODS else None,
-                          opts.get("dense_heads") if args.method == "tactic" else None)
+                          opts.get("dense_heads") if args.method in DENSE_HEAD_METHODS else None)
     pages = args.kv_pages
     if pages is None and device.type != "cuda":  # the engine's default is sized for a GPU's free memory
         per_page = 2 * cfg.num_layers * cfg.num_kv_heads * 16 * cfg.head_dim * model.dtype.itemsize
