@@ -61,6 +61,28 @@ def test_tactic_retrieves_passkey_through_hf_generate(hf_model):
     assert hits >= 2, hits
 
 
+def test_the_embedded_model_gets_its_shipped_heads_as_in_the_cli(hf_model):
+    """enable() adds what generate adds for the embedded model: tactic's and hybrid's dense
+    heads (threshold mode), lserve's and hybrid's streaming heads; the caller's options win."""
+    from kvsieve.patterns import EMBEDDED_PATTERN, load_dense_heads, load_pattern
+
+    model = hf_model[0]
+    dense = load_dense_heads(EMBEDDED_PATTERN, 30, 3)
+    cases = [("tactic", {}, dense, None), ("tactic", {"dense_heads": ()}, (), None), ("tactic", {"budget": 64}, (), None),
+             ("hybrid", {}, dense, load_pattern(EMBEDDED_PATTERN, 30, 3, "hybrid")),
+             ("lserve", {}, None, load_pattern(EMBEDDED_PATTERN, 30, 3, "lserve"))]
+    for method, opts, want_dense, want_stream in cases:
+        cfg = khf.enable(model, method, **opts).method.config
+        khf.disable(model)
+        got = getattr(cfg, "dynamic_config", cfg)
+        assert tuple(getattr(got, "dense_heads", None) or ()) == tuple(want_dense or ()), (method, opts)
+        assert getattr(cfg, "streaming_heads", None) == want_stream, (method, opts)
+    stream = [[layer == 7 for _ in range(3)] for layer in range(30)]  # the caller's pattern streams layer 7
+    cfg = khf.enable(model, "hybrid", streaming_heads=stream).method.config
+    khf.disable(model)
+    assert cfg.dynamic_config.dense_heads == tuple(h for h in dense if h[0] != 7)
+
+
 def test_disable_restores_the_model(hf_model):
     model, tok = hf_model
     enc = tok(["Hello, my name is"], return_tensors="pt")

@@ -260,7 +260,8 @@ def _attention_modules(model):
 
 
 def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **options) -> HFState:
-    """Make model.generate() decode with kvsieve `method` (options as in sparse_decode).
+    """Make model.generate() decode with kvsieve `method` (options as in sparse_decode; a
+    known model's shipped heads are added as the CLI adds them, model_head_defaults).
     dense_below: batches whose longest prompt is shorter decode with SDPA (None: the
     engine's measured crossover on CUDA, 0 on the CPU; 0 forces the method everywhere).
     Returns the state object, whose kv_fraction reports the fraction of KV read."""
@@ -272,7 +273,7 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
     mods = _attention_modules(model)
     if not mods:
         raise ValueError(f"{type(model).__name__} has no Llama-style attention modules (q_proj + layer_idx)")
-    state = HFState(make_method(method, **options), dense_below)
+    state = HFState(make_method(method, **{**model_head_defaults(model, method, options), **options}), dense_below)
     _register()
     model._kvsieve = state
     model._kvsieve_prev_attn = model.config._attn_implementation
@@ -292,6 +293,23 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
     model._kvsieve_generate = original
     model.generate = generate
     return state
+
+
+def model_head_defaults(model, method: str, options: dict) -> dict:
+    """What the CLI adds for a known model (patterns.model_head_options, by the directory name
+    in config.name_or_path): the embedded model's shipped streaming heads (lserve, hybrid) and
+    dense heads (tactic, hybrid, threshold mode), less whatever `options` names. A hybrid
+    given its own streaming heads drops the dense heads they stream."""
+    from .methods.hybrid import normalize_pattern
+    from .patterns import model_head_options, unstreamed
+
+    cfg = model.config
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    model_dir = getattr(cfg, "name_or_path", "") or ""
+    heads = model_head_options(method, options, model_dir, cfg.num_hidden_layers, kv_heads)
+    if options.get("streaming_heads") is not None and "dense_heads" in heads:
+        heads["dense_heads"] = unstreamed(heads["dense_heads"], normalize_pattern(options["streaming_heads"]))
+    return {k: v for k, v in heads.items() if k not in options}
 
 
 def cache_kwarg(model) -> str:
