@@ -171,3 +171,17 @@ def test_generate_refuses_a_dense_head_that_the_hybrid_streams(capsys):
     rc = main(["generate", "--method", "hybrid", "--dense-heads", f"{layer}:{head}", "--prompt", "hi"])
     err = capsys.readouterr().err
     assert rc == 2 and f"dense head {layer}:{head} is a streaming head of this hybrid's pattern" in err
+
+
+def test_the_report_names_each_method_dense_heads():
+    from kvsieve.eval.report import _dense_heads_note
+
+    one = {"tactic": [[7, 2], [18, 2]], "hybrid": [[7, 2], [18, 2]], "file": "shipped pattern"}
+    assert _dense_heads_note({"dense_heads": one}) == [
+        "- tactic and hybrid's dense KV heads (layer:head, attended densely): 7:2, 18:2 (shipped pattern)"]
+    two = {"tactic": [[7, 2]], "hybrid": [], "file": "f.json"}
+    assert _dense_heads_note({"dense_heads": two})[1] == (
+        "- hybrid's dense KV heads (layer:head, attended densely): none (f.json)")
+    assert _dense_heads_note({"dense_heads": {"tactic": [[7, 2]], "file": "f"}}) == [
+        "- tactic's dense KV heads (layer:head, attended densely): 7:2 (f)"]  # results before hybrid took them
+    assert _dense_heads_note({"dense_heads": {"file": "f"}}) == [] and _dense_heads_note({}) == []

@@ -173,7 +173,7 @@ def _dense_heads_note(results: Dict) -> List[str]:
     if not dense:
         return []
     named = {m: ", ".join(f"{a}:{b}" for a, b in dense[m]) or "none" for m in ("tactic", "hybrid") if m in dense}
-    if named.get("hybrid") == named.get("tactic"):  # one list for both (results before hybrid took them: tactic's)
+    if "hybrid" in named and named["hybrid"] == named.get("tactic"):  # one list for both
         named = {" and ".join(named): named["tactic"]}
     return [f"- {m}'s dense KV heads (layer:head, attended densely): {h} ({dense['file']})" for m, h in named.items()]
 
