@@ -1,7 +1,7 @@
-"""Tactic's (and a hybrid's tactic part's) calibrated dense heads: the calibration's needle-loss measure (against a float64
-oracle), the choice of heads, the pattern file's `dense_heads`, and how every entry point
-(generate, serve, eval) resolves them: the shipped ones by default, the user's instead, none
-in the fixed-budget mode."""
+"""Tactic's (and a hybrid's tactic part's) calibrated dense heads: the calibration's
+needle-loss measure (against a float64 oracle), the choice of heads, the pattern file's
+`dense_heads`, and how every entry point (generate, serve, eval, the HF drop-in) resolves
+them: the shipped ones by default, the user's instead, none in the fixed-budget mode."""
 import json
 
 import pytest

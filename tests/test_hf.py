@@ -68,7 +68,8 @@ def test_the_embedded_model_gets_its_shipped_heads_as_in_the_cli(hf_model):
 
     model = hf_model[0]
     dense = load_dense_heads(EMBEDDED_PATTERN, 30, 3)
-    cases = [("tactic", {}, dense, None), ("tactic", {"dense_heads": ()}, (), None), ("tactic", {"budget": 64}, (), None),
+    cases = [("tactic", {}, dense, None), ("tactic", {"dense_heads": ()}, (), None),
+             ("tactic", {"budget": 64}, (), None),
              ("hybrid", {}, dense, load_pattern(EMBEDDED_PATTERN, 30, 3, "hybrid")),
              ("lserve", {}, None, load_pattern(EMBEDDED_PATTERN, 30, 3, "lserve"))]
     for method, opts, want_dense, want_stream in cases:

@@ -190,8 +190,12 @@ def unstreamed(dense, pattern: Optional[Pattern]) -> Tuple[Tuple[int, int], ...]
     """The dense heads a hybrid with this streaming `pattern` can take: those it does not stream."""
     if not pattern:
         return tuple(dense)
-    row = lambda layer: pattern[0] if len(pattern) == 1 else pattern[layer] if layer < len(pattern) else ()  # noqa: E731
-    return tuple((a, b) for a, b in dense if not (b < len(row(a)) and row(a)[b]))
+
+    def streams(layer: int, head: int) -> bool:
+        row = pattern[0] if len(pattern) == 1 else pattern[layer] if layer < len(pattern) else ()
+        return head < len(row) and bool(row[head])
+
+    return tuple((a, b) for a, b in dense if not streams(a, b))
 
 
 def model_head_options(method: str, options: Dict, model_dir, num_layers: int, num_kv_heads: int,
