@@ -9,7 +9,8 @@ from kvsieve.engine.sampling import filter_logits, sample
 
 METHODS = [("dense", {}), ("tactic", {"cluster_size": 8, "fold_every": 16, "local": 8}),
            ("quest", {"budget": 32}), ("lserve", {"budget": 64, "sink": 4, "local": 8}),
-           ("tactic", {"budget": 24, "cluster_size": 8})]
+           ("tactic", {"budget": 24, "cluster_size": 8}),
+           ("lserve", {"budget": 64, "sink": 4, "local": 8, "dense_heads": ((1, 0),)})]
 
 
 def prompts(n, lo=20, hi=140, seed=0):
@@ -477,3 +478,20 @@ def test_score_observer_needs_the_reference_path(tiny_model):
     with pytest.raises(ValueError, match="paged=False"):
         eng.score([prompts(1)[0]], [[1, 2]], observe=lambda *a: None)
     assert eng.score([prompts(1)[0]], [[1, 2]])[0][0].shape[0] == 2  # without an observer the paged path scores
+
+
+@pytest.mark.parametrize("method,opts", [("quest", {"budget": 16}), ("lserve", {"budget": 64, "sink": 4, "local": 8})])
+def test_a_page_selector_whose_every_head_is_dense_decodes_as_dense(tiny_model, method, opts):
+    """quest/lserve with every KV head dense read every token (kv_fraction 1) and give dense's
+    tokens; with one dense head they read more than without and less than everything."""
+    ps = prompts(3, lo=300, hi=400, seed=3)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    every = tuple((layer, h) for layer in range(2) for h in range(2))
+    dense = LLMEngine(tiny_model, None, "dense").generate(ps, params)
+    full = LLMEngine(tiny_model, None, method, dense_heads=every, **opts).generate(ps, params)
+    assert [o.tokens for o in full] == [o.tokens for o in dense]
+    assert all(o.kv_fraction == pytest.approx(1.0) for o in full)
+    plain = LLMEngine(tiny_model, None, method, **opts).generate(ps, params)
+    one = LLMEngine(tiny_model, None, method, dense_heads=((1, 0),), **opts).generate(ps, params)
+    for a, b in zip(plain, one):
+        assert a.kv_fraction < b.kv_fraction < 1.0

@@ -276,3 +276,53 @@ def test_page_windows_kernel_matches_twin(sink, local, pp):
     for i, L in enumerate(lengths.tolist()):
         end = min(L, -(-sink // pp) * pp)
         assert want[0][i, 0] == end and want[1][i, 0] == max(max(L - local, 0) // pp * pp, end)
+
+
+def token_sets(plan):
+    """[B][Hkv] sorted positions of each list."""
+    pos, valid = plan_positions(plan.indices, plan.counts, plan.cap)
+    return [[sorted(pos[b, h][valid[b, h]].tolist()) for h in range(pos.shape[1])] for b in range(pos.shape[0])]
+
+
+@pytest.mark.parametrize("kernels", ["reference", "auto"])
+@pytest.mark.parametrize("name,opts", [
+    ("quest", {"budget": 32}),
+    ("pages", {"budget": 128, "reuse_steps": 1, "gqa_reduce": "sum"}),
+    ("lserve", {"budget": 128, "sink": 8, "local": 24, "reuse_steps": 1, "streaming_heads": ((False, False), (True, False))}),
+])
+def test_dense_heads_take_every_token_and_leave_the_others_unchanged(kernels, name, opts, monkeypatch):
+    """A page selector's dense heads list every token [0, length) in both paths (plan and
+    mask); every other head's list is the one it has without dense heads; the list capacity
+    covers the longest request; a layer without dense heads is unchanged."""
+    monkeypatch.setenv("KVSIEVE_KERNELS", kernels)
+    q, k, lengths = tied_case(3, 64, torch.float32, seed=5)
+    q, k, lengths = q.to(DEV), k.to(DEV), lengths.to(DEV)
+    with_dense = make_method(name, dense_heads=((0, 1),), **opts)
+    plain = make_method(name, **opts)
+    for layer in range(2):
+        st, st0 = with_dense.prepare(k, lengths, layer), plain.prepare(k, lengths, layer)
+        a, b = token_sets(with_dense.plan(q, st, lengths, LENGTHS)), token_sets(plain.plan(q, st0, lengths, LENGTHS))
+        mask = with_dense.select(q, k, lengths, with_dense.prepare(k, lengths, layer)).mask
+        mask0 = plain.select(q, k, lengths, plain.prepare(k, lengths, layer)).mask
+        for i, n in enumerate(LENGTHS):
+            for h in range(2):
+                if layer == 0 and h == 1:
+                    assert a[i][h] == list(range(n)), (i, h)
+                    assert mask[i, h].sum() == n and mask[i, h, :n].all()
+                else:
+                    assert a[i][h] == b[i][h], (layer, i, h)
+                    assert torch.equal(mask[i, h], mask0[i, h])
+        assert a[3][0] != list(range(1000))  # the other head of the layer stays sparse
+    st = with_dense.prepare(k, lengths, 0)
+    assert with_dense.graph_key(st, LENGTHS) >= 1000 > plain.graph_key(plain.prepare(k, lengths, 0), LENGTHS)
+    assert with_dense.graph_key(with_dense.prepare(k, lengths, 1), LENGTHS) == plain.graph_key(
+        plain.prepare(k, lengths, 1), LENGTHS)
+
+
+def test_dense_heads_are_checked():
+    with pytest.raises(ValueError, match="dense_heads must be"):
+        make_method("quest", dense_heads=((0, -1),))
+    with pytest.raises(ValueError, match="KV head 5 of layer 0"):
+        make_method("quest", dense_heads=((0, 5),)).prepare(torch.randn(1, 2, 40, 64), torch.tensor([40]), 0)
+    with pytest.raises(ValueError, match="streaming head"):
+        make_method("lserve", dense_heads=((1, 0),), streaming_heads=((False, False), (True, False)))

@@ -34,6 +34,19 @@ def _fraction(name: str, value, low_open: bool = True) -> None:
         raise ValueError(f"{name} must be a number in {rng}, got {value!r}")
 
 
+def _head_pairs(value) -> Tuple[Tuple[int, int], ...]:
+    """`dense_heads` as sorted, distinct (layer, KV head) pairs of integers >= 0."""
+    try:
+        pairs = tuple((int(a), int(b)) for a, b in value)
+        ok = all(not isinstance(y, bool) and x >= 0 and float(x) == y
+                 for pair, given in zip(pairs, value) for x, y in zip(pair, given))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"dense_heads must be (layer, kv_head) pairs of integers >= 0, e.g. ((7, 2),), got {value!r}")
+    return tuple(sorted(set(pairs)))
+
+
 @dataclass(frozen=True)
 class MethodConfig:
     """Base class: `from_options` builds a config from keyword options with clear errors."""
@@ -93,6 +106,9 @@ class PageSelectConfig(MethodConfig):
     gqa_reduce: how query heads of one KV group combine page scores. [ours] "max":
         each head's score is an upper bound of its own logits, and the max keeps a page
         that any head of the group needs; "sum" is the alternative.
+    dense_heads: (layer, KV head) pairs that take every page at every step, beside the
+        budget of the others (in an lserve/hybrid, never a streaming head). [ours] none
+        here; see TacticConfig.dense_heads for what the command-line entry points give.
     """
 
     page_size: int = 16
@@ -102,6 +118,7 @@ class PageSelectConfig(MethodConfig):
     local: int = 64
     reuse_steps: int = 4
     gqa_reduce: str = "max"
+    dense_heads: Tuple[Tuple[int, int], ...] = ()
 
     def __post_init__(self):
         _positive_int("page_size", self.page_size)
@@ -117,6 +134,7 @@ class PageSelectConfig(MethodConfig):
         _positive_int("reuse_steps", self.reuse_steps)
         if self.gqa_reduce not in ("max", "sum"):
             raise ValueError(f"gqa_reduce must be 'max' or 'sum', got {self.gqa_reduce!r}")
+        object.__setattr__(self, "dense_heads", _head_pairs(self.dense_heads))
 
 
 @dataclass(frozen=True)
@@ -302,15 +320,7 @@ class TacticConfig(MethodConfig):
         _non_negative_int("protect", self.protect)
         if self.protect_bound not in ("radius", "box"):
             raise ValueError(f"protect_bound must be 'radius' or 'box', got {self.protect_bound!r}")
-        try:
-            pairs = tuple((int(a), int(b)) for a, b in self.dense_heads)
-            ok = all(not isinstance(y, bool) and x >= 0 and float(x) == y
-                     for pair, given in zip(pairs, self.dense_heads) for x, y in zip(pair, given))
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError(f"dense_heads must be (layer, kv_head) pairs of integers >= 0, e.g. ((7, 2),), "
-                             f"got {self.dense_heads!r}")
+        pairs = _head_pairs(self.dense_heads)
         if pairs and self.budget is not None:
             raise ValueError("dense_heads applies to the threshold mode; drop budget or dense_heads")
-        object.__setattr__(self, "dense_heads", tuple(sorted(set(pairs))))
+        object.__setattr__(self, "dense_heads", pairs)

@@ -172,6 +172,20 @@ def capacity_bucket(n: int, least: int = 64) -> int:
     return 1 << (max(int(n), least) - 1).bit_length()
 
 
+def dense_head_flags(dense_heads, layer: int, Hkv: int, device, cache: dict) -> Optional[Tensor]:
+    """[Hkv] bool: this layer's KV heads among the (layer, KV head) pairs dense_heads; None
+    when it has none. cache: the method's own dict (one upload per layer, not per prefill)."""
+    heads = [h for L, h in dense_heads if L == layer]
+    if not heads:
+        return None
+    if max(heads) >= Hkv:
+        raise ValueError(f"dense_heads names KV head {max(heads)} of layer {layer}, which has {Hkv} KV heads")
+    key = (layer, Hkv, str(device))
+    if key not in cache:
+        cache[key] = torch.tensor([h in heads for h in range(Hkv)], device=device)
+    return cache[key]
+
+
 def all_valid(k: Tensor, lengths: Tensor) -> Tensor:
     B, H, S, _ = k.shape
     return valid_mask(lengths, B, H, S, k.device)

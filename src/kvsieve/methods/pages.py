@@ -10,13 +10,14 @@ from .. import dispatch
 from ..config import PageSelectConfig
 from ..ops.paged import row_table
 from ..ops.pages import page_scores, page_summaries
-from .base import Selection, SparseMethod, TokenPlan, all_valid, streaming_window
+from .base import Selection, SparseMethod, TokenPlan, all_valid, capacity_bucket, dense_head_flags, streaming_window
 
 
 @dataclass
 class PageState:
     """kmin, kmax: [B, Hkv, P, D] per logical page; lengths: [B] tokens summarised;
-    last_mask/last_len: the selection being reused and the lengths it was made at."""
+    last_mask/last_len: the selection being reused and the lengths it was made at; dense:
+    [Hkv] bool, this layer's dense heads (config.dense_heads), None when it has none."""
 
     kmin: Tensor
     kmax: Tensor
@@ -27,6 +28,7 @@ class PageState:
     last_plan: Optional[tuple] = None  # (chosen, offsets, total, always_end, always_start), fast path
     fresh: Optional[bool] = None  # set by maintain(): the next plan selects anew (else reuses last_plan)
     consts: Optional[tuple] = None  # (page sizes, budget) a fresh selection reuses (_consts)
+    dense: Optional[Tensor] = None
 
 
 @dataclass
@@ -39,7 +41,9 @@ class PageSelect(SparseMethod):
 
     def prepare(self, k, lengths, layer=0):
         kmin, kmax = page_summaries(k, lengths, self.config.page_size)
-        return PageState(kmin, kmax, lengths.clone())
+        dense = dense_head_flags(self.config.dense_heads, layer, k.shape[1], k.device,
+                                 self.__dict__.setdefault("_dense_flags_cache", {}))
+        return PageState(kmin, kmax, lengths.clone(), dense=dense)
 
     def append(self, state: PageState, k, lengths):
         ps = self.config.page_size
@@ -89,6 +93,8 @@ class PageSelect(SparseMethod):
         L = lengths[:, None]
         forced = ((start[None, :] < cfg.sink) | (start[None, :] + pp > L - cfg.local)) & (start[None, :] < L)
         forced = forced[:, None, :].expand(B, Hkv, Pp)
+        if state.dense is not None:  # every page of the dense heads
+            forced = forced | (state.dense[None, :, None] & (start[None, None, :] < L[:, :, None]))
         cand = scores.masked_fill(forced | torch.isinf(scores), float("-inf"))
         kpages = min(max(1, cfg.budget // pp), Pp)
         top = cand.topk(kpages, dim=-1)
@@ -131,7 +137,7 @@ class PageSelect(SparseMethod):
         pad = lambda t, v: torch.nn.functional.pad(t, (0, 0, 0, P - t.shape[2]), value=v)  # noqa: E731
         return PageState(torch.cat([pad(s.kmin, float("inf")) for s in states]),
                          torch.cat([pad(s.kmax, float("-inf")) for s in states]),
-                         torch.cat([s.lengths for s in states]))
+                         torch.cat([s.lengths for s in states]), dense=states[0].dense)
 
     def take_states(self, state: PageState, rows: List[int]) -> PageState:
         """The kept rows keep their reuse schedule and current selection (a request leaving
@@ -139,7 +145,7 @@ class PageSelect(SparseMethod):
         r = torch.tensor(rows, device=state.kmin.device)
         plan = None if state.last_plan is None else tuple(t.index_select(0, r) for t in state.last_plan)
         return PageState(state.kmin.index_select(0, r), state.kmax.index_select(0, r), state.lengths.index_select(0, r),
-                         state.step, None, None, plan, state.fresh)
+                         state.step, None, None, plan, state.fresh, dense=state.dense)
 
     def reserve(self, state: PageState, length: int) -> PageState:
         self._grow(state, [length])
@@ -172,10 +178,19 @@ class PageSelect(SparseMethod):
         state.lengths = lengths
         return state
 
-    def plan_capacity(self) -> int:
+    def plan_capacity(self, state: Optional[PageState] = None, host_lengths: Optional[List[int]] = None) -> int:
+        """Largest list a step can produce: the budget's pages, the sink and local pages and
+        the tokens appended while a selection is reused; with dense heads in this layer,
+        every token (its power-of-two bucket, as tactic's threshold mode)."""
         cfg = self.config
         pp = cfg.physical_page_size
-        return max(1, cfg.budget // pp) * pp + -(-cfg.sink // pp) * pp + cfg.local + 2 * pp + cfg.reuse_steps
+        cap = max(1, cfg.budget // pp) * pp + -(-cfg.sink // pp) * pp + cfg.local + 2 * pp + cfg.reuse_steps
+        if state is not None and state.dense is not None:
+            cap = max(cap, capacity_bucket(max(host_lengths) + pp))
+        return cap
+
+    def graph_key(self, state: PageState, host_lengths):
+        return self.plan_capacity(state, host_lengths)
 
     def plan(self, q, state: PageState, lengths, host_lengths, keys=None, skip=None, window=None):
         """skip: optional [Hkv] or [B, Hkv] bool, a hybrid's streaming heads: a fresh
@@ -184,7 +199,7 @@ class PageSelect(SparseMethod):
         (else they hold this method's own sink and local tokens)."""
         cfg = self.config
         pp = cfg.physical_page_size
-        stream, cap = streaming_window(skip, window, self.plan_capacity())
+        stream, cap = streaming_window(skip, window, self.plan_capacity(state, host_lengths))
         if state.fresh is None:  # not driven by maintain(): count steps here
             fresh = state.last_plan is None or state.step % cfg.reuse_steps == 0
             state.step += 1
@@ -221,13 +236,16 @@ class PageSelect(SparseMethod):
         return chosen, offsets, total, always_end, always_start
 
     def _consts(self, state: PageState, Pp: int, device):
-        """[1, 1, Pp] page sizes (candidates: finite scores) and [1, 1] token budget, made
-        once per (page count, config) instead of filled every plan (one index may serve
-        methods with other budgets)."""
+        """[1, 1, Pp] page sizes (candidates: finite scores) and [1, 1] token budget ([1, Hkv]
+        with dense heads: every page for those), made once per (page count, config) instead
+        of filled every plan (one index may serve methods with other budgets)."""
         pp = self.config.physical_page_size
-        key = (Pp, device, pp, self.config.budget)
+        dense = state.dense
+        key = (Pp, device, pp, self.config.budget, None if dense is None else id(dense))
         if state.consts is None or state.consts[0] != key:
             kpages = min(max(1, self.config.budget // pp), Pp)
-            state.consts = (key, torch.full((1, 1, Pp), pp, dtype=torch.int32, device=device),
-                            torch.full((1, 1), kpages * pp, dtype=torch.int32, device=device))
+            budget = torch.full((1, 1), kpages * pp, dtype=torch.int32, device=device)
+            if dense is not None:  # (the flags live in the method's cache: id() names them)
+                budget = torch.where(dense[None, :], Pp * pp, budget).to(torch.int32)
+            state.consts = (key, torch.full((1, 1, Pp), pp, dtype=torch.int32, device=device), budget)
         return state.consts[1:]

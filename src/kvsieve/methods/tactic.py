@@ -16,7 +16,7 @@ from ..ops.kmeans import nearest_centroid
 from ..ops.select import cluster_box, cluster_radius, radius_bound, select_by_budget, summary_scores
 from ..side_branch import SideBranch
 from . import fit_tables
-from .base import Selection, SparseMethod, TokenPlan, capacity_bucket, streaming_window
+from .base import Selection, SparseMethod, TokenPlan, capacity_bucket, dense_head_flags, streaming_window
 from .cluster_index import ClusterIndex, concat_rows, csr_view, take_rows, widened
 
 
@@ -86,16 +86,8 @@ class Tactic(SparseMethod):
 
     def _dense_flags(self, layer: int, Hkv: int, device) -> Optional[Tensor]:
         """[Hkv] bool: this layer's KV heads in dense_heads; None when it has none."""
-        heads = [h for L, h in self.config.dense_heads if L == layer]
-        if not heads:
-            return None
-        if max(heads) >= Hkv:
-            raise ValueError(f"dense_heads names KV head {max(heads)} of layer {layer}, which has {Hkv} KV heads")
-        cache = self.__dict__.setdefault("_dense_flags_cache", {})  # one upload per layer, not per prefill
-        key = (layer, Hkv, str(device))
-        if key not in cache:
-            cache[key] = torch.tensor([h in heads for h in range(Hkv)], device=device)
-        return cache[key]
+        return dense_head_flags(self.config.dense_heads, layer, Hkv, device,
+                                self.__dict__.setdefault("_dense_flags_cache", {}))
 
     def _uses_box(self) -> bool:
         """The index keeps each cluster's min/max box only where the plan ranks protected clusters by it."""
