@@ -16,9 +16,10 @@
 #            $HYBRID_RATIO (0.125): OUT/pattern.json
 #   pattern  the suite's dense/hybrid/lserve on every seed in $SEEDS with the streaming heads of
 #            $PATTERN (default OUT/pattern.json); dense's cells are shared with the suite step
-#   options  scripts/suite_cases.py on each seed's stored suite run (suite or curve first): the cases dense
-#            answered right under $METHOD (tactic) with each option dict of the JSON list $OPTIONS
-#            (OUT/options-DTYPE-seedN.jsonl)
+#   options  scripts/suite_cases.py on each seed's stored suite run (suite or curve first; or $RESULTS, a
+#            printf template of the seed, e.g. /tmp/res/seed%s/results.json): the cases dense answered
+#            right under $METHOD (tactic) with each option dict of the JSON list $OPTIONS
+#            (OUT/options-TAG-seedN.jsonl, $TAG default DTYPE); PARALLEL=1: every seed at once
 #   fidelity the equal-cost fidelity task (tactic/hybrid over P, quest/lserve/streaming over budgets)
 #            at its default lengths; $FID_ARGS adds options (e.g. --lengths 7680); folder /tmp/sfid
 # $GPU_MEM (default 0.9): the share of free GPU memory each run's KV pool may take. Several runs
@@ -77,10 +78,12 @@ for step in "$@"; do
     options)
       opts=${OPTIONS:-}; [ -n "$opts" ] || opts='[{}]'
       for s in ${SEEDS:-0}; do
-        python3 scripts/suite_cases.py --results /tmp/ssuite-$DTYPE-s$s/results.json --right --no-dense \
-          --device cuda --dtype $DTYPE --method ${METHOD:-tactic} --options "$opts" --gpu-memory-fraction ${GPU_MEM:-0.9} \
-          --jsonl "$OUT/options-$DTYPE-seed$s.jsonl"
+        cmd=(python3 scripts/suite_cases.py --results "$(printf "${RESULTS:-/tmp/ssuite-$DTYPE-s%s/results.json}" $s)"
+             --right --no-dense --device cuda --dtype $DTYPE --method ${METHOD:-tactic} --options "$opts"
+             --gpu-memory-fraction ${GPU_MEM:-0.9} --jsonl "$OUT/options-${TAG:-$DTYPE}-seed$s.jsonl")
+        if [ -n "${PARALLEL:-}" ]; then "${cmd[@]}" > "$OUT/options-${TAG:-$DTYPE}-seed$s.log" 2>&1 & else "${cmd[@]}"; fi
       done
+      wait
       ;;
     fidelity)
       python3 -m kvsieve eval --no-progress --device cuda --dtype bfloat16 --tasks fidelity --out /tmp/sfid ${FID_ARGS:-}

@@ -10,7 +10,8 @@ from generated.txt beside results.json. --misses M: the cases dense answered rig
 default missed; --right: every case dense answered right (a slice's found/KV read per option).
 lserve/hybrid run with the model's shipped streaming heads unless an option dict gives
 "streaming_ratio": r (that fraction of KV heads, chosen by the shipped pattern's scores);
-tactic with its shipped dense heads unless it gives "dense_heads".
+tactic, hybrid, quest and lserve with the shipped dense heads (less those streamed) unless it
+gives "dense_heads".
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from kvsieve.engine import LLMEngine, SamplingParams  # noqa: E402
 from kvsieve.eval.suite import build_suite, filler_sources  # noqa: E402
 from kvsieve.model.loader import load_model  # noqa: E402
 from kvsieve.patterns import (STREAMING_METHODS, choose_streaming, default_pattern, dense_heads_for,  # noqa: E402
-                              load_pattern)
+                              load_pattern, unstreamed)
 
 
 def chosen_ids(cells: dict, args) -> list:
@@ -87,8 +88,8 @@ def main() -> int:
         elif method in STREAMING_METHODS and shipped:
             opts["streaming_heads"] = load_pattern(shipped, method=method)  # hybrid: its own ratio
         dense = dense_heads_for(method, opts, model_dir, model.cfg.num_layers, model.cfg.num_kv_heads)
-        if dense:  # tactic's shipped dense heads, unless the option dict names its own ("dense_heads": [] for none)
-            opts["dense_heads"] = dense
+        if dense:  # the shipped dense heads, unless the option dict names its own ("dense_heads": [] for none)
+            opts["dense_heads"] = unstreamed(dense, opts.get("streaming_heads"))
         t0 = time.time()
         outs = eng.generate([c.prompt_ids for c in cases], [SamplingParams(c.max_new_tokens) for c in cases],
                             method, opts)

@@ -80,7 +80,9 @@ def test_the_embedded_model_ships_dense_heads_that_tactic_and_hybrid_take_by_def
     assert dense_heads_for("tactic", {"threshold": 0.8}, EMBEDDED_DIR, 30, 3) == shipped
     assert dense_heads_for("tactic", {"budget": 256}, EMBEDDED_DIR, 30, 3) is None  # fixed budget: none
     assert dense_heads_for("tactic", {"dense_heads": ()}, EMBEDDED_DIR, 30, 3) is None  # the user's win
-    assert dense_heads_for("quest", {}, EMBEDDED_DIR, 30, 3) is None
+    assert dense_heads_for("quest", {}, EMBEDDED_DIR, 30, 3) == shipped
+    assert dense_heads_for("quest", {"budget": 4096}, EMBEDDED_DIR, 30, 3) == shipped  # its only mode
+    assert dense_heads_for("streaming", {}, EMBEDDED_DIR, 30, 3) is None
     assert dense_heads_for("tactic", {}, "/models/another-model", 30, 3) is None
     with pytest.raises(ValueError, match="name 31:0, but this model has 30 layers"):
         dense_heads_for("tactic", {"dense_heads": ((31, 0),)}, EMBEDDED_DIR, 30, 3)
@@ -88,12 +90,15 @@ def test_the_embedded_model_ships_dense_heads_that_tactic_and_hybrid_take_by_def
     assert opts == {"dense_heads": shipped}
     hybrid = model_head_options("hybrid", {}, EMBEDDED_DIR, 30, 3)
     assert hybrid["dense_heads"] == shipped == unstreamed(shipped, hybrid["streaming_heads"])
-    assert set(model_head_options("lserve", {}, EMBEDDED_DIR, 30, 3)) == {"streaming_heads"}
+    lserve = model_head_options("lserve", {"budget": 4096}, EMBEDDED_DIR, 30, 3)
+    assert lserve["dense_heads"] == unstreamed(shipped, lserve["streaming_heads"]) == shipped
+    assert model_head_options("quest", {"budget": 512}, EMBEDDED_DIR, 30, 3) == {"dense_heads": shipped}
     assert "dense_heads" not in model_head_options("hybrid", {"budget": 64}, EMBEDDED_DIR, 30, 3)
     heads = model_heads(EMBEDDED_DIR, 30, 3)
     assert dense_heads_of(heads, "tactic") == shipped == dense_heads_of(heads, "hybrid")
     assert heads_for(heads, "tactic") is None and heads["lserve"] is not None
-    assert dense_heads_of(heads, "lserve") == () and dense_heads_of(heads, "quest") == ()
+    assert dense_heads_of(heads, "lserve") == shipped == dense_heads_of(heads, "quest")
+    assert dense_heads_of(heads, "streaming") == () and dense_heads_of(heads, "dense") == ()
     assert dense_heads_of(model_heads(EMBEDDED_DIR, 30, 3, dense_heads=()), "tactic") == ()
     assert dense_heads_of(model_heads("/models/another-model", 30, 3), "hybrid") == ()
 
@@ -109,6 +114,7 @@ def test_a_hybrid_drops_dense_heads_that_its_pattern_streams(tmp_path):
     save_pattern(path, [[layer == 7 and h == 2 for h in range(3)] for layer in range(30)], {}, {"model": "m"})
     heads = model_heads(EMBEDDED_DIR, 30, 3, str(path), dense_heads=((7, 2), (18, 2)))
     assert dense_heads_of(heads, "hybrid") == ((18, 2),) and dense_heads_of(heads, "tactic") == ((7, 2), (18, 2))
+    assert dense_heads_of(heads, "lserve") == ((18, 2),) and dense_heads_of(heads, "quest") == ((7, 2), (18, 2))
     assert model_head_options("hybrid", {}, EMBEDDED_DIR, 30, 3, str(path))["dense_heads"] == ((18, 2),)
 
 
@@ -118,6 +124,11 @@ def test_eval_points_and_cells_carry_dense_heads():
     assert MethodPoint("tactic", 0.9).options(2048, heads) == {"threshold": 0.9, "dense_heads": ((7, 2),)}
     assert MethodPoint("tactic", None, (("budget", 64),)).options(2048, heads) == {"budget": 64}
     assert MethodPoint("quest", 0.1).options(2048, heads) == {"budget": 208}
+    pages = {**heads, "dense": {"quest": ((7, 2),), "lserve": ((18, 2),)}}
+    assert MethodPoint("quest", 0.1).options(2048, pages) == {"budget": 208, "dense_heads": ((7, 2),)}
+    assert MethodPoint("quest", None, (("budget", 64),)).options(2048, pages) == {"budget": 64, "dense_heads": ((7, 2),)}
+    assert MethodPoint("lserve", 0.1).options(2048, pages) == {"budget": 192, "dense_heads": ((18, 2),)}
+    assert " heads=" in cell_id(("suite", 1024), MethodPoint("quest", None), pages)
     assert " heads=" in cell_id(("suite", 1024), MethodPoint("tactic", None), heads)
     assert " heads=" not in cell_id(("suite", 1024), MethodPoint("tactic", None), {"dense": {"tactic": ()}})
     assert MethodPoint("hybrid", 0.9).options(2048, heads) == {"threshold": 0.9, "dense_heads": ((7, 2),)}
@@ -133,6 +144,9 @@ def test_eval_points_and_cells_carry_dense_heads():
 def test_a_request_for_a_fixed_budget_drops_the_default_dense_heads():
     defaults = {"dense_heads": ((7, 2),)}
     assert merge_options(defaults, {"budget": 64}) == {"budget": 64}
+    for method in ("quest", "lserve"):  # a budget is their only mode: the dense heads stay
+        assert merge_options(defaults, {"budget": 64}, method) == {"dense_heads": ((7, 2),), "budget": 64}
+        config_for(method, **merge_options(defaults, {"budget": 64}, method))
     config_for("tactic", **merge_options(defaults, {"budget": 64}))
     assert merge_options(defaults, {"threshold": 0.8}) == {"dense_heads": ((7, 2),), "threshold": 0.8}
     given = {"budget": 64, "dense_heads": ((1, 0),)}  # named by the request: kept, and refused
@@ -176,12 +190,14 @@ def test_generate_refuses_a_dense_head_that_the_hybrid_streams(capsys):
 def test_the_report_names_each_method_dense_heads():
     from kvsieve.eval.report import _dense_heads_note
 
-    one = {"tactic": [[7, 2], [18, 2]], "hybrid": [[7, 2], [18, 2]], "file": "shipped pattern"}
-    assert _dense_heads_note({"dense_heads": one}) == [
-        "- tactic and hybrid's dense KV heads (layer:head, attended densely): 7:2, 18:2 (shipped pattern)"]
-    two = {"tactic": [[7, 2]], "hybrid": [], "file": "f.json"}
-    assert _dense_heads_note({"dense_heads": two})[1] == (
-        "- hybrid's dense KV heads (layer:head, attended densely): none (f.json)")
+    one = {m: [[7, 2], [18, 2]] for m in ("tactic", "hybrid", "quest", "lserve")}
+    assert _dense_heads_note({"dense_heads": {**one, "file": "shipped pattern"}}) == [
+        "- dense KV heads of tactic, hybrid, quest and lserve (layer:head, attended densely): 7:2, 18:2 "
+        "(shipped pattern)"]
+    two = {"tactic": [[7, 2]], "hybrid": [], "quest": [[7, 2]], "file": "f.json"}
+    assert _dense_heads_note({"dense_heads": two}) == [
+        "- dense KV heads of tactic and quest (layer:head, attended densely): 7:2 (f.json)",
+        "- dense KV heads of hybrid (layer:head, attended densely): none (f.json)"]
     assert _dense_heads_note({"dense_heads": {"tactic": [[7, 2]], "file": "f"}}) == [
-        "- tactic's dense KV heads (layer:head, attended densely): 7:2 (f)"]  # results before hybrid took them
+        "- dense KV heads of tactic (layer:head, attended densely): 7:2 (f)"]  # results before hybrid took them
     assert _dense_heads_note({"dense_heads": {"file": "f"}}) == [] and _dense_heads_note({}) == []

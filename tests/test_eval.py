@@ -230,7 +230,7 @@ def test_eval_small_smoke_and_resume(capsys, tmp_path):
     """Every task end to end on the embedded model, three methods (the CI slice; the whole
     --quick preset is the slow test below), then a re-run that resumes. Fidelity at 1,024
     tokens: at 512 tactic's protected tokens and dense head would leave little to select.
-    tactic runs with the embedded model's shipped dense heads; its cells name them."""
+    tactic and quest run with the embedded model's shipped dense heads; their cells name them."""
     out_dir = tmp_path / "small"
     argv = ["eval", "--quick", "--out", str(out_dir), "--no-progress", "--methods", "dense,tactic,quest",
             "--lengths", "1024", "--retrieval-lengths", "512", "--suite-lengths", "512", "--suite-cases", "3",
@@ -242,11 +242,13 @@ def test_eval_small_smoke_and_resume(capsys, tmp_path):
 
     shipped = load_dense_heads(EMBEDDED_PATTERN)
     tag = f" heads={pattern_tag(shipped)}"
-    assert all(c["id"].endswith(tag) == (" tactic " in f" {c['id'].split('/')[-1]}") for c in res["cells"])
+    assert all(c["id"].endswith(tag) == (c["method"] in ("tactic", "quest")) for c in res["cells"])
     cells = {c["id"].split(" heads=")[0]: c for c in res["cells"]}
     assert len(cells) == 5 + 5 + 3, sorted(cells)  # fidelity: dense, 3 P, quest; retrieval: the same; suite: 3
     assert res["dense_heads"]["tactic"] == [list(h) for h in shipped] and shipped
     assert cells["suite/512/tactic default"]["options"]["dense_heads"] == [list(h) for h in shipped]
+    assert cells["suite/512/quest default"]["options"]["dense_heads"] == [list(h) for h in shipped]
+    assert res["dense_heads"]["quest"] == res["dense_heads"]["tactic"]
     dense = cells["fidelity/1024/dense"]
     assert dense["mass_mean"] == pytest.approx(1.0) and dense["out_err_mean"] < 1e-5 and dense["kl"] < 1e-9
     tactic = [cells[f"fidelity/1024/tactic P={p}"] for p in (0.8, 0.9, 0.95)]

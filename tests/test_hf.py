@@ -62,8 +62,9 @@ def test_tactic_retrieves_passkey_through_hf_generate(hf_model):
 
 
 def test_the_embedded_model_gets_its_shipped_heads_as_in_the_cli(hf_model):
-    """enable() adds what generate adds for the embedded model: tactic's and hybrid's dense
-    heads (threshold mode), lserve's and hybrid's streaming heads; the caller's options win."""
+    """enable() adds what generate adds for the embedded model: the dense heads of tactic and
+    hybrid (threshold mode), quest and lserve, lserve's and hybrid's streaming heads; the
+    caller's options win."""
     from kvsieve.patterns import EMBEDDED_PATTERN, load_dense_heads, load_pattern
 
     model = hf_model[0]
@@ -71,7 +72,8 @@ def test_the_embedded_model_gets_its_shipped_heads_as_in_the_cli(hf_model):
     cases = [("tactic", {}, dense, None), ("tactic", {"dense_heads": ()}, (), None),
              ("tactic", {"budget": 64}, (), None),
              ("hybrid", {}, dense, load_pattern(EMBEDDED_PATTERN, 30, 3, "hybrid")),
-             ("lserve", {}, None, load_pattern(EMBEDDED_PATTERN, 30, 3, "lserve"))]
+             ("lserve", {}, dense, load_pattern(EMBEDDED_PATTERN, 30, 3, "lserve")),
+             ("quest", {"budget": 512}, dense, None), ("streaming", {}, None, None)]
     for method, opts, want_dense, want_stream in cases:
         cfg = khf.enable(model, method, **opts).method.config
         khf.disable(model)

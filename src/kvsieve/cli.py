@@ -21,9 +21,9 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
                                                "could score highest, taken before the mass threshold (256; 0: off)")
     p.add_argument("--protect-bound", choices=["radius", "box"], help="tactic/hybrid: rank protected clusters by "
                    "their members' channel-wise min/max (box, the default) or by q.c + |q| r (radius)")
-    p.add_argument("--dense-heads", metavar="L:H,...|FILE|none", help="tactic/hybrid threshold mode: KV heads "
-                   "attended densely, as layer:head pairs (7:2,18:2) or a `kvsieve calibrate` file's, or none "
-                   "(default: the embedded model's, 7:2,18:2; other models: none)")
+    p.add_argument("--dense-heads", metavar="L:H,...|FILE|none", help="tactic/hybrid (threshold mode), quest, "
+                   "lserve: KV heads attended densely, as layer:head pairs (7:2,18:2) or a `kvsieve calibrate` "
+                   "file's, or none (default: the embedded model's, 7:2,18:2; other models: none)")
     p.add_argument("--budget", type=int, help="quest/lserve: token budget of selected pages; tactic: fixed "
                                               "per-KV-head token budget instead of the threshold (GPU fast path)")
     p.add_argument("--page-size", type=int, help="quest/lserve: logical page size in tokens")

@@ -298,8 +298,8 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
 def model_head_defaults(model, method: str, options: dict) -> dict:
     """What the CLI adds for a known model (patterns.model_head_options, by the directory name
     in config.name_or_path): the embedded model's shipped streaming heads (lserve, hybrid) and
-    dense heads (tactic, hybrid, threshold mode), less whatever `options` names. A hybrid
-    given its own streaming heads drops the dense heads they stream."""
+    dense heads (tactic and hybrid in threshold mode, quest, lserve), less whatever `options`
+    names. An lserve or hybrid given its own streaming heads drops the dense heads they stream."""
     from .methods.hybrid import normalize_pattern
     from .patterns import model_head_options, unstreamed
 

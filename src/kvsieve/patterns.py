@@ -9,16 +9,16 @@ A pattern is found offline by `kvsieve calibrate` and stored as human-readable J
      "lambda_mass_text": ..., "lambda_mass_retrieval": ..., (its parts; output errors alike)
      "criterion": "...", "calibration": {...},
      "method_ratios": {"hybrid": 0.125},        optional: a method's own validated ratio
-     "dense_heads": [[7, 2]]}                   optional: (layer, KV head) pairs tactic and a
-                                                hybrid's tactic part attend densely (retrieval
-                                                heads, also calibrated)
+     "dense_heads": [[7, 2]]}                   optional: (layer, KV head) pairs every dynamic
+                                                method attends densely (retrieval heads, also
+                                                calibrated)
 
 `load_pattern` checks it against the model it is used with; for a method named in
 `method_ratios` it streams that share of heads instead (the highest `score`, the model's
 `window_layers` always), so lserve and hybrid can each run at the ratio validated for them.
-`dense_heads_for` gives tactic and hybrid the file's `dense_heads` the same way: the shipped
-file's for the embedded model unless the user names others (`--dense-heads`); a hybrid drops
-those its pattern streams.
+`dense_heads_for` gives tactic, hybrid, quest and lserve the file's `dense_heads` the same way:
+the shipped file's for the embedded model unless the user names others (`--dense-heads`); an
+lserve or hybrid drops those its pattern streams.
 """
 from __future__ import annotations
 
@@ -141,7 +141,9 @@ def pattern_tag(pattern: Optional[Pattern]) -> str:
     return hashlib.sha1(repr(pattern).encode()).hexdigest()[:8]
 
 
-DENSE_HEAD_METHODS = ("tactic", "hybrid")
+DENSE_HEAD_METHODS = ("tactic", "hybrid", "quest", "lserve")
+# methods whose dense heads belong to the threshold mode (a fixed budget drops them)
+THRESHOLD_DENSE_METHODS = ("tactic", "hybrid")
 
 
 def load_dense_heads(path, num_layers: Optional[int] = None, num_kv_heads: Optional[int] = None
@@ -174,20 +176,22 @@ def check_dense_heads(heads, num_layers: Optional[int], num_kv_heads: Optional[i
 
 def dense_heads_for(method: str, options: Dict, model_dir, num_layers: int, num_kv_heads: int
                     ) -> Optional[Tuple[Tuple[int, int], ...]]:
-    """The dense heads tactic (or a hybrid's tactic part) runs with when `options` (the
-    user's) name none: the shipped file's for a known model, else None. None too for other
-    methods and for the fixed-budget mode (dense heads belong to the threshold mode)."""
+    """The dense heads tactic, hybrid, quest or lserve runs with when `options` (the user's)
+    name none: the shipped file's for a known model, else None. None too for other methods
+    and for tactic's and hybrid's fixed-budget mode (there dense heads belong to the
+    threshold mode; quest's and lserve's budget is their only mode)."""
     if "dense_heads" in options:
         check_dense_heads(options["dense_heads"], num_layers, num_kv_heads, "--dense-heads")
         return None
-    if method not in DENSE_HEAD_METHODS or options.get("budget") is not None:
+    if method not in DENSE_HEAD_METHODS or (method in THRESHOLD_DENSE_METHODS and options.get("budget") is not None):
         return None
     path = default_pattern(model_dir)
     return (load_dense_heads(path, num_layers, num_kv_heads) or None) if path else None
 
 
 def unstreamed(dense, pattern: Optional[Pattern]) -> Tuple[Tuple[int, int], ...]:
-    """The dense heads a hybrid with this streaming `pattern` can take: those it does not stream."""
+    """The dense heads an lserve or hybrid with this streaming `pattern` can take: those it
+    does not stream."""
     if not pattern:
         return tuple(dense)
 
@@ -201,8 +205,9 @@ def unstreamed(dense, pattern: Optional[Pattern]) -> Tuple[Tuple[int, int], ...]
 def model_head_options(method: str, options: Dict, model_dir, num_layers: int, num_kv_heads: int,
                        streaming_path: Optional[str] = None) -> Dict:
     """The options a model's head files add to `method`'s (the user's `options` win):
-    streaming_heads for lserve/hybrid (pattern_for), dense_heads for tactic and hybrid
-    (dense_heads_for; a hybrid's shipped ones less those its pattern streams)."""
+    streaming_heads for lserve/hybrid (pattern_for), dense_heads for tactic, hybrid, quest
+    and lserve (dense_heads_for; lserve's and hybrid's shipped ones less those their pattern
+    streams)."""
     out: Dict = {}
     heads = pattern_for(method, streaming_path, model_dir, num_layers, num_kv_heads)
     if heads is not None:
@@ -217,11 +222,11 @@ def model_heads(model_dir, num_layers: int, num_kv_heads: int, streaming_path: O
                 dense_heads=None) -> Dict:
     """{method: its pattern} for eval and serve: each streaming method's pattern (pattern_for;
     a file may give hybrid another ratio), and under "dense" {method: its dense heads} for
-    tactic and hybrid (`dense_heads` given, or the shipped file's; () for none; a hybrid's
-    less those its pattern streams). Read with heads_for and dense_heads_of."""
+    DENSE_HEAD_METHODS (`dense_heads` given, or the shipped file's; () for none; lserve's and
+    hybrid's less those their pattern streams). Read with heads_for and dense_heads_of."""
     heads: Dict = {m: pattern_for(m, streaming_path, model_dir, num_layers, num_kv_heads) for m in STREAMING_METHODS}
     given = {} if dense_heads is None else {"dense_heads": dense_heads}
     shipped = dense_heads_for("tactic", given, model_dir, num_layers, num_kv_heads)
     dense = tuple(dense_heads) if dense_heads is not None else (shipped or ())
-    heads["dense"] = {"tactic": dense, "hybrid": unstreamed(dense, heads["hybrid"])}
+    heads["dense"] = {m: unstreamed(dense, heads.get(m)) for m in DENSE_HEAD_METHODS}
     return heads

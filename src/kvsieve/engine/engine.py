@@ -148,7 +148,7 @@ class LLMEngine:
         name = method or self.default_method
         opts = dict(options or {})
         if method is None or method == self.default_method:
-            opts = merge_options(self.default_options, opts)
+            opts = merge_options(self.default_options, opts, name)
         if self.default_options.get("streaming_heads") is not None and name in ("lserve", "hybrid"):
             opts.setdefault("streaming_heads", self.default_options["streaming_heads"])
         config_for(name, **opts)  # one clear ValueError for a bad method or option

@@ -49,8 +49,9 @@ def register(sub) -> None:
     p.add_argument("--suite-fractions", help="extra quest/lserve/streaming budgets in the suite, fractions of context")
     p.add_argument("--streaming-heads", metavar="FILE", help="pattern for lserve/hybrid from `kvsieve calibrate` "
                    "('none': no streaming head; default: the shipped pattern of the embedded model)")
-    p.add_argument("--dense-heads", metavar="L:H,...|FILE|none", help="tactic's and hybrid's densely attended KV "
-                   "heads (default: the embedded model's calibrated ones; a hybrid drops those it streams)")
+    p.add_argument("--dense-heads", metavar="L:H,...|FILE|none", help="densely attended KV heads of tactic, hybrid, "
+                   "quest and lserve (default: the embedded model's calibrated ones; lserve and hybrid drop those "
+                   "they stream)")
     p.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="CUDA: share of the free GPU memory the "
                    "KV pool may take (lower it to run several evals on one GPU; default 0.9)")
     p.add_argument("--device", default="cpu")

@@ -111,7 +111,7 @@ Progress = Callable[[str], None]  # called with a cell id after each cell, finis
 
 def cell_id(parts: Sequence, point: MethodPoint, heads=None) -> str:
     """e.g. "fidelity/2048/tactic P=0.9"; lserve/hybrid cells also name their streaming heads,
-    tactic/hybrid cells their dense heads (where they have any)."""
+    tactic/hybrid/quest/lserve cells their dense heads (where they have any)."""
     pattern, dense = heads_for(heads, point.method), dense_heads_of(heads, point.method)
     named = (pattern, dense) if pattern is not None and dense else dense or pattern
     streams = point.method in STREAMING_METHODS and pattern is not None

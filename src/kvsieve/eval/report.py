@@ -7,6 +7,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from ..patterns import DENSE_HEAD_METHODS
+
 EQUAL_COST_FRACTIONS = (0.05, 0.1, 0.2)
 COMPARED = ("tactic", "hybrid", "quest", "lserve", "streaming")
 
@@ -168,14 +170,17 @@ def _streaming_note(heads: Dict) -> str:
 
 
 def _dense_heads_note(results: Dict) -> List[str]:
-    """e.g. "- tactic's dense KV heads: 7:2 (shipped pattern)" (absent in older results)."""
+    """e.g. "- dense KV heads of tactic and quest (...): 7:2 (shipped pattern)", one line per
+    list (absent in older results)."""
     dense = results.get("dense_heads")
     if not dense:
         return []
-    named = {m: ", ".join(f"{a}:{b}" for a, b in dense[m]) or "none" for m in ("tactic", "hybrid") if m in dense}
-    if "hybrid" in named and named["hybrid"] == named.get("tactic"):  # one list for both
-        named = {" and ".join(named): named["tactic"]}
-    return [f"- {m}'s dense KV heads (layer:head, attended densely): {h} ({dense['file']})" for m, h in named.items()]
+    by_list: Dict[str, List[str]] = {}
+    for m in DENSE_HEAD_METHODS:
+        if m in dense:
+            by_list.setdefault(", ".join(f"{a}:{b}" for a, b in dense[m]) or "none", []).append(m)
+    names = {h: ms[0] if len(ms) == 1 else f"{', '.join(ms[:-1])} and {ms[-1]}" for h, ms in by_list.items()}
+    return [f"- dense KV heads of {names[h]} (layer:head, attended densely): {h} ({dense['file']})" for h in by_list]
 
 
 def write_report(results: Dict, out_dir) -> Report:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..patterns import dense_heads_of, heads_for
+from ..patterns import THRESHOLD_DENSE_METHODS, dense_heads_of, heads_for
 
 EVAL_METHODS = ("dense", "streaming", "quest", "lserve", "tactic", "hybrid")
 THRESHOLD_METHODS = ("tactic", "hybrid")
@@ -41,11 +41,12 @@ class MethodPoint:
     def options(self, context: int, streaming_heads=None) -> Dict:
         """Method options for a prompt of `context` tokens. streaming_heads: the model's
         pattern for lserve/hybrid (None: no streaming heads), or a dict of heads by method
-        (patterns.model_heads: also tactic's and hybrid's dense heads)."""
+        (patterns.model_heads: also each method's dense heads; tactic's and hybrid's drop
+        theirs for a fixed budget)."""
         m, f = self.method, self.knob
         heads, dense = heads_for(streaming_heads, m), dense_heads_of(streaming_heads, m)
         extra = {"streaming_heads": heads} if m in ("lserve", "hybrid") and heads else {}
-        if dense and "budget" not in dict(self.fixed):
+        if dense and (m not in THRESHOLD_DENSE_METHODS or "budget" not in dict(self.fixed)):
             extra["dense_heads"] = dense
         extra.update(self.fixed)
         if m == "dense":
@@ -55,7 +56,7 @@ class MethodPoint:
         if m in THRESHOLD_METHODS:
             return {"threshold": f, **extra}
         if m == "quest":
-            return {"budget": max(16, round(f * context / 16) * 16)}
+            return {"budget": max(16, round(f * context / 16) * 16), **extra}
         if m == "lserve":
             return {"budget": max(64, round(f * context / 64) * 64), **extra}
         if m == "streaming":

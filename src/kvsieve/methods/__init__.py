@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..config import DenseConfig, MethodConfig, PageSelectConfig, QuestConfig, StreamingConfig, TacticConfig
+from ..patterns import THRESHOLD_DENSE_METHODS
 from .base import Selection, SparseMethod
 from .dense import Dense
 from .hybrid import Hybrid, HybridConfig, LServeConfig
@@ -42,11 +43,12 @@ def make_method(name: str, **options) -> SparseMethod:
     return build_method(name, config_for(name, **options))
 
 
-def merge_options(defaults: dict, given: dict) -> dict:
-    """A request's options over its engine's defaults for the same method. Dense heads are
-    tactic's threshold-mode option: a request choosing a fixed budget drops the default ones."""
+def merge_options(defaults: dict, given: dict, method: str = "tactic") -> dict:
+    """A request's options over its engine's defaults for the same method. For tactic and
+    hybrid dense heads are a threshold-mode option: a request choosing a fixed budget drops
+    the default ones (quest and lserve keep them: a budget is their only mode)."""
     out = {**defaults, **given}
-    if given.get("budget") is not None and "dense_heads" not in given:
+    if method in THRESHOLD_DENSE_METHODS and given.get("budget") is not None and "dense_heads" not in given:
         out.pop("dense_heads", None)
     return out
 
