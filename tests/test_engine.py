@@ -495,3 +495,28 @@ def test_a_page_selector_whose_every_head_is_dense_decodes_as_dense(tiny_model, 
     one = LLMEngine(tiny_model, None, method, dense_heads=((1, 0),), **opts).generate(ps, params)
     for a, b in zip(plain, one):
         assert a.kv_fraction < b.kv_fraction < 1.0
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("streaming", [None, ((True, False), (False, True))])
+def test_a_reused_page_selection_follows_each_request_own_schedule(tiny_model, paged, streaming):
+    """lserve reuses a selection for 4 steps. Each request selects anew at its own steps 0,
+    4, 8, ...: requests joining mid-flight (a 256-token step budget), leaving, and a budget
+    well under the prompts give each request the tokens it gets alone."""
+    ps = prompts(4, lo=450, hi=900, seed=11)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (14, 5, 11, 9)]
+    opts = dict(budget=64, sink=16, local=32, prefill_local=64, streaming_heads=streaming, dense_below=0)
+    eng = LLMEngine(tiny_model, None, "lserve", paged=paged, step_tokens=256, **opts)
+    ids, done, step = {}, {}, 0
+    ids[eng.add_request(ps[0], params[0])] = 0
+    while eng.has_unfinished or len(ids) < 4:
+        step += 1
+        if step in (2, 5, 7):
+            i = len(ids)
+            ids[eng.add_request(ps[i], params[i])] = i
+        for o in eng.step():
+            if o.finished:
+                done[ids[o.id]] = o.tokens
+    ref = [LLMEngine(tiny_model, None, "lserve", paged=paged, **opts).generate([p], q)[0] for p, q in zip(ps, params)]
+    assert all(r.kv_fraction < 0.7 for r in ref)  # the selection matters
+    assert [done[i] for i in range(4)] == [r.tokens for r in ref]

@@ -17,18 +17,57 @@ from .base import Selection, SparseMethod, TokenPlan, all_valid, capacity_bucket
 class PageState:
     """kmin, kmax: [B, Hkv, P, D] per logical page; lengths: [B] tokens summarised;
     last_mask/last_len: the selection being reused and the lengths it was made at; dense:
-    [Hkv] bool, this layer's dense heads (config.dense_heads), None when it has none."""
+    [Hkv] bool, this layer's dense heads (config.dense_heads), None when it has none.
+
+    Each row keeps its own reuse schedule (steps: selections made or reused since the row's
+    request joined; it selects anew at its steps 0, R, 2R, ... for R = reuse_steps), so a
+    request selects the same pages whichever requests share its batch."""
 
     kmin: Tensor
     kmax: Tensor
     lengths: Tensor
-    step: int = 0
+    steps: Optional[List[int]] = None  # per row (None: every row at 0)
     last_mask: Optional[Tensor] = None
     last_len: Optional[Tensor] = None
     last_plan: Optional[tuple] = None  # (chosen, offsets, total, always_end, always_start), fast path
-    fresh: Optional[bool] = None  # set by maintain(): the next plan selects anew (else reuses last_plan)
+    mode: Optional[str] = None  # set by maintain(): the next plan's "fresh" (every row), "some" or "reuse"
+    due: Optional[Tensor] = None  # [B] bool: the rows selecting anew at a "some" step
     consts: Optional[tuple] = None  # (page sizes, budget) a fresh selection reuses (_consts)
     dense: Optional[Tensor] = None
+
+    def advance(self, every: int, have_selection: bool) -> List[bool]:
+        """Which rows select anew at this step (all of them without a selection to reuse),
+        and count the step."""
+        steps = self.steps if self.steps is not None else [0] * self.lengths.shape[0]
+        due = [not have_selection or n % every == 0 for n in steps]
+        self.steps = [n + 1 for n in steps]
+        return due
+
+    def due_mask(self, due: List[bool]) -> Tensor:
+        """[B] bool on the device, written in place (a captured step reads it)."""
+        if self.due is None or self.due.shape[0] != len(due):
+            self.due = torch.zeros(len(due), dtype=torch.bool, device=self.kmin.device)
+        self.due.copy_(torch.tensor(due))
+        return self.due
+
+
+def _mode(due: List[bool]) -> str:
+    return "fresh" if all(due) else "some" if any(due) else "reuse"
+
+
+def _cat_rows(parts: List[Optional[tuple]], rows: List[int]) -> Optional[tuple]:
+    """Tuples of per-row tensors concatenated over the batch, zeros for a part that has none
+    (its rows select anew); None when no part has any."""
+    like = next((p for p in parts if p is not None), None)
+    if like is None:
+        return None
+    filled = [p if p is not None else tuple(t.new_zeros(b, *t.shape[1:]) for t in like) for p, b in zip(parts, rows)]
+    return tuple(torch.cat([p[i] for p in filled]) for i in range(len(like)))
+
+
+def _rows(mask: Tensor, t: Tensor) -> Tensor:
+    """mask [B] broadcast over t's trailing dimensions."""
+    return mask.view(-1, *([1] * (t.dim() - 1)))
 
 
 @dataclass
@@ -59,16 +98,20 @@ class PageSelect(SparseMethod):
         B, Hkv, S, _ = k.shape
         valid = all_valid(k, lengths)
         pos = torch.arange(S, device=k.device)
-        reuse = state.last_mask is not None and state.step % self.config.reuse_steps != 0
-        state.step += 1
-        if reuse:
+        due = state.advance(self.config.reuse_steps, state.last_mask is not None)
+        if not all(due):  # rows reusing: their last selection and every token appended since
             last = state.last_mask[..., :S]
             if last.shape[-1] < S:
                 last = torch.nn.functional.pad(last, (0, S - last.shape[-1]))
-            fresh = pos[None, None, :] >= state.last_len[:, None, None]
-            return Selection((last | fresh) & valid)
+            kept = (last | (pos[None, None, :] >= state.last_len[:, None, None])) & valid
+            if not any(due):
+                return Selection(kept)
         mask = self._fresh(q, lengths, state, S) & valid
-        state.last_mask, state.last_len = mask, lengths.clone()
+        last_len = lengths.clone()
+        if not all(due):
+            d = torch.tensor(due, device=k.device)
+            mask, last_len = torch.where(d[:, None, None], mask, kept), torch.where(d, last_len, state.last_len)
+        state.last_mask, state.last_len = mask, last_len
         return Selection(mask)
 
     def physical_scores(self, q: Tensor, state: PageState) -> Tensor:
@@ -110,10 +153,13 @@ class PageSelect(SparseMethod):
         return True
 
     def maintain(self, state: PageState, lengths, host_lengths, read_keys) -> bool:
-        """Grow the summaries if needed and decide whether the next plan selects anew."""
+        """Grow the summaries if needed and decide which rows the next plan selects anew for."""
         changed = self._grow(state, host_lengths)
-        state.fresh = state.last_plan is None or state.step % self.config.reuse_steps == 0
-        state.step += 1
+        due = state.advance(self.config.reuse_steps, state.last_plan is not None)
+        state.mode = _mode(due)
+        if state.mode == "some":
+            had = state.due
+            changed |= state.due_mask(due) is not had
         return changed
 
     def _grow(self, state: PageState, host_lengths) -> bool:
@@ -126,34 +172,67 @@ class PageSelect(SparseMethod):
         grow = max(need - have, 64)
         state.kmin = torch.nn.functional.pad(state.kmin, (0, 0, 0, grow), value=float("inf"))
         state.kmax = torch.nn.functional.pad(state.kmax, (0, 0, 0, grow), value=float("-inf"))
-        state.last_plan = None  # its page count no longer matches
+        if state.last_plan is not None:  # the new pages chosen by no row (rows keep their schedule)
+            state.last_plan = self._pad_plan(state.last_plan, self._physical_pages(state.kmin.shape[2]))
         return True
 
+    def _physical_pages(self, P: int) -> int:
+        return -(-P // (self.config.physical_page_size // self.config.page_size))
+
+    @staticmethod
+    def _pad_plan(plan: tuple, Pp: int) -> tuple:
+        """A selection over Pp physical pages: pages past its own unchosen (their offsets at
+        the row's total, so they own no positions)."""
+        chosen, offsets, total, always_end, always_start = plan
+        grow = Pp - chosen.shape[-1]
+        if grow <= 0:
+            return plan
+        chosen = torch.nn.functional.pad(chosen, (0, grow), value=False)
+        offsets = torch.cat([offsets, total[..., None].to(offsets.dtype).expand(*total.shape, grow)], dim=-1)
+        return chosen, offsets, total, always_end, always_start
+
     def step_variant(self, state: PageState):
-        return "fresh" if state.fresh else "reuse"
+        return state.mode or "fresh"
 
     def merge_states(self, states: List[PageState]) -> PageState:
+        """Every row keeps its reuse schedule and selection (a request joining changes nothing
+        for the others); rows of a state with no selection yet select anew (their steps at 0)."""
         P = max(s.kmin.shape[2] for s in states)
         pad = lambda t, v: torch.nn.functional.pad(t, (0, 0, 0, P - t.shape[2]), value=v)  # noqa: E731
-        return PageState(torch.cat([pad(s.kmin, float("inf")) for s in states]),
-                         torch.cat([pad(s.kmax, float("-inf")) for s in states]),
-                         torch.cat([s.lengths for s in states]), dense=states[0].dense)
+        rows = [s.lengths.shape[0] for s in states]
+        out = PageState(torch.cat([pad(s.kmin, float("inf")) for s in states]),
+                        torch.cat([pad(s.kmax, float("-inf")) for s in states]),
+                        torch.cat([s.lengths for s in states]), dense=states[0].dense)
+        plans = [None if s.last_plan is None else self._pad_plan(s.last_plan, self._physical_pages(P)) for s in states]
+        S = max((s.last_mask.shape[-1] for s in states if s.last_mask is not None), default=0)
+        masks = [None if s.last_mask is None else (torch.nn.functional.pad(s.last_mask, (0, S - s.last_mask.shape[-1])),
+                                                   s.last_len) for s in states]
+        out.steps = [n if sel is not None else 0 for s, p, m, b in zip(states, plans, masks, rows)
+                     for n, sel in zip(s.steps or [0] * b, [p if p is not None else m] * b)]
+        out.last_plan = _cat_rows(plans, rows)
+        masks = _cat_rows(masks, rows)
+        if masks is not None:
+            out.last_mask, out.last_len = masks
+        return out
 
     def take_states(self, state: PageState, rows: List[int]) -> PageState:
         """The kept rows keep their reuse schedule and current selection (a request leaving
         changes nothing for the others)."""
         r = torch.tensor(rows, device=state.kmin.device)
-        plan = None if state.last_plan is None else tuple(t.index_select(0, r) for t in state.last_plan)
-        return PageState(state.kmin.index_select(0, r), state.kmax.index_select(0, r), state.lengths.index_select(0, r),
-                         state.step, None, None, plan, state.fresh, dense=state.dense)
+        take = lambda t: None if t is None else t.index_select(0, r)  # noqa: E731
+        plan = None if state.last_plan is None else tuple(map(take, state.last_plan))
+        steps = None if state.steps is None else [state.steps[i] for i in rows]
+        return PageState(take(state.kmin), take(state.kmax), take(state.lengths), steps, take(state.last_mask),
+                         take(state.last_len), plan, dense=state.dense)
 
     def reserve(self, state: PageState, length: int) -> PageState:
         self._grow(state, [length])
         return state
 
     def write_slot(self, state: PageState, row: int, new: PageState) -> bool:
-        """In place when new's pages fit; the next step selects anew for every row (the
-        reused selection of this row belonged to the request that left it)."""
+        """In place when new's pages fit; the row starts its own reuse schedule (its next
+        step selects anew: the selection held there belonged to the request that left it),
+        the other rows keep theirs."""
         P = new.kmin.shape[2]
         if P > state.kmin.shape[2] or new.kmin.dtype != state.kmin.dtype:
             return False
@@ -161,13 +240,14 @@ class PageSelect(SparseMethod):
             dst[row].fill_(fill)
             dst[row, :, :P].copy_(src[0])
         state.lengths[row] = new.lengths[0]
-        state.step = 0
+        state.steps = state.steps or [0] * state.lengths.shape[0]
+        state.steps[row] = 0
         return True
 
     def append_token(self, state: PageState, k_new, lengths, host_lengths, read_keys):
         """Fold the new key into its page's min/max in place (maintain() grew the capacity;
         without an engine driving maintain(), grow here)."""
-        if state.fresh is None:
+        if state.mode is None:
             self._grow(state, host_lengths)
         ps = self.config.page_size
         b = torch.arange(k_new.shape[0], device=k_new.device)
@@ -200,13 +280,18 @@ class PageSelect(SparseMethod):
         cfg = self.config
         pp = cfg.physical_page_size
         stream, cap = streaming_window(skip, window, self.plan_capacity(state, host_lengths))
-        if state.fresh is None:  # not driven by maintain(): count steps here
-            fresh = state.last_plan is None or state.step % cfg.reuse_steps == 0
-            state.step += 1
-        else:
-            fresh = state.fresh or state.last_plan is None
-        if fresh:
+        mode = state.mode
+        if mode is None:  # not driven by maintain(): count steps here
+            due = state.advance(cfg.reuse_steps, state.last_plan is not None)
+            mode = _mode(due)
+            if mode == "some":
+                state.due_mask(due)
+        if state.last_plan is None:
+            mode = "fresh"
+        if mode != "reuse":
             new = self._choose(q, state, lengths, skip)
+            if mode == "some":  # the rows not due keep their selection
+                new = tuple(torch.where(_rows(state.due, n), n, o) for n, o in zip(new, state.last_plan))
             if (cfg.reuse_steps == 1 or state.last_plan is None
                     or any(a.shape != b.shape for a, b in zip(state.last_plan, new))):
                 state.last_plan = new  # (every step selects anew: no other step reads it)
