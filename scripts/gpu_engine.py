@@ -33,21 +33,21 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from kvsieve.engine import LLMEngine, SamplingParams  # noqa: E402
 from kvsieve.model.cli import DEFAULT_QUESTION  # noqa: E402
 from kvsieve.model.loader import load_model  # noqa: E402
-from kvsieve.patterns import EMBEDDED_PATTERN, load_pattern  # noqa: E402
+from kvsieve.patterns import model_head_options  # noqa: E402
 from kvsieve.prompts import document_prompt  # noqa: E402
 
-METHODS = {"dense": {}, "tactic": {}, "quest": {}, "lserve": {"streaming_heads": "shipped"},
-           "hybrid": {"streaming_heads": "shipped"}, "tactic-2.5%": {"budget": 100}}
+METHODS = {"dense": {}, "tactic": {}, "quest": {}, "lserve": {}, "hybrid": {}, "tactic-2.5%": {"budget": 100}}
+MODEL_DIR = [None]  # the loaded model's directory (main)
 
 
 def opts_for(name, model):
-    o = dict(METHODS[name])
-    if o.get("streaming_heads") == "shipped":  # the embedded model's pattern; other models run without one
-        try:
-            o["streaming_heads"] = load_pattern(EMBEDDED_PATTERN, model.cfg.num_layers, model.cfg.num_kv_heads)
-        except ValueError:
-            del o["streaming_heads"]
-    return name.split("-")[0], o
+    """(method, options) as `kvsieve generate` runs it: the model's shipped heads added
+    (patterns.model_head_options: lserve's and hybrid's own streaming heads, every dynamic
+    method's dense heads; other models run without)."""
+    method, o = name.split("-")[0], dict(METHODS[name])
+    if MODEL_DIR[0] is not None:
+        o.update(model_head_options(method, o, MODEL_DIR[0], model.cfg.num_layers, model.cfg.num_kv_heads))
+    return method, o
 
 
 def doc_ids(tok, n):
@@ -245,7 +245,7 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     embedded = any(p not in ("e2e8b", "cb8b", "cb64") for p in args.parts.split(","))
-    model, tok, _ = load_model(args.model, dtype=torch.bfloat16, device="cuda") if embedded else (None, None, None)
+    model, tok, MODEL_DIR[0] = load_model(args.model, dtype=torch.bfloat16, device="cuda") if embedded else (None, None, None)
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
               "torch": torch.__version__, "command": " ".join(sys.argv)}
 
