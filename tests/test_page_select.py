@@ -326,3 +326,38 @@ def test_dense_heads_are_checked():
         make_method("quest", dense_heads=((0, 5),)).prepare(torch.randn(1, 2, 40, 64), torch.tensor([40]), 0)
     with pytest.raises(ValueError, match="streaming head"):
         make_method("lserve", dense_heads=((1, 0),), streaming_heads=((False, False), (True, False)))
+
+
+@pytest.mark.parametrize("kernels", ["reference", "auto"])
+def test_a_reused_selection_survives_growth_and_rebuilds(kernels, monkeypatch):
+    """Rows keep their selection and schedule when the summaries grow (new pages chosen by
+    no row), when the batch is rebuilt from its rows (take_states + merge_states), and a
+    row written into a slot selects anew alone."""
+    monkeypatch.setenv("KVSIEVE_KERNELS", kernels)
+    q, k, lengths = tied_case(4, 64, torch.float32, seed=7)
+    q, k, lengths = q.to(DEV), k.to(DEV), lengths.to(DEV)
+    m = make_method("pages", budget=128, reuse_steps=4)
+    st, ref = m.prepare(k, lengths), m.prepare(k, lengths)
+    for s in (st, ref):
+        m.maintain(s, lengths, LENGTHS, None)
+        m.plan(q, s, lengths, LENGTHS)
+    assert st.steps == [1] * 4
+    m.maintain(st, lengths, [n + 1100 for n in LENGTHS], None)  # grows by 64+ pages, a reuse step
+    m.maintain(ref, lengths, LENGTHS, None)
+    assert st.kmin.shape[2] > ref.kmin.shape[2] and st.mode == ref.mode == "reuse"
+    want = token_sets(m.plan(q, ref, lengths, LENGTHS))
+    assert token_sets(m.plan(q, st, lengths, LENGTHS)) == want
+    rebuilt = m.merge_states([m.take_states(st, [0, 1]), m.take_states(st, [2, 3])])
+    assert rebuilt.steps == [2] * 4 and rebuilt.last_plan[0].shape == st.last_plan[0].shape
+    m.maintain(rebuilt, lengths, LENGTHS, None)
+    assert rebuilt.mode == "reuse" and token_sets(m.plan(q, rebuilt, lengths, LENGTHS)) == want
+    fresh = m.merge_states([m.take_states(st, [0, 1, 2]), m.prepare(k[3:], lengths[3:])])
+    assert fresh.steps == [2, 2, 2, 0]  # the new row has no selection: it selects anew, alone
+    m.maintain(fresh, lengths, LENGTHS, None)
+    assert fresh.mode == "some" and fresh.due.tolist() == [False, False, False, True]
+    got = token_sets(m.plan(q, fresh, lengths, LENGTHS))
+    assert got[:3] == want[:3]
+    new_alone = m.prepare(k[3:], lengths[3:])
+    m.maintain(new_alone, lengths[3:], LENGTHS[3:], None)
+    assert got[3] == token_sets(m.plan(q[3:], new_alone, lengths[3:], LENGTHS[3:]))[0]
+    assert m.write_slot(fresh, 1, m.prepare(k[1:2], lengths[1:2])) and fresh.steps[1] == 0
