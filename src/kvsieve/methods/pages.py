@@ -207,8 +207,8 @@ class PageSelect(SparseMethod):
         S = max((s.last_mask.shape[-1] for s in states if s.last_mask is not None), default=0)
         masks = [None if s.last_mask is None else (torch.nn.functional.pad(s.last_mask, (0, S - s.last_mask.shape[-1])),
                                                    s.last_len) for s in states]
-        out.steps = [n if sel is not None else 0 for s, p, m, b in zip(states, plans, masks, rows)
-                     for n, sel in zip(s.steps or [0] * b, [p if p is not None else m] * b)]
+        selected = [p is not None or m is not None for p, m in zip(plans, masks)]
+        out.steps = [n if has else 0 for s, has, b in zip(states, selected, rows) for n in (s.steps or [0] * b)]
         out.last_plan = _cat_rows(plans, rows)
         masks = _cat_rows(masks, rows)
         if masks is not None:
