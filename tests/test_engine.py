@@ -19,6 +19,23 @@ def prompts(n, lo=20, hi=140, seed=0):
             for _ in range(n)]
 
 
+def mid_flight(eng, ps, params, first, arrive_at):
+    """Submit the first `first` requests, then one more at each engine step in arrive_at;
+    step until all finish. {request index: its tokens}."""
+    ids, done, step = {}, {}, 0
+    for i in range(first):
+        ids[eng.add_request(ps[i], params[i])] = i
+    while eng.has_unfinished or len(ids) < len(ps):
+        step += 1
+        if step in arrive_at:
+            i = len(ids)
+            ids[eng.add_request(ps[i], params[i])] = i
+        for o in eng.step():
+            if o.finished:
+                done[ids[o.id]] = o.tokens
+    return done
+
+
 def alone(model, method, opts, ps, params, **kw):
     return [LLMEngine(model, None, method, **kw, **opts).generate([p], params)[0].tokens for p in ps]
 
@@ -29,17 +46,7 @@ def test_continuous_batching_equals_each_request_alone(tiny_model, method, opts,
     ps = prompts(5)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (30, 7, 19, 3, 12)]
     eng = LLMEngine(tiny_model, None, method, paged=paged, step_tokens=96, **opts)
-    ids, done, step = {}, {}, 0
-    for i in (0, 1):  # two arrive first, the rest mid-flight
-        ids[eng.add_request(ps[i], params[i])] = i
-    while eng.has_unfinished or len(ids) < 5:
-        step += 1
-        if step in (3, 5, 9):
-            i = len(ids)
-            ids[eng.add_request(ps[i], params[i])] = i
-        for o in eng.step():
-            if o.finished:
-                done[ids[o.id]] = o.tokens
+    done = mid_flight(eng, ps, params, first=2, arrive_at=(3, 5, 9))  # two arrive first, the rest mid-flight
     for i, p in enumerate(ps):
         ref = LLMEngine(tiny_model, None, method, paged=paged, **opts).generate([p], params[i])[0].tokens
         assert done[i] == ref, (i, method)
@@ -507,16 +514,7 @@ def test_a_reused_page_selection_follows_each_request_own_schedule(tiny_model, p
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (14, 5, 11, 9)]
     opts = dict(budget=64, sink=16, local=32, prefill_local=64, streaming_heads=streaming, dense_below=0)
     eng = LLMEngine(tiny_model, None, "lserve", paged=paged, step_tokens=256, **opts)
-    ids, done, step = {}, {}, 0
-    ids[eng.add_request(ps[0], params[0])] = 0
-    while eng.has_unfinished or len(ids) < 4:
-        step += 1
-        if step in (2, 5, 7):
-            i = len(ids)
-            ids[eng.add_request(ps[i], params[i])] = i
-        for o in eng.step():
-            if o.finished:
-                done[ids[o.id]] = o.tokens
+    done = mid_flight(eng, ps, params, first=1, arrive_at=(2, 5, 7))
     ref = [LLMEngine(tiny_model, None, "lserve", paged=paged, **opts).generate([p], q)[0] for p, q in zip(ps, params)]
     assert all(r.kv_fraction < 0.7 for r in ref)  # the selection matters
     assert [done[i] for i in range(4)] == [r.tokens for r in ref]
