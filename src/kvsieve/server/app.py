@@ -336,8 +336,8 @@ def create_app(engine, model_name: str = "kvsieve", *, streaming_heads=None, max
                retry_after_s: int = 1, drain_s: float = 0.0, registry=None) -> FastAPI:
     """The app for `engine` (not started: uvicorn's lifespan starts and stops the driver).
     streaming_heads: the pattern that per-request lserve/hybrid run with, or a dict
-    {method: heads} (patterns.model_heads: each streaming method's pattern, tactic's and
-    hybrid's dense heads); drain_s: at shutdown, how long requests still in flight may
+    {method: heads} (patterns.model_heads: each streaming method's pattern, and the dense
+    heads of tactic, hybrid, quest and lserve); drain_s: at shutdown, how long requests still in flight may
     run before they are aborted."""
     server = Server(engine, model_name, streaming_heads, max_method_configs, retry_after_s, drain_s, registry)
 
