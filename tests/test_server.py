@@ -277,8 +277,8 @@ def test_per_request_kvsieve_settings_are_honoured_and_reported(live, engine, cl
 
 def test_per_request_tactic_takes_the_model_dense_heads_unless_it_names_others_or_a_budget(live):
     """A server started for a model with calibrated dense heads (patterns.model_heads) gives
-    them to requests for tactic and hybrid in threshold mode; a request's own dense_heads or
-    budget wins."""
+    them to requests for tactic and hybrid in threshold mode and for quest and lserve; a
+    request's own dense_heads wins, and so does a budget for tactic and hybrid."""
     server = live.app.state.server
     saved = server.streaming_heads
     server.streaming_heads = {"lserve": None, "hybrid": None, "dense": {"tactic": ((0, 1),), "hybrid": ((0, 2),)}}
@@ -290,6 +290,8 @@ def test_per_request_tactic_takes_the_model_dense_heads_unless_it_names_others_o
         assert server.method({"method": "quest"})[1] == {}
         assert server.method({"method": "hybrid"}) == ("hybrid", {"dense_heads": ((0, 2),)})
         assert server.method({"method": "hybrid", "budget": 64})[1] == {"budget": 64}
+        server.streaming_heads["dense"]["quest"] = ((1, 0),)  # a page method keeps them with a budget
+        assert server.method({"method": "quest", "budget": 64})[1] == {"budget": 64, "dense_heads": ((1, 0),)}
         with pytest.raises(Exception, match="name 99:0, but this model has 30 layers x 3 KV heads") as e:
             server.method({"method": "tactic", "dense_heads": [[99, 0]]})
         assert e.value.param == "kvsieve.dense_heads"
