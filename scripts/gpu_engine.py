@@ -8,7 +8,9 @@ single:     the built-in ~4K-token prompt at batch 1, every method, tokens/s thr
             (what `kvsieve generate` runs), KV read and agreement with dense;
 crossover:  batch 1 at several prompt lengths with dense_below=0 (sparse forced on);
 concurrent: 32 requests of mixed lengths (1K-7.5K) submitted together: aggregate tokens/s,
-            time to first token and time per output token, p50/p99.
+            time to first token and time per output token, p50/p99 (sparse forced on).
+served:     the same requests at the engine's defaults (its GPU crossover on, as generate
+            and serve run them).
 chat:       64 short requests (64-512 tokens, 64 new tokens each) submitted together, dense (a
             chat server's load: prefill is many small prompts).
 e2e8b:      the Llama-3.1-8B shape (random weights) at batch 1-8, 8K-128K, steady-state decode.
@@ -130,19 +132,25 @@ def run_batch(eng, prompts, new_tokens):
             "preemptions": eng.stats.preemptions, "attended_densely": sum(bool(o.attended_densely) for o in outs)}
 
 
-def concurrent(model, tok, log, n=32, new_tokens=128):
+def concurrent(model, tok, log, n=32, new_tokens=128, forced=True):
     rng = random.Random(0)
     base = doc_ids(tok, 7600)
     prompts = [base[-rng.randint(1024, 7500):] for _ in range(n)]
     rows = []
     for name in ("dense", "tactic", "lserve", "quest"):
         method, o = opts_for(name, model)
-        eng = LLMEngine(model, tok, method, max_num_seqs=n, dense_below=0, **o)  # the method itself, not dense
+        # forced: the method itself, not dense; else the engine's crossover, as generate and serve run
+        eng = LLMEngine(model, tok, method, max_num_seqs=n, dense_below=0 if forced else None, **o)
         rows.append({"method": name, **run_batch(eng, prompts, new_tokens)})
         log(rows[-1])
         del eng
         gc.collect()
     return rows
+
+
+def served(model, tok, log):
+    """concurrent's requests at the engine's defaults (its GPU crossover on)."""
+    return concurrent(model, tok, log, forced=False)
 
 
 def chat(model, tok, log, n=64, new_tokens=64):
