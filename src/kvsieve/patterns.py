@@ -146,6 +146,12 @@ DENSE_HEAD_METHODS = ("tactic", "hybrid", "quest", "lserve")
 THRESHOLD_DENSE_METHODS = ("tactic", "hybrid")
 
 
+def budget_drops_dense_heads(method: str, options: Dict) -> bool:
+    """A fixed budget in `options` turns tactic's and hybrid's default dense heads off (they
+    belong to the threshold mode); quest's and lserve's budget is their only mode."""
+    return method in THRESHOLD_DENSE_METHODS and options.get("budget") is not None
+
+
 def load_dense_heads(path, num_layers: Optional[int] = None, num_kv_heads: Optional[int] = None
                      ) -> Tuple[Tuple[int, int], ...]:
     """A pattern file's `dense_heads` as sorted (layer, KV head) pairs, () when it has none;
@@ -183,7 +189,7 @@ def dense_heads_for(method: str, options: Dict, model_dir, num_layers: int, num_
     if "dense_heads" in options:
         check_dense_heads(options["dense_heads"], num_layers, num_kv_heads, "--dense-heads")
         return None
-    if method not in DENSE_HEAD_METHODS or (method in THRESHOLD_DENSE_METHODS and options.get("budget") is not None):
+    if method not in DENSE_HEAD_METHODS or budget_drops_dense_heads(method, options):
         return None
     path = default_pattern(model_dir)
     return (load_dense_heads(path, num_layers, num_kv_heads) or None) if path else None

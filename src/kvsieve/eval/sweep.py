@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..patterns import THRESHOLD_DENSE_METHODS, dense_heads_of, heads_for
+from ..patterns import budget_drops_dense_heads, dense_heads_of, heads_for
 
 EVAL_METHODS = ("dense", "streaming", "quest", "lserve", "tactic", "hybrid")
 THRESHOLD_METHODS = ("tactic", "hybrid")
@@ -46,7 +46,7 @@ class MethodPoint:
         m, f = self.method, self.knob
         heads, dense = heads_for(streaming_heads, m), dense_heads_of(streaming_heads, m)
         extra = {"streaming_heads": heads} if m in ("lserve", "hybrid") and heads else {}
-        if dense and (m not in THRESHOLD_DENSE_METHODS or "budget" not in dict(self.fixed)):
+        if dense and not budget_drops_dense_heads(m, dict(self.fixed)):
             extra["dense_heads"] = dense
         extra.update(self.fixed)
         if m == "dense":

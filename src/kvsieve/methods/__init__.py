@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..config import DenseConfig, MethodConfig, PageSelectConfig, QuestConfig, StreamingConfig, TacticConfig
-from ..patterns import THRESHOLD_DENSE_METHODS
+from ..patterns import budget_drops_dense_heads
 from .base import Selection, SparseMethod
 from .dense import Dense
 from .hybrid import Hybrid, HybridConfig, LServeConfig
@@ -48,7 +48,7 @@ def merge_options(defaults: dict, given: dict, method: str = "tactic") -> dict:
     hybrid dense heads are a threshold-mode option: a request choosing a fixed budget drops
     the default ones (quest and lserve keep them: a budget is their only mode)."""
     out = {**defaults, **given}
-    if method in THRESHOLD_DENSE_METHODS and given.get("budget") is not None and "dense_heads" not in given:
+    if budget_drops_dense_heads(method, given) and "dense_heads" not in given:
         out.pop("dense_heads", None)
     return out
 

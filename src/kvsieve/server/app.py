@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import SamplingParams, SchedulerFullError
 from ..methods import METHOD_NAMES, config_for, merge_options
-from ..patterns import STREAMING_METHODS, THRESHOLD_DENSE_METHODS, check_dense_heads, dense_heads_of, heads_for
+from ..patterns import STREAMING_METHODS, budget_drops_dense_heads, check_dense_heads, dense_heads_of, heads_for
 from .driver import DriverStopped, EngineDriver, EngineError, Metrics, RequestStream
 from .schemas import BadRequest, ChatCompletionRequest, CompletionRequest, error_body, parse
 from .text import Detokenizer, StopMatcher
@@ -137,7 +137,7 @@ class Server:
         elif name in STREAMING_METHODS and heads_for(self.streaming_heads, name) is not None:
             opts["streaming_heads"] = heads_for(self.streaming_heads, name)
         if (dense_heads_of(self.streaming_heads, name) and "dense_heads" not in opts
-                and (name not in THRESHOLD_DENSE_METHODS or opts.get("budget") is None)):  # the model's calibrated ones
+                and not budget_drops_dense_heads(name, opts)):  # the model's calibrated ones
             opts["dense_heads"] = dense_heads_of(self.streaming_heads, name)
         merged = (merge_options(self.engine.default_options, opts, name) if name == self.engine.default_method
                   else opts)
