@@ -84,7 +84,7 @@ def profile_one(spec, m, st, q, lengths, host, keys, pk, pv, bt, probs, ref, t_d
         log(kind="kernel", method=spec, S=S, B=B, us=round(us, 2), launches=n, name=name)
 
 
-def cell(S: int, B: int, P: float, log, methods=("tactic",), sweep: bool = False) -> None:
+def cell(S: int, B: int, P: float, log, methods=("tactic",), sweep: bool = False, sweep_boxes: bool = False) -> None:
     q, k, v = make_qkv("calibrated", B, 32, 8, S, 128, torch.bfloat16, seed=S + B)
     probs, ref = dense_reference(q, k, v)
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -104,6 +104,8 @@ def cell(S: int, B: int, P: float, log, methods=("tactic",), sweep: bool = False
         profile_one(spec, m, st, q, lengths, host, keys, pk, pv, bt, probs, ref, t_dense, S, B, log)
         if sweep and spec == "tactic":
             sweep_launches(m, q, st, lengths, host, keys, S, B, log)
+        if sweep_boxes and st.kmin is not None:
+            sweep_box(q, st, S, B, log)
         if sweep and spec == "quest":
             sweep_page_scores(m, q, st, lengths, S, B, log)
         if sweep and spec in ("quest", "lserve"):
@@ -111,6 +113,34 @@ def cell(S: int, B: int, P: float, log, methods=("tactic",), sweep: bool = False
         del st
     del pk, k
     torch.cuda.empty_cache()
+
+
+def sweep_box(q, st, S, B, log) -> None:
+    """The centroid-score launch with and without the box bound in the same pass, at
+    launch configurations, next to the separate box launch it replaces and a copy of the
+    same bytes (the floor)."""
+    from kvsieve.kernels.select import cluster_scores, summary_scores
+    box = (st.kmin, st.kmax)
+    n_valid = st.num_clusters[:, None].expand(B, st.kmin.shape[1])
+    tensors = (st.centroids, st.kmin, st.kmax)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+
+    def timed(fn):
+        return round(1e3 * median_ms(capture(fn)), 2)
+    floor = timed(lambda: [t.clone() for t in tensors])
+    log(kind="box", S=S, B=B, config="copy", us=floor, gbps=round(nbytes / floor / 1e3, 1))
+    plain = timed(lambda: cluster_scores(q, st.centroids, st.sizes32))
+    apart = timed(lambda: summary_scores(q, st.kmin, st.kmax, n_valid, group_only=True))
+    log(kind="box", S=S, B=B, config="centroids only", us=plain)
+    log(kind="box", S=S, B=B, config="box apart", us=apart, with_centroids=round(plain + apart, 2))
+    want = cluster_scores(q, st.centroids, st.sizes32, box=box)
+    for cfg in (None, (64, 4, 4, 3), (64, 2, 4, 2), (32, 4, 4, 3), (32, 8, 4, 2), (64, 4, 8, 2), (128, 2, 8, 2),
+                (128, 1, 4, 2), (64, 8, 4, 2)):
+        fn = lambda: cluster_scores(q, st.centroids, st.sizes32, box=box, _config=cfg)  # noqa: E731
+        got = fn()
+        us = timed(fn)
+        log(kind="box", S=S, B=B, config=cfg or "default", us=us, gbps=round(nbytes / us / 1e3, 1),
+            same=all(torch.equal(a, b) for a, b in zip(got, want)))
 
 
 def sweep_page_scores(m, q, st, lengths, S, B, log) -> None:
@@ -217,6 +247,7 @@ def main() -> int:
     ap.add_argument("--methods", default="tactic", help="tactic (threshold; tactic/N: cluster size N; tactic:field=value;...: config "
                     "fields, ';' between methods when a spec has commas), quest, lserve (2.5%% budgets)")
     ap.add_argument("--sweep", action="store_true", help="also time launch configurations")
+    ap.add_argument("--sweep-box", action="store_true", help="also time the box bound's launch configurations")
     args = ap.parse_args()
     f = open(os.path.join(args.out, "profile_plan.jsonl"), "w") if args.out else None
 
@@ -228,7 +259,7 @@ def main() -> int:
     sep = ";" if ";" in args.methods else ","
     for S in map(int, args.contexts.split(",")):
         for B in map(int, args.batches.split(",")):
-            cell(S, B, args.threshold, log, tuple(args.methods.split(sep)), args.sweep)
+            cell(S, B, args.threshold, log, tuple(args.methods.split(sep)), args.sweep, args.sweep_box)
     return 0
 
 

@@ -52,13 +52,13 @@ def union_prefixes(keys, order, keep, sizes, extra=None):
     return impl(keys, order, keep, sizes, extra)
 
 
-def cluster_scores(q, centroids, sizes, radius=None):
+def cluster_scores(q, centroids, sizes, radius=None, box=None):
     """See ops.select.cluster_scores."""
     if use_triton(q):
         from .kernels.select import cluster_scores as impl
     else:
         impl = _select_ref.cluster_scores
-    return impl(q, centroids, sizes, radius)
+    return impl(q, centroids, sizes, radius, box)
 
 
 def keep_clusters(read, positions, always, layout, n, csize, head_w, threshold, min_budget=0, max_budget=None):

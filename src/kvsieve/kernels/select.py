@@ -48,16 +48,20 @@ def _scores_kernel(Q, LO, HI, NV, OUT, GMAX, Hkv, N, sq_b, sq_h, sl_b, sl_h, sl_
 
 
 @triton.jit(do_not_specialize=('N', 'snv_b', 'snv_h'))
-def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Z, RAD, Hkv, N, sq_b, sq_h, sc_b, sc_h, sc_n, snv_b, snv_h,
+def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Z, RAD, LO, HI, Hkv, N, sq_b, sq_h, sc_b, sc_h, sc_n, snv_b, snv_h,
+                       sb_b, sb_h, sb_n,
                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                        PER_PROGRAM: tl.constexpr, PER_HEAD: tl.constexpr, UPCAST: tl.constexpr,
                        IEEE: tl.constexpr, STAGES: tl.constexpr, KEYS: tl.constexpr, BOUND: tl.constexpr,
-                       PDL: tl.constexpr):
+                       BOX: tl.constexpr, PDL: tl.constexpr):
     """Centroid scores as a [GP, D] x [D, BLOCK] tensor-core product per tile, PER_PROGRAM
     tiles per program so their loads pipeline (bf16/fp16 products are exact in fp32).
     KEYS: entries are valid where Z (sizes, contiguous [B, Hkv, N]) > 0 instead of below
     NV, and scores are written as sort keys (NaN -> -inf, -0.0 -> +0.0); BOUND: GMAX is the
-    group max of score + |q| RAD (contiguous [B, Hkv, N]) instead of the score's."""
+    group max of score + |q| RAD (contiguous [B, Hkv, N]) instead of the score's; BOX: GMAX
+    is the group max of the box bound sum_i max(q_i hi_i, q_i lo_i) = max(q, 0).hi +
+    min(q, 0).lo (LO/HI [B, Hkv, N, D], strides sb_*), two more tensor-core products on
+    the tiles of the same clusters."""
     start_after_producer(PDL)
     row = tl.program_id(0)
     b = row // Hkv
@@ -72,6 +76,9 @@ def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Z, RAD, Hkv, N, sq_b, sq_h, sc_b, sc
         qn = tl.sqrt(tl.sum(qf * qf, 1))
     if UPCAST:
         q = q.to(tl.float32)
+    if BOX:
+        q_pos = tl.maximum(q, 0.0).to(q.dtype)
+        q_neg = tl.minimum(q, 0.0).to(q.dtype)
     first = tl.program_id(1) * PER_PROGRAM * BLOCK
     for i in tl.range(0, PER_PROGRAM, num_stages=STAGES):
         offs = first + i * BLOCK + tl.arange(0, BLOCK)
@@ -96,6 +103,19 @@ def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Z, RAD, Hkv, N, sq_b, sq_h, sc_b, sc
         if BOUND:
             r = tl.load(RAD + row * N + offs, mask=offs < N, other=0.0).to(tl.float32)
             s = s + qn[:, None] * r[None, :]
+        if BOX:
+            box = b * sb_b + h * sb_h + offs[:, None] * sb_n + offs_d[None, :]
+            lo = tl.load(LO + box, mask=valid[:, None], other=0.0)
+            hi = tl.load(HI + box, mask=valid[:, None], other=0.0)
+            if UPCAST:
+                lo = lo.to(tl.float32)
+                hi = hi.to(tl.float32)
+            if IEEE:
+                s = tl.dot(q_pos, tl.trans(hi), input_precision="ieee")
+                s = tl.dot(q_neg, tl.trans(lo), s, input_precision="ieee")
+            else:
+                s = tl.dot(q_neg, tl.trans(lo), tl.dot(q_pos, tl.trans(hi)))
+            s = tl.where(valid[None, :], s, float("-inf"))
         gmax = tl.max(tl.where(offs_g[:, None] < G, s, float("-inf")), 0)
         tl.store(GMAX + row * N + offs, gmax, mask=offs < N)
 
@@ -130,19 +150,23 @@ def summary_scores(q: Tensor, lo: Tensor, hi: Optional[Tensor] = None,
     return out, gmax
 
 
-def _dot_scores(q, cent, nv, snv, out, gmax, sizes=None, radius=None, _config=None) -> None:
+def _dot_scores(q, cent, nv, snv, out, gmax, sizes=None, radius=None, box=None, _config=None) -> None:
     """Launch _dot_scores_kernel: per-head scores into out (None: group max only) and the
-    group max (or, with radius, the bound) into gmax; sizes/radius contiguous [B, Hkv, N]."""
+    group max (or, with radius or box, the bound) into gmax; sizes/radius contiguous
+    [B, Hkv, N]; box (kmin, kmax) [B, Hkv, N, D] with the same strides."""
     B, Hq, D = q.shape
     Hkv, N = cent.shape[1], cent.shape[2]
     block, per_program, warps, stages = _config or (64, 4, 4, 3)  # H200 sweep, docs/benchmarks-history.md
-    upcast = interpreting() or cent.dtype == torch.float32 or q.dtype != cent.dtype
+    dtypes = {cent.dtype} | ({box[0].dtype, box[1].dtype} if box is not None else set())
+    upcast = interpreting() or torch.float32 in dtypes or len(dtypes | {q.dtype}) > 1
+    lo, hi = box if box is not None else (cent, cent)
     _dot_scores_kernel[(B * Hkv, triton.cdiv(N, block * per_program))](
         q, cent, nv, gmax if out is None else out, gmax, gmax if sizes is None else sizes,
-        gmax if radius is None else radius, Hkv, N, q.stride(0), q.stride(1), cent.stride(0), cent.stride(1),
-        cent.stride(2), *snv, G=Hq // Hkv, GP=max(16, next_pow2(Hq // Hkv)), D=D, BLOCK=block,
-        PER_PROGRAM=per_program, PER_HEAD=out is not None, UPCAST=upcast, IEEE=upcast and not interpreting(),
-        STAGES=stages, KEYS=sizes is not None, BOUND=radius is not None, num_warps=warps, **launch_args(q))
+        gmax if radius is None else radius, lo, hi, Hkv, N, q.stride(0), q.stride(1), cent.stride(0),
+        cent.stride(1), cent.stride(2), *snv, lo.stride(0), lo.stride(1), lo.stride(2), G=Hq // Hkv,
+        GP=max(16, next_pow2(Hq // Hkv)), D=D, BLOCK=block, PER_PROGRAM=per_program, PER_HEAD=out is not None,
+        UPCAST=upcast, IEEE=upcast and not interpreting(), STAGES=stages, KEYS=sizes is not None,
+        BOUND=radius is not None, BOX=box is not None, num_warps=warps, **launch_args(q))
 
 
 def _ones(device) -> Tensor:
@@ -158,23 +182,30 @@ def _cached_ones(device) -> Tensor:
     return torch.ones(1, 1, dtype=torch.int32, device=device)
 
 
-def cluster_scores(q: Tensor, centroids: Tensor, sizes: Tensor,
-                   radius: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+def cluster_scores(q: Tensor, centroids: Tensor, sizes: Tensor, radius: Optional[Tensor] = None,
+                   box: Optional[Tuple[Tensor, Tensor]] = None,
+                   _config: Optional[Tuple[int, int, int, int]] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """Triton twin of ops.select.cluster_scores: one launch writes the sort keys and the
-    group's bound (no separate masking, norm and max passes). Head dims below 16 (too
-    small for a tensor-core tile) use the torch twin."""
+    group's bound (no separate masking, norm and max passes; a box is read in the same
+    pass as the centroids). Head dims below 16 (too small for a tensor-core tile) use the
+    torch twin. `_config`: (tile, tiles per program, warps, stages), for tuning sweeps."""
     B, Hq, D = q.shape
     Hkv, N = centroids.shape[1], centroids.shape[2]
+    if radius is not None and box is not None:
+        raise ValueError("cluster_scores takes a radius or a box bound, not both")
+    if box is not None and (box[0].stride() != box[1].stride() or box[0].stride(-1) != 1):
+        box = (box[0].contiguous(), box[1].contiguous())
     if D < 16 or q.stride(-1) != 1 or centroids.stride(-1) != 1:
         from ..ops.select import cluster_scores as reference
-        return reference(q, centroids, sizes, radius)
+        return reference(q, centroids, sizes, radius, box)
     keys = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
     gmax = torch.empty(B, Hkv, N, dtype=torch.float32, device=q.device)
     if B * Hkv and N:
         one = _ones(q.device)
         rad = None if radius is None else radius.float().contiguous()
-        _dot_scores(q, centroids, one, (0, 0), keys, gmax, int32_contiguous(sizes), rad)
-    return keys, None if radius is None else gmax
+        config = _config or ((64, 4, 4, 2) if box is not None else None)
+        _dot_scores(q, centroids, one, (0, 0), keys, gmax, int32_contiguous(sizes), rad, box, _config=config)
+    return keys, None if radius is None and box is None else gmax
 
 
 @triton.jit

@@ -386,15 +386,12 @@ class Tactic(SparseMethod):
         cfg = self.config
         B, Hq, D = q.shape
         Hkv, C = st.sizes.shape[1:]
-        box = cfg.protect_bound == "box"
-        radius = st.radius if cfg.protect and not box else None
-        skeys, bound = dispatch.cluster_scores(q, st.centroids, st.sizes32, radius)
+        bounds = {} if not cfg.protect else {"box": (st.kmin, st.kmax)} if cfg.protect_bound == "box" \
+            else {"radius": st.radius}
+        skeys, bound = dispatch.cluster_scores(q, st.centroids, st.sizes32, **bounds)  # the box in the same pass
         protected, branch = None, SideBranch(q.device)
         if cfg.protect:  # only the union reads it: beside the ranking and the fit (H100 128K x 8: -9 us)
             with branch:
-                if box:
-                    n_valid = st.num_clusters[:, None].expand(B, Hkv)
-                    _, bound = dispatch.summary_scores(q, st.kmin, st.kmax, n_valid, group_only=True)
                 protected, _, _ = dispatch.select_by_budget(bound, st.sizes32, c["protect"])
         order, ranked, csize = dispatch.rank_clusters(skeys, st.sizes32)
         W = c["positions"].shape[-1]

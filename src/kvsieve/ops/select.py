@@ -52,15 +52,21 @@ def sort_keys(scores: Tensor, sizes: Tensor) -> Tensor:
     return s.masked_fill((sizes == 0)[:, :, None, :] | s.isnan(), float("-inf")).view(B, Hq, C)
 
 
-def cluster_scores(q: Tensor, centroids: Tensor, sizes: Tensor,
-                   radius: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+def cluster_scores(q: Tensor, centroids: Tensor, sizes: Tensor, radius: Optional[Tensor] = None,
+                   box: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """Tactic's threshold plan scores every cluster once: q [B, Hq, D], centroids
-    [B, Hkv, C, D], sizes [B, Hkv, C] (0: empty), radius [B, Hkv, C] or None.
+    [B, Hkv, C, D], sizes [B, Hkv, C] (0: empty), radius [B, Hkv, C] or box (kmin, kmax),
+    each [B, Hkv, C, D], or neither.
     Returns (keys [B, Hq, C] float32: q.centroid unscaled, as sort_keys; bound [B, Hkv, C]:
-    radius_bound of the keys, the group's upper bound of q.k over each cluster's members,
-    -inf on empty clusters; None without radius)."""
+    the group's upper bound of q.k over each cluster's members, -inf on empty clusters:
+    radius_bound of the keys, or the box's summary_scores group max; None without either)."""
+    if radius is not None and box is not None:
+        raise ValueError("cluster_scores takes a radius or a box bound, not both")
     per_head, _ = summary_scores(q, centroids)
     keys = sort_keys(per_head, sizes)
+    if box is not None:
+        _, group_max = summary_scores(q, box[0], box[1])
+        return keys, group_max.masked_fill(sizes == 0, float("-inf"))
     return keys, None if radius is None else radius_bound(keys, q, radius)
 
 
