@@ -104,6 +104,8 @@ def cell(S: int, B: int, P: float, log, methods=("tactic",), sweep: bool = False
         profile_one(spec, m, st, q, lengths, host, keys, pk, pv, bt, probs, ref, t_dense, S, B, log)
         if sweep and spec == "tactic":
             sweep_launches(m, q, st, lengths, host, keys, S, B, log)
+        if sweep and spec.startswith("tactic") and m.config.budget is not None:
+            sweep_budget_plan(m, q, st, lengths, host, keys, S, B, log)
         if sweep_boxes and st.kmin is not None:
             sweep_box(q, st, S, B, log)
         if sweep and spec == "quest":
@@ -141,6 +143,41 @@ def sweep_box(q, st, S, B, log) -> None:
         us = timed(fn)
         log(kind="box", S=S, B=B, config=cfg or "default", us=us, gbps=round(nbytes / us / 1e3, 1),
             same=all(torch.equal(a, b) for a, b in zip(got, want)))
+
+
+def sweep_budget_plan(m, q, st, lengths, host, keys, S, B, log) -> None:
+    """A fixed-budget tactic plan's two chained launches after the scores, at launch
+    configurations: the budgeted choice (thresholds per round, warps) and the compaction
+    (by position, or by entry at (entries per program, columns, warps))."""
+    from kvsieve.kernels.compact import compact_tokens
+    from kvsieve.kernels.select import select_by_budget
+    from kvsieve.ops.paged import row_table
+
+    c = m._consts(st, q, host)
+    n_valid = st.num_clusters[:, None].expand(B, st.sizes.shape[1])
+    _, gmax = dispatch.summary_scores(q, st.centroids, None, n_valid, group_only=True)
+    want = None
+    for cfg in (None, (4, 4), (4, 8), (4, 16), (8, 8), (8, 16), (16, 16), (32, 16)):
+        fn = lambda: select_by_budget(gmax, st.sizes32, c["budget"], _config=cfg)  # noqa: E731
+        got = fn()
+        want = got if want is None else want
+        log(kind="budget", S=S, B=B, config=cfg or "default", us=round(1e3 * median_ms(capture(fn)), 2),
+            same=all(torch.equal(a, b) for a, b in zip(got, want)))
+    chosen, offsets, total = want
+    table, page = row_table(keys)
+    cap = m.plan_capacity(st, host)
+    want = None
+    for by_entry, cfg in ((None, None), (False, None), (True, None), (True, (16, 16, 4)), (True, (32, 32, 4)),
+                          (True, (8, 16, 4)), (True, (16, 32, 4)), (True, (64, 16, 4))):
+        fn = lambda: compact_tokens(chosen, offsets, total, st.members, st.entry_start, st.sizes32, 0,  # noqa: E731
+                                    c["sink"], st.num_indexed[:, None], lengths, cap, table, page,
+                                    _by_entry=by_entry, _config=cfg)
+        idx, cnt = fn()
+        torch.cuda.synchronize()
+        got = torch.where(torch.arange(cap, device="cuda")[None, None, :] < cnt[..., None], idx, -1)
+        want = got if want is None else want
+        log(kind="compact", S=S, B=B, by_entry=by_entry, config=cfg, cap=cap,
+            us=round(1e3 * median_ms(capture(fn)), 2), same=bool(torch.equal(got, want)))
 
 
 def sweep_page_scores(m, q, st, lengths, S, B, log) -> None:

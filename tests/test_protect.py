@@ -196,6 +196,21 @@ def test_the_index_keeps_a_box_only_where_the_plan_reads_it():
         assert m.take_states(m.merge_states([st, st]), [1]).kmin is None
 
 
+def test_a_box_plan_on_an_index_without_its_box_names_the_fix():
+    """An index prepared by a fixed-budget config keeps no box: a box-ranked threshold plan
+    on it says so instead of failing inside a kernel launch."""
+    from kvsieve.ops.paged import PagedKeys
+
+    q, k, _ = clustered_qkv(1, 4, 2, 304, 64, seed=9, dtype=torch.float32)
+    lengths = torch.tensor([304])
+    st = make_method("tactic", budget=64).prepare(k, lengths)
+    keys = PagedKeys(k[0].view(2, 19, 16, 64).transpose(0, 1).contiguous(), torch.arange(19, dtype=torch.int32)[None])
+    make_method("tactic", budget=64).plan(q, st, lengths, [304], keys)  # its own config plans
+    with pytest.raises(ValueError, match="keeps no min/max box.*prepare it with the threshold config"):
+        make_method("tactic").plan(q, st, lengths, [304], keys)
+    assert make_method("tactic").plan(q, make_method("tactic").prepare(k, lengths), lengths, [304], keys).counts.min() > 0
+
+
 def test_dense_heads_attend_every_token_of_their_layer_only():
     q, k, v = clustered_qkv(2, 6, 3, 300, 64, sharpness=6.0, seed=12, dtype=torch.float32)
     lengths = torch.tensor([300, 97])

@@ -149,13 +149,14 @@ def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: fl
             "budget": tok, "streaming_heads": half_streaming(1, Hkv), "reuse_steps": 1}))
     for P in thresholds:
         configs.append(("tactic", f"P={P}", {"threshold": P}))
-    states = {}  # the index does not depend on the budget: build it once per method
+    states = {}  # the index does not depend on the budget: build it once per method and mode
     for label, setting, opts in configs:
         name = "dense" if label == "triton_dense" else label
         m = make_method(name, **opts)
-        if name not in states:
-            states[name] = prepare_per_request(m, k, lengths)
-        st = states[name]
+        index = (name, "threshold" in opts)  # tactic's threshold index also keeps the clusters' min/max box
+        if index not in states:
+            states[index] = prepare_per_request(m, k, lengths)
+        st = states[index]
         if name == "lserve":
             st.dynamic.last_plan = None  # pages chosen under another budget
 
