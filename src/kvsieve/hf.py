@@ -16,8 +16,8 @@ Batches must be left-padded (transformers' convention for generation): each requ
 keys form a suffix of the cache. Decode runs the method's plan and the paged attention op
 (Triton on CUDA) over the cache tensors in place, viewed as a pool of one-token pages; a
 method without a plan uses its select() over the keys compacted to a prefix. As in the engine,
-on CUDA a batch whose prompt KV per layer is under the measured crossover
-(engine.DENSE_BELOW_KV_BYTES) decodes with SDPA (`dense_below` overrides; 0 forces the method).
+on CUDA a batch whose prompt KV per layer is under the method's measured crossover
+(SparseMethod.dense_below_kv_bytes) decodes with SDPA (`dense_below` overrides; 0 forces the method).
 """
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ import torch
 from torch import Tensor
 
 from . import dispatch
-from .engine.engine import DENSE_BELOW_KV_BYTES
 from .methods import SparseMethod, make_method
 from .ops.attention import attend
 from .ops.paged import PagedKeys
@@ -45,7 +44,7 @@ _active = threading.local()  # the cache layer most recently updated: read by th
 @dataclass
 class HFState:
     """dense_below: prompts (the batch's longest) shorter than this many tokens decode with
-    SDPA (None: the engine's crossover on CUDA, 0 elsewhere); attended_densely counts those
+    SDPA (None: the method's crossover on CUDA, 0 elsewhere); attended_densely counts those
     layer prefills."""
 
     method: SparseMethod
@@ -66,7 +65,8 @@ class HFState:
         """The prompt length under which a batch decodes with SDPA, for keys like `key`."""
         if self.dense_below is not None:
             return self.dense_below
-        return DENSE_BELOW_KV_BYTES // (2 * key.shape[1] * key.shape[3] * key.element_size()) if key.is_cuda else 0
+        kv_token_bytes = 2 * key.shape[1] * key.shape[3] * key.element_size()
+        return self.method.dense_below_kv_bytes // kv_token_bytes if key.is_cuda else 0
 
     def lengths(self, attention_mask, B: int, S: int, device) -> Tuple[Tensor, List[int]]:
         """Valid keys per request: ([B] on the device, the same as ints), checked (left padding)
@@ -263,7 +263,7 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
     """Make model.generate() decode with kvsieve `method` (options as in sparse_decode; a
     known model's shipped heads are added as the CLI adds them, model_head_defaults).
     dense_below: batches whose longest prompt is shorter decode with SDPA (None: the
-    engine's measured crossover on CUDA, 0 on the CPU; 0 forces the method everywhere).
+    method's measured crossover on CUDA, 0 on the CPU; 0 forces the method everywhere).
     Returns the state object, whose kv_fraction reports the fraction of KV read."""
     if dense_below is not None and (isinstance(dense_below, bool) or not isinstance(dense_below, int)
                                     or dense_below < 0):

@@ -19,15 +19,16 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..methods import config_for, make_method, merge_options
+from ..methods.base import DENSE_BELOW_KV_BYTES
 from ..patterns import check_dense_heads
 from .runner import ModelRunner
 from .scheduler import Request, SamplingParams, Scheduler
 
-# On CUDA a request attends densely while its prompt's KV per layer is below this many
-# bytes: under it the plan's launches cost more than the reads they save (H100, 2026-11-22,
-# docs/benchmarks.md "Crossover": the embedded model never gains up to its 8K limit, 5.8 MB
-# per layer; the 8B shape gains from 8K tokens, 32 MiB per layer).
-DENSE_BELOW_KV_BYTES = 32 << 20
+# On CUDA a request attends densely while its prompt's KV per layer is below its method's
+# dense_below_kv_bytes (DENSE_BELOW_KV_BYTES = 32 MiB for fixed budgets, 384 MiB for
+# tactic's threshold plan): under it the plan's launches cost more than the reads they save
+# (docs/benchmarks.md "Crossover": the embedded model never gains up to its 8K limit, 5.8 MB
+# per layer).
 # A request whose plans read more than DENSE_ABOVE of its cache for DENSE_AFTER steps in a
 # row attends densely from then on (a sparse read of most of the cache is slower than dense).
 DENSE_ABOVE, DENSE_AFTER = 0.5, 4
@@ -83,7 +84,8 @@ class LLMEngine:
     name their own. kv_pages: pool size in pages of page_size tokens (default: room for
     max_num_seqs requests of the model's full length, capped by gpu_memory_fraction of the
     free GPU memory on CUDA). dense_below: prompts shorter than this many tokens attend
-    densely (default on CUDA: DENSE_BELOW_KV_BYTES of KV per layer; 0 on the CPU)."""
+    densely (default on CUDA: the request's method's dense_below_kv_bytes of KV per layer,
+    see dense_below_for; 0 on the CPU)."""
 
     def __init__(self, model, tokenizer=None, method: str = "dense", kv_pages: Optional[int] = None,
                  page_size: int = 16, max_num_seqs: int = 64, step_tokens: int = 2048, max_waiting: Optional[int] = None,
@@ -99,15 +101,15 @@ class LLMEngine:
         if method != "dense":
             methods["dense"] = make_method("dense")
         cuda = model.device.type == "cuda"
-        kv_token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
-        self.dense_below = (DENSE_BELOW_KV_BYTES // kv_token_bytes if cuda else 0) if dense_below is None \
-            else dense_below
+        self._kv_token_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
+        self._dense_below_given = dense_below
         self.dense_fallback = cuda if dense_below is None else dense_below > 0
         if kv_pages is None:
             kv_pages = self._default_pages(page_size, max_num_seqs, gpu_memory_fraction)
         if kv_pages < 1:
             raise ValueError(f"kv_pages must be >= 1, got {kv_pages}")
         self.runner = ModelRunner(model, methods, kv_pages, page_size, prefill_chunk or step_tokens, paged, graphs)
+        self.dense_below = self.dense_below_for("default")  # the default method's crossover, in tokens
         self.scheduler = Scheduler(kv_pages, page_size, max_num_seqs, step_tokens, cfg.max_positions, max_waiting)
         self.eos = tuple(cfg.eos_token_ids)
         self.stats = EngineStats()
@@ -160,6 +162,16 @@ class LLMEngine:
             self._method_names[key] = name
         return key
 
+    def dense_below_for(self, key: str) -> int:
+        """Prompts shorter than this many tokens attend densely under method `key`: the
+        engine's dense_below if given, else on CUDA the method's crossover
+        (dense_below_kv_bytes of KV per layer), 0 on the CPU."""
+        if self._dense_below_given is not None:
+            return self._dense_below_given
+        if self.model.device.type != "cuda":
+            return 0
+        return self.runner.methods[key].dense_below_kv_bytes // self._kv_token_bytes
+
     def add_request(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
                     method: Optional[str] = None, method_options: Optional[dict] = None) -> int:
         """Queue one request (token ids); returns its id. Raises ValueError for input that can
@@ -168,7 +180,7 @@ class LLMEngine:
         key = self.method_key(method, method_options)
         requested = self._method_names[key]
         if "dense" in self.runner.methods and (
-                len(prompt) < self.dense_below  # below the crossover
+                len(prompt) < self.dense_below_for(key)  # below the crossover
                 or (self.dense_fallback and params.max_new_tokens < self.runner.methods[key].index_payback_tokens)):
             key = "dense"  # (or too few tokens to repay the method's index)
         req = self.scheduler.add(prompt, params, key)

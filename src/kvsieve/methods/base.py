@@ -59,6 +59,12 @@ class PrefillWindow:
     local: int
 
 
+# The GPU crossover of a fixed-budget plan (H100, 2026-11-22, docs/benchmarks.md
+# "Crossover"): the 8B shape gains from 8K tokens (32 MiB of KV per layer); quest at its
+# 2,048-token default is 0.99x dense at 8K and 1.36x at 16K per layer at batch 1 (2026-11-26).
+DENSE_BELOW_KV_BYTES = 32 << 20
+
+
 @dataclass
 class SparseMethod:
     """Base class. Subclasses override prepare/append/select; state is whatever they need."""
@@ -74,6 +80,10 @@ class SparseMethod:
     # generated tokens before the index's build cost is repaid by cheaper decode steps; on
     # CUDA the engine attends densely for a request that asks for fewer (0: nothing to repay)
     index_payback_tokens: ClassVar[int] = 0
+    # on CUDA a request attends densely while its prompt's KV per layer is below this many
+    # bytes: under it the plan's launches cost more than the reads they save (measured at
+    # batch 1, the worst case: a larger batch spreads the plan over more rows)
+    dense_below_kv_bytes: ClassVar[int] = DENSE_BELOW_KV_BYTES
     # prepare() reads the keys' values; False: only their shape (the KV head count), so the
     # engine hands it an empty [1, Hkv, 0, D] tensor instead of gathering the prompt's keys
     prepare_reads_keys: ClassVar[bool] = True

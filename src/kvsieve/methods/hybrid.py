@@ -122,6 +122,11 @@ class Hybrid(SparseMethod):
         """The dynamic heads' index cost (tactic's K-means; nothing for a page selector)."""
         return self.dynamic.index_payback_tokens
 
+    @property
+    def dense_below_kv_bytes(self) -> int:
+        """The dynamic heads' plan sets the crossover (tactic's threshold plan, or a page selector's)."""
+        return self.dynamic.dense_below_kv_bytes
+
     def __post_init__(self):
         from . import build_method
 
