@@ -84,7 +84,8 @@ def profile_one(spec, m, st, q, lengths, host, keys, pk, pv, bt, probs, ref, t_d
         log(kind="kernel", method=spec, S=S, B=B, us=round(us, 2), launches=n, name=name)
 
 
-def cell(S: int, B: int, P: float, log, methods=("tactic",), sweep: bool = False, sweep_boxes: bool = False) -> None:
+def cell(S: int, B: int, P: float, log, methods=("tactic",), sweep: bool = False, sweep_boxes: bool = False,
+         sweep_ranks: bool = False) -> None:
     q, k, v = make_qkv("calibrated", B, 32, 8, S, 128, torch.bfloat16, seed=S + B)
     probs, ref = dense_reference(q, k, v)
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -108,6 +109,8 @@ def cell(S: int, B: int, P: float, log, methods=("tactic",), sweep: bool = False
             sweep_budget_plan(m, q, st, lengths, host, keys, S, B, log)
         if sweep_boxes and st.kmin is not None:
             sweep_box(q, st, S, B, log)
+        if sweep_ranks and spec.startswith("tactic"):
+            sweep_rank(q, st, S, B, log)
         if sweep and spec == "quest":
             sweep_page_scores(m, q, st, lengths, S, B, log)
         if sweep and spec in ("quest", "lserve"):
@@ -143,6 +146,20 @@ def sweep_box(q, st, S, B, log) -> None:
         us = timed(fn)
         log(kind="box", S=S, B=B, config=cfg or "default", us=us, gbps=round(nbytes / us / 1e3, 1),
             same=all(torch.equal(a, b) for a, b in zip(got, want)))
+
+
+def sweep_rank(q, st, S, B, log) -> None:
+    """The ranking: torch's segmented sort then one launch, against the sort in that launch
+    (rows of B x Hq query heads) at 4, 8 and 16 warps."""
+    from kvsieve.kernels.rank import rank_clusters
+
+    skeys, _ = dispatch.cluster_scores(q, st.centroids, st.sizes32)
+    want = rank_clusters(skeys, st.sizes32, _in_kernel=False)
+    for in_kernel, warps in ((False, None), (True, 4), (True, 8), (True, 16)):
+        fn = lambda: rank_clusters(skeys, st.sizes32, _in_kernel=in_kernel, _warps=warps)  # noqa: E731
+        got = fn()
+        log(kind="rank", S=S, B=B, clusters=skeys.shape[-1], in_kernel=in_kernel, warps=warps,
+            us=round(1e3 * median_ms(capture(fn)), 2), same=all(torch.equal(a, b) for a, b in zip(got, want)))
 
 
 def sweep_budget_plan(m, q, st, lengths, host, keys, S, B, log) -> None:
@@ -285,6 +302,7 @@ def main() -> int:
                     "fields, ';' between methods when a spec has commas), quest, lserve (2.5%% budgets)")
     ap.add_argument("--sweep", action="store_true", help="also time launch configurations")
     ap.add_argument("--sweep-box", action="store_true", help="also time the box bound's launch configurations")
+    ap.add_argument("--sweep-rank", action="store_true", help="also time the ranking's sort (torch's, or in the kernel)")
     args = ap.parse_args()
     f = open(os.path.join(args.out, "profile_plan.jsonl"), "w") if args.out else None
 
@@ -296,7 +314,8 @@ def main() -> int:
     sep = ";" if ";" in args.methods else ","
     for S in map(int, args.contexts.split(",")):
         for B in map(int, args.batches.split(",")):
-            cell(S, B, args.threshold, log, tuple(args.methods.split(sep)), args.sweep, args.sweep_box)
+            cell(S, B, args.threshold, log, tuple(args.methods.split(sep)), args.sweep, args.sweep_box,
+                 args.sweep_rank)
     return 0
 
 

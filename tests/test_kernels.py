@@ -714,11 +714,12 @@ def test_count_at_most_matches_searchsorted(n):
         assert torch.equal(od.cpu(), full)  # counts up to n
 
 
+@pytest.mark.parametrize("in_kernel", [False, True])
 @pytest.mark.parametrize("G,C", [(1, 1), (3, 7), (4, 54), (8, 97), (4, 300)])
-def test_rank_clusters_matches_stable_sort(G, C):
-    """The ranking (torch's sort, then one launch) = the torch twin's stable descending
-    sort of the sort keys, with tied scores, -0.0 against +0.0, NaN and empty clusters
-    (last, in order)."""
+def test_rank_clusters_matches_stable_sort(G, C, in_kernel):
+    """The ranking (torch's sort then one launch, or the sort in that launch) = the torch
+    twin's stable descending sort of the sort keys, with tied scores, -0.0 against +0.0,
+    NaN and empty clusters (last, in order)."""
     from kvsieve.kernels.rank import rank_clusters
     from kvsieve.ops.threshold import rank_clusters as reference
 
@@ -731,7 +732,7 @@ def test_rank_clusters_matches_stable_sort(G, C):
     sizes = torch.randint(0, 4, (B, Hkv, C), generator=g).int()  # a quarter empty
     keys = rselect.sort_keys(scores, sizes)
     want = reference(keys, sizes)
-    got = rank_clusters(keys.to(DEV), sizes.to(DEV))
+    got = rank_clusters(keys.to(DEV), sizes.to(DEV), _in_kernel=in_kernel)
     for name, w, o in zip(("order", "ranked", "csize"), want, got):
         assert o.dtype == torch.int32 and torch.equal(o.cpu(), w), name
     order, ranked, csize = want

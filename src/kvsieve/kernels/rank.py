@@ -1,6 +1,7 @@
 """Tactic's threshold plan around the fit (twins of kvsieve.ops.threshold): each query
-head's cluster ranking after torch's segmented sort in one launch (ranked sizes, running
-sizes), and the GQA union of the kept prefixes with its offsets in another.
+head's cluster ranking (ranked sizes, running sizes) in one launch after torch's segmented
+sort, or, for few short rows, one launch that sorts too; and the GQA union of the kept
+prefixes with its offsets in another.
 """
 from __future__ import annotations
 
@@ -35,17 +36,59 @@ def _ranked_kernel(ORD, Z, ORDER, RANKED, CSIZE, C, G, sz_r, BLOCK: tl.constexpr
         carry += tl.sum(ranked, 0)
 
 
-def rank_clusters(keys: Tensor, sizes: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """Triton twin of ops.threshold.rank_clusters: torch's segmented sort (a bitonic sort
-    of packed int64 keys in the kernel was ~3x slower on the H200), then one launch for the rest."""
+@triton.jit(do_not_specialize=('C', 'sz_r'))
+def _sort_ranked_kernel(KEYS, Z, ORDER, RANKED, CSIZE, C, G, sz_r, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One program per query head, the whole row in registers: a bitonic sort of
+    (order key << 32 | C - 1 - id), descending (so equal keys keep ascending ids, as a
+    stable sort), then the ranked sizes and their running sum. Keys are sort keys
+    (ops.select.sort_keys: no NaN, no -0.0)."""
+    start_after_producer(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    inb = offs < C
+    k = tl.load(KEYS + row * C + offs, mask=inb, other=0.0)
+    bits = k.to(tl.int32, bitcast=True)
+    key = tl.where(inb, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits), -2147483648)  # padding sorts last
+    packed = (key.to(tl.int64) << 32) | tl.where(inb, C - 1 - offs, 0).to(tl.int64)
+    packed = tl.sort(packed, descending=True)
+    order = (C - 1 - (packed & 0xFFFFFFFF)).to(tl.int32)
+    ranked = tl.load(Z + (row // G) * sz_r + order, mask=inb, other=0)
+    tl.store(ORDER + row * C + offs, order, mask=inb)
+    tl.store(RANKED + row * C + offs, ranked, mask=inb)
+    tl.store(CSIZE + row * C + offs, tl.cumsum(ranked, 0), mask=inb)
+
+
+# Sort in the kernel (one launch) where rows are short and few: torch's segmented sort
+# plus the ranking launch cost ~30 us whatever the size (a copy, an index fill, the sort),
+# while one program's bitonic sort grows as C log^2 C and the programs with the rows. H100,
+# 8B shapes, calibrated data (scripts/profile_plan.py --sweep-rank, docs/benchmarks.md), in
+# the kernel (16 warps) against torch: 510 clusters x 32 rows 8.6 against 30.1 us, x 256
+# 11.1 against 30.8, x 1,024 24.7 against 44.4; 1,022 x 32 14.4 against 30.5, x 1,024 64.3
+# against 54.5; 2,048 x 32 34.4 against 31.5; 4,096 x 32 119 against 39.
+SORT_IN_KERNEL_MAX_C = 1024
+SORT_IN_KERNEL_MAX_ENTRIES = 1 << 19  # rows x clusters
+
+
+def rank_clusters(keys: Tensor, sizes: Tensor, _in_kernel: Optional[bool] = None,
+                  _warps: Optional[int] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """Triton twin of ops.threshold.rank_clusters: torch's segmented sort then one launch for
+    the rest, or (few rows of at most SORT_IN_KERNEL_MAX_C clusters) one launch that sorts
+    too: the same order, ties in cluster order. `_in_kernel` forces either path, `_warps` the one-launch sort's warps (tests, sweeps)."""
     B, Hq, C = keys.shape
     Hkv = sizes.shape[1]
-    order64 = ranking_order(keys)
     z = int32_contiguous(sizes)
     order, ranked, csize = (torch.empty(B, Hq, C, dtype=torch.int32, device=z.device) for _ in range(3))
-    if B * Hq and C:
-        _ranked_kernel[(B * Hq,)](order64, z, order, ranked, csize, C, Hq // Hkv, C,
-                                  BLOCK=min(4096, max(16, next_pow2(C))), num_warps=4, **launch_args(z))
+    if not (B * Hq and C):
+        return order, ranked, csize
+    block = max(16, next_pow2(C))
+    if (C <= SORT_IN_KERNEL_MAX_C and B * Hq * C <= SORT_IN_KERNEL_MAX_ENTRIES) if _in_kernel is None else _in_kernel:
+        _sort_ranked_kernel[(B * Hq,)](keys.float().contiguous(), z, order, ranked, csize, C, Hq // Hkv, C,
+                                       BLOCK=block, num_warps=_warps or (16 if block >= 512 else 4),
+                                       **launch_args(z))
+        return order, ranked, csize
+    order64 = ranking_order(keys)
+    _ranked_kernel[(B * Hq,)](order64, z, order, ranked, csize, C, Hq // Hkv, C,
+                              BLOCK=min(4096, block), num_warps=4, **launch_args(z))
     return order, ranked, csize
 
 
