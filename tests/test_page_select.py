@@ -361,3 +361,27 @@ def test_a_reused_selection_survives_growth_and_rebuilds(kernels, monkeypatch):
     m.maintain(new_alone, lengths[3:], LENGTHS[3:], None)
     assert got[3] == token_sets(m.plan(q[3:], new_alone, lengths[3:], LENGTHS[3:]))[0]
     assert m.write_slot(fresh, 1, m.prepare(k[1:2], lengths[1:2])) and fresh.steps[1] == 0
+
+
+def test_a_some_step_scores_only_the_rows_due(monkeypatch):
+    """At a "some" step the page scoring reads no summaries of the rows that keep their
+    selection (they are skipped, as a hybrid's streaming heads are), and the rows due get
+    the same selection as when every row is scored."""
+    from kvsieve import dispatch
+
+    q, k, lengths = tied_case(4, 64, torch.float32, seed=7)
+    m = make_method("pages", budget=128, reuse_steps=4)
+    st = m.prepare(k, lengths)
+    m.maintain(st, lengths, LENGTHS, None)
+    m.plan(q, st, lengths, LENGTHS)  # every row selects: then 3 reuse steps each
+    st.steps[3] = 4  # row 3 is due again now, the others are not
+    seen = []
+    real = dispatch.physical_page_scores
+    monkeypatch.setattr(dispatch, "physical_page_scores", lambda *a, **kw: seen.append(a[-1]) or real(*a, **kw))
+    m.maintain(st, lengths, LENGTHS, None)
+    assert st.mode == "some" and st.due.tolist() == [False, False, False, True]
+    got = token_sets(m.plan(q, st, lengths, LENGTHS))
+    assert torch.equal(seen[-1].expand(4, k.shape[1]), torch.tensor([[True], [True], [True], [False]]).expand(4, k.shape[1]))
+    alone = m.prepare(k[3:], lengths[3:])
+    m.maintain(alone, lengths[3:], LENGTHS[3:], None)
+    assert got[3] == token_sets(m.plan(q[3:], alone, lengths[3:], LENGTHS[3:]))[0]

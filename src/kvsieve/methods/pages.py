@@ -289,9 +289,12 @@ class PageSelect(SparseMethod):
         if state.last_plan is None:
             mode = "fresh"
         if mode != "reuse":
-            new = self._choose(q, state, lengths, skip)
-            if mode == "some":  # the rows not due keep their selection
+            if mode == "some":  # the rows not due keep their selection: their pages go unscored
+                not_due = ~state.due[:, None]
+                new = self._choose(q, state, lengths, not_due if skip is None else skip | not_due)
                 new = tuple(torch.where(_rows(state.due, n), n, o) for n, o in zip(new, state.last_plan))
+            else:
+                new = self._choose(q, state, lengths, skip)
             if (cfg.reuse_steps == 1 or state.last_plan is None
                     or any(a.shape != b.shape for a, b in zip(state.last_plan, new))):
                 state.last_plan = new  # (every step selects anew: no other step reads it)
