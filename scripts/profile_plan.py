@@ -150,12 +150,12 @@ def sweep_box(q, st, S, B, log) -> None:
 
 def sweep_rank(q, st, S, B, log) -> None:
     """The ranking: torch's segmented sort then one launch, against the sort in that launch
-    (rows of B x Hq query heads) at 4, 8 and 16 warps."""
+    (rows of B x Hq query heads) at 4 to 32 warps."""
     from kvsieve.kernels.rank import rank_clusters
 
     skeys, _ = dispatch.cluster_scores(q, st.centroids, st.sizes32)
     want = rank_clusters(skeys, st.sizes32, _in_kernel=False)
-    for in_kernel, warps in ((False, None), (True, 4), (True, 8), (True, 16)):
+    for in_kernel, warps in ((False, None), (True, 4), (True, 8), (True, 16), (True, 32)):
         fn = lambda: rank_clusters(skeys, st.sizes32, _in_kernel=in_kernel, _warps=warps)  # noqa: E731
         got = fn()
         log(kind="rank", S=S, B=B, clusters=skeys.shape[-1], in_kernel=in_kernel, warps=warps,
@@ -302,7 +302,8 @@ def main() -> int:
                     "fields, ';' between methods when a spec has commas), quest, lserve (2.5%% budgets)")
     ap.add_argument("--sweep", action="store_true", help="also time launch configurations")
     ap.add_argument("--sweep-box", action="store_true", help="also time the box bound's launch configurations")
-    ap.add_argument("--sweep-rank", action="store_true", help="also time the ranking's sort (torch's, or in the kernel)")
+    ap.add_argument("--sweep-rank", action="store_true",
+                    help="also time the ranking's sort (torch's, or in the kernel)")
     args = ap.parse_args()
     f = open(os.path.join(args.out, "profile_plan.jsonl"), "w") if args.out else None
 

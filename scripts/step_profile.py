@@ -8,8 +8,9 @@ LLMEngine as `generate` and `serve` drive it. For each case the engine reaches i
 state (every request decoding), then `--steps` steps run under torch.profiler: per kernel
 name the device time per step, the sum of all kernels per step, and the step's wall time,
 so the difference is the GPU's idle time (launch gaps, host work, the one sync).
-Cases: METHOD:CONTEXTxBATCH (tactic: a 512-token budget, tactic=N: N tokens), or METHOD:dead24 (24 rows, one live request of 32K: the
-other 23 finished, their rows kept, as under continuous batching).
+Cases: METHOD:CONTEXTxBATCH (tactic: a 512-token budget, tactic=N: N tokens), or
+METHOD:dead24 (24 rows, one live request of 32K: the other 23 finished, their rows kept,
+as under continuous batching).
 Writes OUT/step-profile.json and prints a table per case.
 """
 from __future__ import annotations

@@ -356,7 +356,8 @@ def test_each_method_has_its_own_gpu_crossover(tiny_model):
         m = make_method(name, **dict(opts))
         assert m.dense_below_kv_bytes == mib << 20, (name, opts)
         cuda = SimpleNamespace(model=SimpleNamespace(device=torch.device("cuda")), _dense_below_given=None,
-                               runner=SimpleNamespace(methods={"k": m}), _kv_token_bytes=4096)  # 8 KV heads x 128 x bf16
+                               runner=SimpleNamespace(methods={"k": m}),
+                               _kv_token_bytes=4096)  # 8 KV heads x 128 channels x bf16
         assert LLMEngine.dense_below_for(cuda, "k") == mib * 256  # tokens of 4 KiB per layer
         cuda._dense_below_given = 7
         assert LLMEngine.dense_below_for(cuda, "k") == 7

@@ -381,7 +381,8 @@ def test_a_some_step_scores_only_the_rows_due(monkeypatch):
     m.maintain(st, lengths, LENGTHS, None)
     assert st.mode == "some" and st.due.tolist() == [False, False, False, True]
     got = token_sets(m.plan(q, st, lengths, LENGTHS))
-    assert torch.equal(seen[-1].expand(4, k.shape[1]), torch.tensor([[True], [True], [True], [False]]).expand(4, k.shape[1]))
+    skipped = torch.tensor([[True], [True], [True], [False]]).expand(4, k.shape[1])
+    assert torch.equal(seen[-1].expand(4, k.shape[1]), skipped)
     alone = m.prepare(k[3:], lengths[3:])
     m.maintain(alone, lengths[3:], LENGTHS[3:], None)
     assert got[3] == token_sets(m.plan(q[3:], alone, lengths[3:], LENGTHS[3:]))[0]

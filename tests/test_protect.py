@@ -208,7 +208,8 @@ def test_a_box_plan_on_an_index_without_its_box_names_the_fix():
     make_method("tactic", budget=64).plan(q, st, lengths, [304], keys)  # its own config plans
     with pytest.raises(ValueError, match="keeps no min/max box.*prepare it with the threshold config"):
         make_method("tactic").plan(q, st, lengths, [304], keys)
-    assert make_method("tactic").plan(q, make_method("tactic").prepare(k, lengths), lengths, [304], keys).counts.min() > 0
+    boxed = make_method("tactic").prepare(k, lengths)
+    assert make_method("tactic").plan(q, boxed, lengths, [304], keys).counts.min() > 0
 
 
 def test_dense_heads_attend_every_token_of_their_layer_only():

@@ -19,7 +19,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..methods import config_for, make_method, merge_options
-from ..methods.base import DENSE_BELOW_KV_BYTES
+from ..methods.base import DENSE_BELOW_KV_BYTES  # noqa: F401 (re-exported by kvsieve.engine)
 from ..patterns import check_dense_heads
 from .runner import ModelRunner
 from .scheduler import Request, SamplingParams, Scheduler

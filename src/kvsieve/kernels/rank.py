@@ -64,16 +64,25 @@ def _sort_ranked_kernel(KEYS, Z, ORDER, RANKED, CSIZE, C, G, sz_r, BLOCK: tl.con
 # 8B shapes, calibrated data (scripts/profile_plan.py --sweep-rank, docs/benchmarks.md), in
 # the kernel (16 warps) against torch: 510 clusters x 32 rows 8.6 against 30.1 us, x 256
 # 11.1 against 30.8, x 1,024 24.7 against 44.4; 1,022 x 32 14.4 against 30.5, x 1,024 64.3
-# against 54.5; 2,048 x 32 34.4 against 31.5; 4,096 x 32 119 against 39.
-SORT_IN_KERNEL_MAX_C = 1024
-SORT_IN_KERNEL_MAX_ENTRIES = 1 << 19  # rows x clusters
+# against 54.5; 2,048 x 32 34.2 (32 warps: 27.2) against 32.3, x 64 26.9 (32 warps) against
+# 32.7; 4,096 x 32 119 against 39.
+SORT_IN_KERNEL_MAX_ENTRIES = {1024: 1 << 19, 2048: 1 << 17}  # most clusters -> most rows x clusters
+
+
+def _sorts_in_kernel(rows: int, C: int) -> bool:
+    return any(C <= c and rows * C <= n for c, n in SORT_IN_KERNEL_MAX_ENTRIES.items())
+
+
+def _sort_warps(block: int) -> int:
+    return 32 if block >= 2048 else 16 if block >= 512 else 4
 
 
 def rank_clusters(keys: Tensor, sizes: Tensor, _in_kernel: Optional[bool] = None,
                   _warps: Optional[int] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Triton twin of ops.threshold.rank_clusters: torch's segmented sort then one launch for
-    the rest, or (few rows of at most SORT_IN_KERNEL_MAX_C clusters) one launch that sorts
-    too: the same order, ties in cluster order. `_in_kernel` forces either path, `_warps` the one-launch sort's warps (tests, sweeps)."""
+    the rest, or (few short rows: SORT_IN_KERNEL_MAX_ENTRIES) one launch that sorts too:
+    the same order, ties in cluster order. `_in_kernel` forces either path, `_warps` the
+    one-launch sort's warps (tests, sweeps)."""
     B, Hq, C = keys.shape
     Hkv = sizes.shape[1]
     z = int32_contiguous(sizes)
@@ -81,10 +90,9 @@ def rank_clusters(keys: Tensor, sizes: Tensor, _in_kernel: Optional[bool] = None
     if not (B * Hq and C):
         return order, ranked, csize
     block = max(16, next_pow2(C))
-    if (C <= SORT_IN_KERNEL_MAX_C and B * Hq * C <= SORT_IN_KERNEL_MAX_ENTRIES) if _in_kernel is None else _in_kernel:
+    if _sorts_in_kernel(B * Hq, C) if _in_kernel is None else _in_kernel:
         _sort_ranked_kernel[(B * Hq,)](keys.float().contiguous(), z, order, ranked, csize, C, Hq // Hkv, C,
-                                       BLOCK=block, num_warps=_warps or (16 if block >= 512 else 4),
-                                       **launch_args(z))
+                                       BLOCK=block, num_warps=_warps or _sort_warps(block), **launch_args(z))
         return order, ranked, csize
     order64 = ranking_order(keys)
     _ranked_kernel[(B * Hq,)](order64, z, order, ranked, csize, C, Hq // Hkv, C,
