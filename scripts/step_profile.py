@@ -8,7 +8,8 @@ LLMEngine as `generate` and `serve` drive it. For each case the engine reaches i
 state (every request decoding), then `--steps` steps run under torch.profiler: per kernel
 name the device time per step, the sum of all kernels per step, and the step's wall time,
 so the difference is the GPU's idle time (launch gaps, host work, the one sync).
-Cases: METHOD:CONTEXTxBATCH (tactic: a 512-token budget, tactic=N: N tokens), or
+Cases: METHOD:CONTEXTxBATCH (tactic: a 512-token budget, tactic=N: N tokens,
+tactic-threshold: the default threshold plan), or
 METHOD:dead24 (24 rows, one live request of 32K: the other 23 finished, their rows kept,
 as under continuous batching).
 Writes OUT/step-profile.json and prints a table per case.
@@ -86,7 +87,9 @@ def host_profile(eng, steps: int, top: int = 25) -> list:
 def run_case(model, spec: str, steps: int, host: bool = False) -> dict:
     method, shape = spec.split(":")
     opts = {}
-    if method.startswith("tactic"):  # tactic: a 512-token budget; tactic=N: N tokens
+    if method == "tactic-threshold":  # tactic's default threshold plan
+        method = "tactic"
+    elif method.startswith("tactic"):  # tactic: a 512-token budget; tactic=N: N tokens
         method, opts = "tactic", {"budget": int(method.partition("=")[2] or 512)}
     g = torch.Generator().manual_seed(0)
     V = model.cfg.vocab_size

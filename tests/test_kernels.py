@@ -770,3 +770,30 @@ def test_union_prefixes_matches_reference(G, C, with_extra):
     assert torch.equal(want[2], (sizes * chosen).sum(-1).int())  # the union's size, from the mask
     union = (rank < keep[..., None]).view(B, Hkv, G, C).any(2)
     assert torch.equal(chosen, union | extra if with_extra else union)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D,page", [(64, 16), (128, 16), (128, 7)])
+def test_update_page_summaries_matches_a_rebuild(dtype, D, page):
+    """Folding the token at lengths - 1 into its page's min/max (in place, one launch) gives
+    exactly the summaries rebuilt from the keys with that token, for lengths at, past and
+    inside page boundaries; the new key may be a strided view; a row of length 0 is left
+    untouched; the torch twin agrees."""
+    from kvsieve.kernels import pages as kpages
+    from kvsieve.ops import pages as rpages
+
+    g = torch.Generator().manual_seed(D + page)
+    lengths = torch.tensor([1, page, page + 1, 54, 97, 0])
+    B, Hkv, S = len(lengths), 3, 100
+    k = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    before = rpages.page_summaries(k, (lengths - 1).clamp(min=0), page)
+    want = rpages.page_summaries(k, lengths, page)
+    want = tuple(torch.where((lengths == 0)[:, None, None, None], b, w) for b, w in zip(before, want))
+    at = (lengths - 1).clamp(min=0)
+    wide = torch.randn(B, 2 * Hkv, D, generator=g).to(dtype)  # k_new a strided view into a wider tensor
+    wide[:, ::2] = k[torch.arange(B), :, at]
+    k_new = wide[:, ::2]
+    for impl, dev in ((kpages.update_page_summaries, DEV), (rpages.update_page_summaries, "cpu")):
+        lo, hi = (t.clone().to(dev) for t in before)
+        impl(lo, hi, k_new.to(dev), lengths.to(dev), page)
+        assert torch.equal(lo.cpu(), want[0]) and torch.equal(hi.cpu(), want[1]), impl.__module__

@@ -77,6 +77,15 @@ def summary_scores(q, lo, hi=None, n_valid=None, group_only=False):
     return _select_ref.summary_scores(q, lo, hi, n_valid, group_only)
 
 
+def update_page_summaries(kmin, kmax, k_new, lengths, page_size):
+    """See ops.pages.update_page_summaries (in place)."""
+    if use_triton(k_new):
+        from .kernels.pages import update_page_summaries as impl
+    else:
+        from .ops.pages import update_page_summaries as impl
+    return impl(kmin, kmax, k_new, lengths, page_size)
+
+
 def page_windows(lengths, sink, local, physical_page_size):
     """See ops.pages.page_windows."""
     if use_triton(lengths):

@@ -2,7 +2,8 @@
 pass over the page key min/max summaries gives each physical page's candidate score, the
 input of kernels.select.select_by_budget. Nothing per query head is written, no count is
 read back to the host, and rows without candidates (streaming heads, short contexts)
-read no summary at all.
+read no summary at all. A decode step folds each new key into its page's summary in one
+launch per layer (update_page_summaries).
 """
 from __future__ import annotations
 
@@ -139,6 +140,40 @@ def physical_page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, lengths: Tensor,
         HAS_SKIP=skip is not None, DOT=dot, GP=16, UPCAST=upcast, IEEE=upcast and not interpreting(),
         num_warps=warps, **launch_args(out))
     return out
+
+
+@triton.jit(do_not_specialize=('sm_b', 'sm_h', 'sm_p', 'sk_b', 'sk_h'))
+def _update_summaries_kernel(KMIN, KMAX, KN, LEN, Hkv, sm_b, sm_h, sm_p, sk_b, sk_h, PAGE: tl.constexpr,
+                             D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """Program (b * Hkv + h): the new key's channels folded into its page's min and max."""
+    start_after_producer(PDL)
+    row = tl.program_id(0)
+    b = row // Hkv
+    h = row % Hkv
+    length = tl.load(LEN + b).to(tl.int64)
+    if length >= 1:
+        offs = tl.arange(0, BLOCK_D)
+        inb = offs < D
+        # in float32 (exact for these dtypes; the interpreter's bf16 min/max is not)
+        kn = tl.load(KN + b * sk_b + h * sk_h + offs, mask=inb).to(KMIN.dtype.element_ty).to(tl.float32)
+        at = b.to(tl.int64) * sm_b + h * sm_h + (length - 1) // PAGE * sm_p + offs
+        lo = tl.minimum(tl.load(KMIN + at, mask=inb).to(tl.float32), kn)
+        hi = tl.maximum(tl.load(KMAX + at, mask=inb).to(tl.float32), kn)
+        tl.store(KMIN + at, lo.to(KMIN.dtype.element_ty), mask=inb)
+        tl.store(KMAX + at, hi.to(KMAX.dtype.element_ty), mask=inb)
+
+
+def update_page_summaries(kmin: Tensor, kmax: Tensor, k_new: Tensor, lengths: Tensor, page_size: int) -> None:
+    """Triton twin of ops.pages.update_page_summaries: one launch per layer instead of the
+    twin's ~9 (index, gather, min/max, scatter), k_new read in place (a strided view)."""
+    B, Hkv, D = k_new.shape
+    if kmin.stride() != kmax.stride() or kmin.stride(-1) != 1 or k_new.stride(-1) != 1:
+        from ..ops.pages import update_page_summaries as reference
+        return reference(kmin, kmax, k_new, lengths, page_size)
+    if B * Hkv:
+        _update_summaries_kernel[(B * Hkv,)](kmin, kmax, k_new, lengths, Hkv, kmin.stride(0), kmin.stride(1),
+                                             kmin.stride(2), k_new.stride(0), k_new.stride(1), PAGE=page_size, D=D,
+                                             BLOCK_D=next_pow2(D), num_warps=1, **launch_args(kmin))
 
 
 @triton.jit(do_not_specialize=('B',))

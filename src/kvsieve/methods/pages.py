@@ -249,12 +249,7 @@ class PageSelect(SparseMethod):
         without an engine driving maintain(), grow here)."""
         if state.mode is None:
             self._grow(state, host_lengths)
-        ps = self.config.page_size
-        b = torch.arange(k_new.shape[0], device=k_new.device)
-        page = (lengths - 1) // ps
-        kn = k_new.to(state.kmin.dtype)
-        state.kmin[b, :, page] = torch.minimum(state.kmin[b, :, page], kn)
-        state.kmax[b, :, page] = torch.maximum(state.kmax[b, :, page], kn)
+        dispatch.update_page_summaries(state.kmin, state.kmax, k_new, lengths, self.config.page_size)
         state.lengths = lengths
         return state
 

@@ -1,5 +1,5 @@
 """Page summaries (channel-wise key min/max per page) and Quest/LServe page scores
-(physical_page_scores: twin of kvsieve.kernels.pages)."""
+(physical_page_scores and update_page_summaries: twins of kvsieve.kernels.pages)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -27,6 +27,19 @@ def page_summaries(k: Tensor, lengths: Tensor, page_size: int) -> Tuple[Tensor, 
     if k.dtype in (torch.float16, torch.bfloat16):
         return kmin.to(k.dtype), kmax.to(k.dtype)
     return kmin, kmax
+
+
+def update_page_summaries(kmin: Tensor, kmax: Tensor, k_new: Tensor, lengths: Tensor, page_size: int) -> None:
+    """In place: fold each row's new key k_new [B, Hkv, D] (the token at lengths[b] - 1)
+    into its page's min/max, kmin/kmax [B, Hkv, P, D] (in their dtype: exact). Rows with
+    lengths[b] < 1 hold no new token and are left as they are."""
+    b = torch.arange(k_new.shape[0], device=k_new.device)
+    valid = (lengths >= 1)[:, None, None]
+    page = (lengths - 1).clamp(min=0) // page_size
+    kn = k_new.to(kmin.dtype)
+    lo, hi = kmin[b, :, page], kmax[b, :, page]
+    kmin[b, :, page] = torch.where(valid, torch.minimum(lo, kn), lo)
+    kmax[b, :, page] = torch.where(valid, torch.maximum(hi, kn), hi)
 
 
 def page_scores(q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
