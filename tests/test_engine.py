@@ -340,25 +340,26 @@ def test_dense_below_the_crossover_and_when_plans_read_most(tiny_model, monkeypa
 
 
 def test_each_method_has_its_own_gpu_crossover(tiny_model):
-    """On CUDA a request attends densely below its method's crossover in KV bytes per layer:
-    tactic's threshold plan (latency-bound at batch 1) from 384 MiB, a fixed budget and the
-    page selectors from 32 MiB; hybrid follows its dynamic heads. A given dense_below wins,
-    and the CPU default is 0."""
+    """On CUDA a request attends densely below its method's crossover: tactic's threshold
+    plan (latency-bound at batch 1) below 384 MiB of KV per layer, a fixed budget of N
+    tokens below 32 MiB or 8 N tokens, whichever is longer; hybrid follows its dynamic
+    heads. A given dense_below wins, and the CPU default is 0."""
     from types import SimpleNamespace
     from kvsieve.methods import make_method
     from kvsieve.methods.base import DENSE_BELOW_KV_BYTES
     from kvsieve.methods.tactic import THRESHOLD_DENSE_BELOW_KV_BYTES
 
     assert (DENSE_BELOW_KV_BYTES, THRESHOLD_DENSE_BELOW_KV_BYTES) == (32 << 20, 384 << 20)
-    want = {("tactic", ()): 384, ("tactic", (("budget", 64),)): 32, ("hybrid", ()): 384,
-            ("hybrid", (("budget", 64),)): 32, ("quest", ()): 32, ("lserve", ()): 32, ("streaming", ()): 32}
-    for (name, opts), mib in want.items():
+    token = 4096  # bytes of KV per token and layer: 8 KV heads x 128 channels x bf16
+    want = {("tactic", ()): 96 << 10, ("tactic", (("budget", 64),)): 8 << 10, ("tactic", (("budget", 3000),)): 24000,
+            ("hybrid", ()): 96 << 10, ("hybrid", (("budget", 64),)): 8 << 10, ("quest", ()): 16 << 10,
+            ("quest", (("budget", 512),)): 8 << 10, ("lserve", ()): 48 << 10, ("streaming", ()): 8 << 10}
+    for (name, opts), tokens in want.items():
         m = make_method(name, **dict(opts))
-        assert m.dense_below_kv_bytes == mib << 20, (name, opts)
+        assert m.dense_below_tokens(token) == tokens, (name, opts)
         cuda = SimpleNamespace(model=SimpleNamespace(device=torch.device("cuda")), _dense_below_given=None,
-                               runner=SimpleNamespace(methods={"k": m}),
-                               _kv_token_bytes=4096)  # 8 KV heads x 128 channels x bf16
-        assert LLMEngine.dense_below_for(cuda, "k") == mib * 256  # tokens of 4 KiB per layer
+                               runner=SimpleNamespace(methods={"k": m}), _kv_token_bytes=token)
+        assert LLMEngine.dense_below_for(cuda, "k") == tokens
         cuda._dense_below_given = 7
         assert LLMEngine.dense_below_for(cuda, "k") == 7
     eng = LLMEngine(tiny_model, None, "tactic", cluster_size=8)

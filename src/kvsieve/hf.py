@@ -17,7 +17,7 @@ keys form a suffix of the cache. Decode runs the method's plan and the paged att
 (Triton on CUDA) over the cache tensors in place, viewed as a pool of one-token pages; a
 method without a plan uses its select() over the keys compacted to a prefix. As in the engine,
 on CUDA a batch whose prompt KV per layer is under the method's measured crossover
-(SparseMethod.dense_below_kv_bytes) decodes with SDPA (`dense_below` overrides; 0 forces the method).
+(SparseMethod.dense_below_tokens) decodes with SDPA (`dense_below` overrides; 0 forces the method).
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class HFState:
         if self.dense_below is not None:
             return self.dense_below
         kv_token_bytes = 2 * key.shape[1] * key.shape[3] * key.element_size()
-        return self.method.dense_below_kv_bytes // kv_token_bytes if key.is_cuda else 0
+        return self.method.dense_below_tokens(kv_token_bytes) if key.is_cuda else 0
 
     def lengths(self, attention_mask, B: int, S: int, device) -> Tuple[Tensor, List[int]]:
         """Valid keys per request: ([B] on the device, the same as ints), checked (left padding)

@@ -24,11 +24,11 @@ from ..patterns import check_dense_heads
 from .runner import ModelRunner
 from .scheduler import Request, SamplingParams, Scheduler
 
-# On CUDA a request attends densely while its prompt's KV per layer is below its method's
-# dense_below_kv_bytes (DENSE_BELOW_KV_BYTES = 32 MiB for fixed budgets, 384 MiB for
-# tactic's threshold plan): under it the plan's launches cost more than the reads they save
-# (docs/benchmarks.md "Crossover": the embedded model never gains up to its 8K limit, 5.8 MB
-# per layer).
+# On CUDA a request attends densely while its prompt is below its method's crossover
+# (SparseMethod.dense_below_tokens: 32 MiB of KV per layer or 8 budgets for fixed budgets,
+# 384 MiB for tactic's threshold plan): under it the plan's launches cost more than the
+# reads they save (docs/benchmarks.md "Crossover": the embedded model never gains up to its
+# 8K limit, 5.8 MB per layer).
 # A request whose plans read more than DENSE_ABOVE of its cache for DENSE_AFTER steps in a
 # row attends densely from then on (a sparse read of most of the cache is slower than dense).
 DENSE_ABOVE, DENSE_AFTER = 0.5, 4
@@ -84,8 +84,8 @@ class LLMEngine:
     name their own. kv_pages: pool size in pages of page_size tokens (default: room for
     max_num_seqs requests of the model's full length, capped by gpu_memory_fraction of the
     free GPU memory on CUDA). dense_below: prompts shorter than this many tokens attend
-    densely (default on CUDA: the request's method's dense_below_kv_bytes of KV per layer,
-    see dense_below_for; 0 on the CPU)."""
+    densely (default on CUDA: the request's method's crossover, see dense_below_for; 0 on
+    the CPU)."""
 
     def __init__(self, model, tokenizer=None, method: str = "dense", kv_pages: Optional[int] = None,
                  page_size: int = 16, max_num_seqs: int = 64, step_tokens: int = 2048, max_waiting: Optional[int] = None,
@@ -165,12 +165,12 @@ class LLMEngine:
     def dense_below_for(self, key: str) -> int:
         """Prompts shorter than this many tokens attend densely under method `key`: the
         engine's dense_below if given, else on CUDA the method's crossover
-        (dense_below_kv_bytes of KV per layer), 0 on the CPU."""
+        (SparseMethod.dense_below_tokens), 0 on the CPU."""
         if self._dense_below_given is not None:
             return self._dense_below_given
         if self.model.device.type != "cuda":
             return 0
-        return self.runner.methods[key].dense_below_kv_bytes // self._kv_token_bytes
+        return self.runner.methods[key].dense_below_tokens(self._kv_token_bytes)
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
                     method: Optional[str] = None, method_options: Optional[dict] = None) -> int:

@@ -59,10 +59,18 @@ class PrefillWindow:
     local: int
 
 
-# The GPU crossover of a fixed-budget plan (H100, 2026-11-22, docs/benchmarks.md
-# "Crossover"): the 8B shape gains from 8K tokens (32 MiB of KV per layer); quest at its
-# 2,048-token default is 0.99x dense at 8K and 1.36x at 16K per layer at batch 1 (2026-11-26).
+# The GPU crossover (docs/benchmarks.md "Crossover at batch 1"): no plan pays below 32 MiB
+# of KV per layer (8K tokens of the Llama-3.1-8B shape: tactic at a 2.5% budget is 0.98x
+# dense there through the engine, 1.06x at 16K), and a fixed budget of N tokens not below
+# 8 N (through the engine at batch 1, H100, 2026-11-26: quest's 2,048 tokens 1.00x at 16K,
+# 1.12x at 32K; lserve's 4,096 0.91x at 16K, 1.03x at 32K).
 DENSE_BELOW_KV_BYTES = 32 << 20
+BUDGET_CROSSOVER_FACTOR = 8
+
+
+def budget_crossover(kv_token_bytes: int, budget: int) -> int:
+    """Tokens below which a fixed-budget plan of `budget` tokens loses to dense attention."""
+    return max(DENSE_BELOW_KV_BYTES // kv_token_bytes, BUDGET_CROSSOVER_FACTOR * budget)
 
 
 @dataclass
@@ -80,10 +88,13 @@ class SparseMethod:
     # generated tokens before the index's build cost is repaid by cheaper decode steps; on
     # CUDA the engine attends densely for a request that asks for fewer (0: nothing to repay)
     index_payback_tokens: ClassVar[int] = 0
-    # on CUDA a request attends densely while its prompt's KV per layer is below this many
-    # bytes: under it the plan's launches cost more than the reads they save (measured at
-    # batch 1, the worst case: a larger batch spreads the plan over more rows)
-    dense_below_kv_bytes: ClassVar[int] = DENSE_BELOW_KV_BYTES
+
+    def dense_below_tokens(self, kv_token_bytes: int) -> int:
+        """On CUDA a request attends densely while its prompt is shorter than this (tokens of
+        kv_token_bytes of KV per layer): under it the plan's launches cost more than the
+        reads they save. Measured at batch 1, the worst case (a larger batch spreads the
+        plan over more rows)."""
+        return DENSE_BELOW_KV_BYTES // kv_token_bytes
     # prepare() reads the keys' values; False: only their shape (the KV head count), so the
     # engine hands it an empty [1, Hkv, 0, D] tensor instead of gathering the prompt's keys
     prepare_reads_keys: ClassVar[bool] = True

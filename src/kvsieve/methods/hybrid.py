@@ -122,10 +122,9 @@ class Hybrid(SparseMethod):
         """The dynamic heads' index cost (tactic's K-means; nothing for a page selector)."""
         return self.dynamic.index_payback_tokens
 
-    @property
-    def dense_below_kv_bytes(self) -> int:
+    def dense_below_tokens(self, kv_token_bytes: int) -> int:
         """The dynamic heads' plan sets the crossover (tactic's threshold plan, or a page selector's)."""
-        return self.dynamic.dense_below_kv_bytes
+        return self.dynamic.dense_below_tokens(kv_token_bytes)
 
     def __post_init__(self):
         from . import build_method

@@ -10,7 +10,8 @@ from .. import dispatch
 from ..config import PageSelectConfig
 from ..ops.paged import row_table
 from ..ops.pages import page_scores, page_summaries
-from .base import Selection, SparseMethod, TokenPlan, all_valid, capacity_bucket, dense_head_flags, streaming_window
+from .base import (Selection, SparseMethod, TokenPlan, all_valid, budget_crossover, capacity_bucket, dense_head_flags,
+                   streaming_window)
 
 
 @dataclass
@@ -252,6 +253,9 @@ class PageSelect(SparseMethod):
         dispatch.update_page_summaries(state.kmin, state.kmax, k_new, lengths, self.config.page_size)
         state.lengths = lengths
         return state
+
+    def dense_below_tokens(self, kv_token_bytes: int) -> int:
+        return budget_crossover(kv_token_bytes, self.config.budget)
 
     def plan_capacity(self, state: Optional[PageState] = None, host_lengths: Optional[List[int]] = None) -> int:
         """Largest list a step can produce: the budget's pages, the sink and local pages and

@@ -16,12 +16,12 @@ from ..ops.kmeans import nearest_centroid
 from ..ops.select import cluster_box, cluster_radius, radius_bound, select_by_budget, summary_scores
 from ..side_branch import SideBranch
 from . import fit_tables
-from .base import (DENSE_BELOW_KV_BYTES, Selection, SparseMethod, TokenPlan, capacity_bucket, dense_head_flags,
+from .base import (Selection, SparseMethod, TokenPlan, budget_crossover, capacity_bucket, dense_head_flags,
                    streaming_window)
 from .cluster_index import ClusterIndex, concat_rows, csr_view, take_rows, widened
 
 
-THRESHOLD_DENSE_BELOW_KV_BYTES = 384 << 20  # 96K tokens of the Llama-3.1-8B shape (see Tactic.dense_below_kv_bytes)
+THRESHOLD_DENSE_BELOW_KV_BYTES = 384 << 20  # 96K tokens of the Llama-3.1-8B shape (Tactic.dense_below_tokens)
 
 
 @dataclass
@@ -41,14 +41,15 @@ class Tactic(SparseMethod):
     # over 64 tokens (~185); 24 x 8-32K, +4.0 s against 2.9 s saved over 192 tokens (~260).
     index_payback_tokens = 256
 
-    @property
-    def dense_below_kv_bytes(self) -> int:
+    def dense_below_tokens(self, kv_token_bytes: int) -> int:
         """A threshold plan is ~10 launches in a chain whose latency, not bytes, sets its cost
         at batch 1: one layer's step at P = 0.92 (8B attention shape, calibrated data, H100,
         2026-11-26) is 0.36x dense at 8K, 0.65x at 32K, 0.87x at 64K and 1.31x at 128K, so
         it attends densely below 96K tokens of that shape (384 MiB per layer). A fixed
-        budget's three launches pay from 8K (the base class's 32 MiB)."""
-        return THRESHOLD_DENSE_BELOW_KV_BYTES if self.config.budget is None else DENSE_BELOW_KV_BYTES
+        budget's three launches pay from 8K tokens of that shape, or 8 budgets."""
+        if self.config.budget is None:
+            return THRESHOLD_DENSE_BELOW_KV_BYTES // kv_token_bytes
+        return budget_crossover(kv_token_bytes, self.config.budget)
 
     def prepare(self, k, lengths, layer=0):
         return self.prepare_layers([k], lengths, [layer])[0]
