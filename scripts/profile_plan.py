@@ -279,10 +279,10 @@ def sweep_launches(m, q, st, lengths, host, keys, S, B, log) -> None:
     table, page = row_table(keys)
     cap = m.plan_capacity(st, host)
     want = None
-    for cfg in ((16, 16, 4), (32, 32, 4), (16, 16, 2), (16, 8, 4), (32, 16, 4), (32, 8, 4), (16, 16, 8)):
+    for cfg in ((16, 16, 4), (32, 32, 4), (16, 16, 2), (16, 8, 4), (32, 16, 4), (32, 8, 4), (16, 16, 8), "position"):
         fn = lambda: compact_tokens(chosen, offsets, total, st.members, st.entry_start, st.sizes32, 0,  # noqa: E731
                                     c["sink"], st.num_indexed[:, None], lengths, cap, table, page,
-                                    _by_entry=True, _config=cfg)
+                                    _by_entry=cfg != "position", _config=None if cfg == "position" else cfg)
         idx, cnt = fn()
         torch.cuda.synchronize()
         valid = torch.arange(cap, device="cuda")[None, None, :] < cnt[..., None]

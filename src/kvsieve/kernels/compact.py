@@ -141,6 +141,9 @@ def _compact_entries_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, C
             tl.store(out + off[:, None] + j[None, :], tok, mask=take)
 
 
+POSITION_MAJOR_MAX_ROWS = 8  # (request, KV head) rows up to which long lists compact by position
+
+
 def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Optional[Tensor],
                    entry_start: Optional[Tensor], sizes: Optional[Tensor], width: int,
                    always_end: Tensor, always_start: Tensor, lengths: Tensor, cap: int,
@@ -177,8 +180,11 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
                  STREAM=stream is not None, **launch_args(idx))
     by_position, by_entry = triton.cdiv(max(cap, 1), block), triton.cdiv(N, eb) + 1
     # H200, 128K x 8: a 2.5% budget (15 programs per row by position) compacts faster by
-    # position, a threshold plan (512) ~4x faster by entry
-    if by_position > triton.cdiv(N, 16) if _by_entry is None else _by_entry:
+    # position, a threshold plan (512) ~4x faster by entry. With few rows the programs past
+    # a list's end cost little: H100, threshold plans at batch 1 (8 rows), by position 10.4
+    # / 10.9 us against 14.4 / 20.2 by entry at 32K / 128K (scripts/profile_plan.py --sweep)
+    entry_major = by_position > triton.cdiv(N, 16) and B * Hkv > POSITION_MAJOR_MAX_ROWS
+    if entry_major if _by_entry is None else _by_entry:
         _compact_entries_kernel[(B * Hkv, by_entry)](*args, EB=eb, COLS=cols if csr else max(16, next_pow2(width)),
                                                      num_warps=warps, **flags)
     else:
