@@ -63,7 +63,7 @@ class PrefillWindow:
 # of KV per layer (8K tokens of the Llama-3.1-8B shape: tactic at a 2.5% budget is 0.98x
 # dense there through the engine, 1.06x at 16K), and a fixed budget of N tokens not below
 # 8 N (through the engine at batch 1, H100, 2026-11-26: quest's 2,048 tokens 1.00x at 16K,
-# 1.12x at 32K; lserve's 4,096 0.91x at 16K, 1.03x at 32K).
+# 1.12x at 32K; lserve's 6,144 0.91x at 16K, 1.03x at 32K).
 DENSE_BELOW_KV_BYTES = 32 << 20
 BUDGET_CROSSOVER_FACTOR = 8
 

@@ -403,8 +403,9 @@ class Tactic(SparseMethod):
         if cfg.protect and cfg.protect_bound == "box" and st.kmin is None:
             raise ValueError("this cluster index keeps no min/max box (it was prepared by a fixed-budget or "
                              "protect=0 config); prepare it with the threshold config that plans on it")
-        bounds = {} if not cfg.protect else {"box": (st.kmin, st.kmax)} if cfg.protect_bound == "box" \
-            else {"radius": st.radius}
+        bounds = {}
+        if cfg.protect:
+            bounds = {"box": (st.kmin, st.kmax)} if cfg.protect_bound == "box" else {"radius": st.radius}
         skeys, bound = dispatch.cluster_scores(q, st.centroids, st.sizes32, **bounds)  # the box in the same pass
         protected, branch = None, SideBranch(q.device)
         if cfg.protect:  # only the union reads it: beside the ranking and the fit (H100 128K x 8: -9 us)
