@@ -340,10 +340,10 @@ def test_dense_below_the_crossover_and_when_plans_read_most(tiny_model, monkeypa
 
 
 def test_each_method_has_its_own_gpu_crossover(tiny_model):
-    """On CUDA a request attends densely below its method's crossover: tactic's threshold
-    plan (latency-bound at batch 1) below 384 MiB of KV per layer, a fixed budget of N
-    tokens below 32 MiB or 8 N tokens, whichever is longer; hybrid follows its dynamic
-    heads. A given dense_below wins, and the CPU default is 0."""
+    """On CUDA a request attends densely below its method's crossover: 32 MiB of KV per layer,
+    or for a fixed budget of N tokens 8 N tokens if longer; hybrid follows its dynamic heads.
+    tactic's threshold plan also has a batch-wide one, 384 MiB over the method's rows (0: no
+    such rule). A given dense_below wins over both, and the CPU default is 0."""
     from types import SimpleNamespace
     from kvsieve.methods import make_method
     from kvsieve.methods.base import DENSE_BELOW_KV_BYTES
@@ -351,19 +351,21 @@ def test_each_method_has_its_own_gpu_crossover(tiny_model):
 
     assert (DENSE_BELOW_KV_BYTES, THRESHOLD_DENSE_BELOW_KV_BYTES) == (32 << 20, 384 << 20)
     token = 4096  # bytes of KV per token and layer: 8 KV heads x 128 channels x bf16
-    want = {("tactic", ()): 96 << 10, ("tactic", (("budget", 64),)): 8 << 10, ("tactic", (("budget", 3000),)): 24000,
-            ("hybrid", ()): 96 << 10, ("hybrid", (("budget", 64),)): 8 << 10, ("quest", ()): 16 << 10,
-            ("quest", (("budget", 512),)): 8 << 10, ("lserve", ()): 48 << 10, ("streaming", ()): 8 << 10}
-    for (name, opts), tokens in want.items():
+    want = {("tactic", ()): (8 << 10, 96 << 10), ("tactic", (("budget", 64),)): (8 << 10, 0),
+            ("tactic", (("budget", 3000),)): (24000, 0), ("hybrid", ()): (8 << 10, 96 << 10),
+            ("hybrid", (("budget", 64),)): (8 << 10, 0), ("quest", ()): (16 << 10, 0),
+            ("quest", (("budget", 512),)): (8 << 10, 0), ("lserve", ()): (48 << 10, 0), ("streaming", ()): (8 << 10, 0)}
+    for (name, opts), (tokens, total) in want.items():
         m = make_method(name, **dict(opts))
-        assert m.dense_below_tokens(token) == tokens, (name, opts)
+        assert (m.dense_below_tokens(token), m.dense_step_below_tokens(token)) == (tokens, total), (name, opts)
         cuda = SimpleNamespace(model=SimpleNamespace(device=torch.device("cuda")), _dense_below_given=None,
                                runner=SimpleNamespace(methods={"k": m}), _kv_token_bytes=token)
-        assert LLMEngine.dense_below_for(cuda, "k") == tokens
+        assert (LLMEngine.dense_below_for(cuda, "k"), LLMEngine.dense_step_below_for(cuda, "k")) == (tokens, total)
         cuda._dense_below_given = 7
-        assert LLMEngine.dense_below_for(cuda, "k") == 7
+        assert (LLMEngine.dense_below_for(cuda, "k"), LLMEngine.dense_step_below_for(cuda, "k")) == (7, 0)
     eng = LLMEngine(tiny_model, None, "tactic", cluster_size=8)
     assert eng.dense_below == 0 and eng.dense_below_for("dense") == 0  # the CPU: the method always runs
+    assert eng.dense_step_below == 0 and eng.runner.step_dense_below == {"default": 0}
 
 
 def test_dense_when_too_few_tokens_repay_the_index(tiny_model, monkeypatch):

@@ -179,7 +179,8 @@ def test_generate_json_contract(capsys):
                 "kv_fraction", "kv_bytes"):
         assert key in rep
     assert rep["method"] == "quest" and rep["generated_tokens"] <= 3 and rep["kv_bytes"] > 0
-    assert rep["attended"] == ["quest"] and rep["dense_below"] == 0  # the CPU never falls back below a crossover
+    # the CPU never falls back below a crossover
+    assert rep["attended"] == ["quest"] and rep["dense_below"] == rep["dense_step_below"] == 0
     rc, out, err = run_cli(capsys, "generate", "--prompt", "Name a color.", "--max-new-tokens", "3",
                            "--method", "quest", "--budget", "64", "--dense-below", "1000", "--json")
     rep = json.loads(out)

@@ -16,8 +16,10 @@ Batches must be left-padded (transformers' convention for generation): each requ
 keys form a suffix of the cache. Decode runs the method's plan and the paged attention op
 (Triton on CUDA) over the cache tensors in place, viewed as a pool of one-token pages; a
 method without a plan uses its select() over the keys compacted to a prefix. As in the engine,
-on CUDA a batch whose prompt KV per layer is under the method's measured crossover
-(SparseMethod.dense_below_tokens) decodes with SDPA (`dense_below` overrides; 0 forces the method).
+on CUDA a batch whose longest prompt is under the method's measured crossover
+(SparseMethod.dense_below_tokens), or whose prompts together are under its batch-wide one
+(dense_step_below_tokens: tactic's threshold plan), decodes with SDPA (`dense_below`
+overrides both; 0 forces the method).
 """
 from __future__ import annotations
 
@@ -44,8 +46,8 @@ _active = threading.local()  # the cache layer most recently updated: read by th
 @dataclass
 class HFState:
     """dense_below: prompts (the batch's longest) shorter than this many tokens decode with
-    SDPA (None: the method's crossover on CUDA, 0 elsewhere); attended_densely counts those
-    layer prefills."""
+    SDPA (None: the method's crossovers on CUDA, see decodes_densely; 0 elsewhere);
+    attended_densely counts those layer prefills."""
 
     method: SparseMethod
     dense_below: Optional[int] = None
@@ -61,12 +63,18 @@ class HFState:
         kvsieve decodes (not sliding-window layers) and KV heads."""
         return float(self.kv_read_sum) / self.kv_read_steps if self.kv_read_steps else 1.0
 
-    def threshold_tokens(self, key: Tensor) -> int:
-        """The prompt length under which a batch decodes with SDPA, for keys like `key`."""
+    def decodes_densely(self, key: Tensor, host: List[int]) -> bool:
+        """Whether a batch of prompts of valid lengths `host`, keys like `key`, decodes with
+        SDPA: its longest prompt is under dense_below, or on CUDA by default under the
+        method's crossover (SparseMethod.dense_below_tokens), or all its prompts together
+        are under the method's batch-wide one (dense_step_below_tokens)."""
         if self.dense_below is not None:
-            return self.dense_below
+            return max(host) < self.dense_below
+        if not key.is_cuda:
+            return False
         kv_token_bytes = 2 * key.shape[1] * key.shape[3] * key.element_size()
-        return self.method.dense_below_tokens(kv_token_bytes) if key.is_cuda else 0
+        return (max(host) < self.method.dense_below_tokens(kv_token_bytes)
+                or sum(host) < self.method.dense_step_below_tokens(kv_token_bytes))
 
     def lengths(self, attention_mask, B: int, S: int, device) -> Tuple[Tensor, List[int]]:
         """Valid keys per request: ([B] on the device, the same as ints), checked (left padding)
@@ -185,7 +193,7 @@ def kvsieve_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
     n, host = state.lengths(attention_mask, B, S, key.device)
     method, idx = state.method, module.layer_idx
     if T > 1 or layer.index is None:
-        if max(host) < state.threshold_tokens(key):
+        if state.decodes_densely(key, host):
             layer.index = _DENSE  # under the crossover: SDPA, no index
             state.attended_densely += 1
         else:
@@ -263,7 +271,8 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
     """Make model.generate() decode with kvsieve `method` (options as in sparse_decode; a
     known model's shipped heads are added as the CLI adds them, model_head_defaults).
     dense_below: batches whose longest prompt is shorter decode with SDPA (None: the
-    method's measured crossover on CUDA, 0 on the CPU; 0 forces the method everywhere).
+    method's measured crossovers on CUDA, HFState.decodes_densely, 0 on the CPU; 0 forces
+    the method everywhere).
     Returns the state object, whose kv_fraction reports the fraction of KV read."""
     if dense_below is not None and (isinstance(dense_below, bool) or not isinstance(dense_below, int)
                                     or dense_below < 0):

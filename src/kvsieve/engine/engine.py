@@ -11,6 +11,7 @@ the engine records tokens, timings and the KV fraction each request read.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import dataclass, field
@@ -25,10 +26,12 @@ from .runner import ModelRunner
 from .scheduler import Request, SamplingParams, Scheduler
 
 # On CUDA a request attends densely while its prompt is below its method's crossover
-# (SparseMethod.dense_below_tokens: 32 MiB of KV per layer or 8 budgets for fixed budgets,
-# 384 MiB for tactic's threshold plan): under it the plan's launches cost more than the
-# reads they save (docs/benchmarks.md "Crossover": the embedded model never gains up to its
-# 8K limit, 5.8 MB per layer).
+# (SparseMethod.dense_below_tokens: 32 MiB of KV per layer, or 8 budgets for fixed budgets):
+# under it the plan's launches cost more than the reads they save (docs/benchmarks.md
+# "Crossover": the embedded model never gains up to its 8K limit, 5.8 MB per layer).
+# tactic's threshold plan pays by the batch's total instead (dense_step_below_tokens: 384
+# MiB of KV per layer over the method's rows): a step under it attends densely for those
+# rows, and a request is indexed only when its method's requests hold that much.
 # A request whose plans read more than DENSE_ABOVE of its cache for DENSE_AFTER steps in a
 # row attends densely from then on (a sparse read of most of the cache is slower than dense).
 DENSE_ABOVE, DENSE_AFTER = 0.5, 4
@@ -63,6 +66,7 @@ class _Track:
     steps: int = 0
     sent: int = 0
     high: int = 0  # consecutive steps reading more than DENSE_ABOVE of the cache
+    key: str = ""  # the method key it asked for (req.method_key may become "dense")
 
 
 @dataclass
@@ -84,8 +88,8 @@ class LLMEngine:
     name their own. kv_pages: pool size in pages of page_size tokens (default: room for
     max_num_seqs requests of the model's full length, capped by gpu_memory_fraction of the
     free GPU memory on CUDA). dense_below: prompts shorter than this many tokens attend
-    densely (default on CUDA: the request's method's crossover, see dense_below_for; 0 on
-    the CPU)."""
+    densely, the others always plan (default on CUDA: the request's method's crossovers, see
+    dense_below_for and dense_step_below_for; 0 on the CPU)."""
 
     def __init__(self, model, tokenizer=None, method: str = "dense", kv_pages: Optional[int] = None,
                  page_size: int = 16, max_num_seqs: int = 64, step_tokens: int = 2048, max_waiting: Optional[int] = None,
@@ -110,6 +114,9 @@ class LLMEngine:
             raise ValueError(f"kv_pages must be >= 1, got {kv_pages}")
         self.runner = ModelRunner(model, methods, kv_pages, page_size, prefill_chunk or step_tokens, paged, graphs)
         self.dense_below = self.dense_below_for("default")  # the default method's crossover, in tokens
+        self.dense_step_below = self.dense_step_below_for("default")  # its batch-wide one (0: none)
+        self.runner.step_dense_below["default"] = self.dense_step_below
+        self._warming = False
         self.scheduler = Scheduler(kv_pages, page_size, max_num_seqs, step_tokens, cfg.max_positions, max_waiting)
         self.eos = tuple(cfg.eos_token_ids)
         self.stats = EngineStats()
@@ -160,6 +167,7 @@ class LLMEngine:
         if key not in self.runner.methods:
             self.runner.methods[key] = make_method(name, **opts)
             self._method_names[key] = name
+            self.runner.step_dense_below[key] = self.dense_step_below_for(key)
         return key
 
     def dense_below_for(self, key: str) -> int:
@@ -171,6 +179,14 @@ class LLMEngine:
         if self.model.device.type != "cuda":
             return 0
         return self.runner.methods[key].dense_below_tokens(self._kv_token_bytes)
+
+    def dense_step_below_for(self, key: str) -> int:
+        """A decode step attends densely for method `key`'s rows while they hold fewer tokens
+        than this in all (SparseMethod.dense_step_below_tokens on CUDA; 0, no such rule, on the
+        CPU or when dense_below is given)."""
+        if self._dense_below_given is not None or self.model.device.type != "cuda":
+            return 0
+        return self.runner.methods[key].dense_step_below_tokens(self._kv_token_bytes)
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
                     method: Optional[str] = None, method_options: Optional[dict] = None) -> int:
@@ -184,7 +200,7 @@ class LLMEngine:
                 or (self.dense_fallback and params.max_new_tokens < self.runner.methods[key].index_payback_tokens)):
             key = "dense"  # (or too few tokens to repay the method's index)
         req = self.scheduler.add(prompt, params, key)
-        self._track[req.id] = _Track(requested, time.perf_counter())
+        self._track[req.id] = _Track(requested, time.perf_counter(), key=key)
         return req.id
 
     def abort(self, rid: int) -> None:
@@ -220,7 +236,8 @@ class LLMEngine:
                 tr = self._track[req.id]
                 tr.frac_sum += frac
                 tr.steps += 1
-                tr.high = tr.high + 1 if frac > DENSE_ABOVE and req.method_key != "dense" else 0
+                if req.id not in self.runner.last_dense_rows:  # (a step the batch rule made dense)
+                    tr.high = tr.high + 1 if frac > DENSE_ABOVE and req.method_key != "dense" else 0
                 if self.dense_fallback and tr.high >= DENSE_AFTER and "dense" in self.runner.methods:
                     self.runner.attend_densely(req)
                 agg = self.stats.kv_fraction.setdefault(tr.method, [0.0, 0])
@@ -230,6 +247,9 @@ class LLMEngine:
                 produced[req.id] = req
         if plan.chunks:
             t0 = time.perf_counter()
+            for req, _, end in plan.chunks:
+                if end >= req.prefill_target:
+                    self._index_or_dense(req)
             for (req, start, end), logits in zip(plan.chunks, self.runner.prefill(plan.chunks)):
                 self.scheduler.prefilled(req, end)
                 self.stats.prefill_tokens += end - start
@@ -240,6 +260,21 @@ class LLMEngine:
                 torch.cuda.synchronize(self.model.device)
             self.stats.prefill_s += time.perf_counter() - t0
         return [self._output(r) for r in produced.values()]
+
+    def _index_or_dense(self, req: Request) -> None:
+        """Before a request's index is built: where its method plans only for a batch holding
+        enough tokens (dense_step_below), it is indexed when the requests that asked for that
+        method, running and waiting (as many as the batch has room for), hold that many; else
+        it attends densely (no index)."""
+        need = self.runner.step_dense_below.get(req.method_key, 0)
+        if not need or self._warming or "dense" not in self.runner.methods:
+            return
+        sch, key = self.scheduler, self._track[req.id].key
+        room = max(0, sch.max_num_seqs - len(sch.running))  # the waiting requests that could join it
+        held = sum(len(r.prompt) + len(r.output) for r in (*sch.running, *itertools.islice(sch.waiting, room))
+                   if r.id in self._track and self._track[r.id].key == key)
+        if held < need:
+            req.method_key = "dense"
 
     def _append(self, req: Request, token: int) -> None:
         forced = self._forced.get(req.id)
@@ -355,8 +390,15 @@ class LLMEngine:
         t0 = time.perf_counter()
         cap = min(self.model.cfg.max_positions - decode_tokens - 1,
                   self.scheduler.num_pages * self.scheduler.page_size - decode_tokens - 1)
-        for n in ([prompt_tokens] if isinstance(prompt_tokens, int) else prompt_tokens):
-            self._warm_one(max(1, min(n, cap)), decode_tokens)
+        rules = dict(self.runner.step_dense_below)
+        self._warming = True  # the method plans at every warm-up step, whatever the batch holds
+        self.runner.step_dense_below.clear()
+        try:
+            for n in ([prompt_tokens] if isinstance(prompt_tokens, int) else prompt_tokens):
+                self._warm_one(max(1, min(n, cap)), decode_tokens)
+        finally:
+            self._warming = False
+            self.runner.step_dense_below.update(rules)
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
         self.stats = EngineStats(warmup_s=time.perf_counter() - t0)
@@ -375,7 +417,7 @@ class LLMEngine:
             vocab = self.model.cfg.vocab_size
             req = self.scheduler.add([(7 * i + 3) % vocab for i in range(n)],
                                      SamplingParams(max_new_tokens=decode_tokens, ignore_eos=True), key)
-            self._track[req.id] = _Track(self._method_names[key], time.perf_counter())
+            self._track[req.id] = _Track(self._method_names[key], time.perf_counter(), key=key)
             while not req.finished:
                 self.step()
 

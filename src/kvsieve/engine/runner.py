@@ -25,7 +25,7 @@ from torch.nn.attention.bias import causal_lower_right
 from .. import dispatch
 from ..cache import PagedKVCache
 from ..methods import Selection, SparseMethod
-from ..methods.base import recent_and_sink
+from ..methods.base import dense_plan, recent_and_sink
 from ..methods.streaming import sink_local_plan
 from ..ops.attention import attend as attend_masked
 from ..ops.paged import PagedKeys
@@ -103,6 +103,11 @@ class ModelRunner(BatchRows):
         self.record_logprobs = False
         self.last_logprobs: List[Tensor] = []  # [vocab] float32 per request of the last decode()
         self._step_logprobs: Optional[Tensor] = None
+        # method key -> tokens (summed over its live rows) under which a decode step attends
+        # densely for that method's rows (SparseMethod.dense_step_below_tokens; set by the engine)
+        self.step_dense_below: Dict[str, int] = {}
+        self._step_dense: Dict[str, bool] = {}  # method key -> its rows attended densely last step
+        self.last_dense_rows: set = set()  # request ids whose last decode step attended densely by that rule
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, chunks: List[Tuple[Request, int, int]]) -> List[Optional[Tensor]]:
@@ -250,7 +255,8 @@ class ModelRunner(BatchRows):
             if len(r.pages) > bt.table_len[b]:
                 bt.table[b, bt.table_len[b]:len(r.pages)] = torch.tensor(r.pages[bt.table_len[b]:], dtype=torch.int32)
                 bt.table_len[b] = len(r.pages)
-        key = [bt.greedy_only, bt.filtered]
+        dense_groups = self._dense_groups(rows, host_len)
+        key = [bt.greedy_only, bt.filtered, tuple(sorted(dense_groups))]
         alt = []
         for g, a, b in bt.groups:
             m = self.methods[g]
@@ -270,14 +276,14 @@ class ModelRunner(BatchRows):
         bt.last_key = key
         full_key = (key, tuple(alt))
         if not self.graphs_on or eager or self.observe is not None or self.record_logprobs:  # host code / logits
-            out = self._step(host_len)
+            out = self._step(host_len, dense_groups)
             self.last_step = "rebuild" if rebuilt else "eager"
         elif full_key in bt.graphs:
             graph, out = bt.graphs[full_key]
             graph.replay()
             self.last_step = "replay"
         else:
-            out = self._capture(full_key, host_len)
+            out = self._capture(full_key, host_len, dense_groups)
             self.last_step = "capture"
         for r, n in zip(rows, host_len):
             if r is not None:
@@ -291,20 +297,38 @@ class ModelRunner(BatchRows):
             self.last_logprobs = [lp[row_of[r.id]] for r in reqs]
         return [tokens[row_of[r.id]] for r in reqs], [frac[row_of[r.id]] for r in reqs]
 
-    def _capture(self, key, host_len: List[int]) -> Tensor:
+    def _dense_groups(self, rows: List[Optional[Request]], host_len: List[int]) -> set:
+        """Method keys whose rows attend densely this step: their live rows hold fewer tokens
+        than step_dense_below in all (back to dense only under 3/4 of it, so a batch near the
+        line does not recapture its step at every join and finish). Sets last_dense_rows."""
+        dense = set()
+        if self.paged and self.observe is None:
+            for g, a, b in self.batch.groups:
+                need = self.step_dense_below.get(g, 0)
+                if not need:
+                    continue
+                total = sum(n for r, n in zip(rows[a:b], host_len[a:b]) if r is not None)
+                if total < (need if self._step_dense.get(g, True) else need * 3 // 4):
+                    dense.add(g)
+                self._step_dense[g] = g in dense
+        self.last_dense_rows = {r.id for g, a, b in self.batch.groups if g in dense for r in rows[a:b] if r is not None}
+        return dense
+
+    def _capture(self, key, host_len: List[int], dense_groups: set) -> Tensor:
         if not self.batch.graphs:  # a pool dies with its last graph: a new one for a new set
             self.graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
-            out = self._step(host_len)
+            out = self._step(host_len, dense_groups)
         self.batch.graphs[key] = (graph, out)
         self.captures += 1
         graph.replay()
         return out
 
-    def _step(self, host_len: List[int]) -> Tensor:
+    def _step(self, host_len: List[int], dense_groups: set = frozenset()) -> Tensor:
         """The decode step's device work (capturable): returns [2, B] float64 = (sampled
-        token, summed per-layer KV fraction) per row."""
+        token, summed per-layer KV fraction) per row. The rows of methods in dense_groups
+        attend to every token (their index is still maintained: append_token)."""
         bt, cache, model = self.batch, self.cache, self.model
         lengths = bt.positions
         new_len = lengths + 1
@@ -321,11 +345,13 @@ class ModelRunner(BatchRows):
                 nl, hl, table = new_len[a:b], host_len[a:b], bt.table[a:b]
                 m.append_token(st, k[a:b], nl, hl, None)
                 window = self.layer_window[layer]
-                pkey = g if window is None else (g, "window")
+                pkey = (g, "window") if window is not None else (g, "dense") if g in dense_groups else g
                 plan = plans.get(pkey)
                 if plan is None and window is not None:
                     plan = plans[pkey] = sink_local_plan(nl, b - a, k.shape[1], 0, window,
                                                          PagedKeys(cache.k[layer], table, pool_rows=True))
+                elif plan is None and g in dense_groups:
+                    plan = plans[pkey] = dense_plan(nl, k.shape[1], hl)
                 elif plan is None:
                     plan = m.plan(q[a:b], st, nl, hl, PagedKeys(cache.k[layer], table, pool_rows=True))
                     if m.layer_independent_plan:

@@ -95,6 +95,13 @@ class SparseMethod:
         reads they save. Measured at batch 1, the worst case (a larger batch spreads the
         plan over more rows)."""
         return DENSE_BELOW_KV_BYTES // kv_token_bytes
+
+    def dense_step_below_tokens(self, kv_token_bytes: int) -> int:
+        """On CUDA a decode step attends densely for this method's rows of the batch while they
+        hold fewer tokens than this in all (summed over the rows): a plan whose launches'
+        latency, not its bytes, sets its cost pays only once the batch's KV is large enough,
+        however it is split into requests. 0: no such rule (dense_below_tokens alone)."""
+        return 0
     # prepare() reads the keys' values; False: only their shape (the KV head count), so the
     # engine hands it an empty [1, Hkv, 0, D] tensor instead of gathering the prompt's keys
     prepare_reads_keys: ClassVar[bool] = True
@@ -191,6 +198,12 @@ def capacity_bucket(n: int, least: int = 64) -> int:
     """The power of two >= max(n, least): list capacities that change rarely as a context
     grows, so a captured decode step stays valid for many steps."""
     return 1 << (max(int(n), least) - 1).bit_length()
+
+
+def dense_plan(lengths: Tensor, num_kv_heads: int, host_lengths: List[int]) -> TokenPlan:
+    """Every valid token of each row: the dense prefix [0, lengths[b]) for every KV head."""
+    counts = lengths.to(torch.int32)[:, None].expand(lengths.shape[0], num_kv_heads).contiguous()
+    return TokenPlan(None, counts, capacity_bucket(max(host_lengths)))
 
 
 def dense_head_flags(dense_heads, layer: int, Hkv: int, device, cache: dict) -> Optional[Tensor]:

@@ -3,9 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import DenseConfig
-import torch
-
-from .base import Selection, SparseMethod, TokenPlan, all_valid, capacity_bucket
+from .base import Selection, SparseMethod, all_valid, capacity_bucket, dense_plan
 
 
 @dataclass
@@ -30,5 +28,4 @@ class Dense(SparseMethod):
         return capacity_bucket(max(host_lengths))
 
     def plan(self, q, num_kv_heads, lengths, host_lengths, keys=None):
-        counts = lengths.to(torch.int32)[:, None].expand(q.shape[0], num_kv_heads).contiguous()
-        return TokenPlan(None, counts, capacity_bucket(max(host_lengths)))
+        return dense_plan(lengths, num_kv_heads, host_lengths)

@@ -126,6 +126,9 @@ class Hybrid(SparseMethod):
         """The dynamic heads' plan sets the crossover (tactic's threshold plan, or a page selector's)."""
         return self.dynamic.dense_below_tokens(kv_token_bytes)
 
+    def dense_step_below_tokens(self, kv_token_bytes: int) -> int:
+        return self.dynamic.dense_step_below_tokens(kv_token_bytes)
+
     def __post_init__(self):
         from . import build_method
 

@@ -16,12 +16,12 @@ from ..ops.kmeans import nearest_centroid
 from ..ops.select import cluster_box, cluster_radius, radius_bound, select_by_budget, summary_scores
 from ..side_branch import SideBranch
 from . import fit_tables
-from .base import (Selection, SparseMethod, TokenPlan, budget_crossover, capacity_bucket, dense_head_flags,
-                   streaming_window)
+from .base import (DENSE_BELOW_KV_BYTES, Selection, SparseMethod, TokenPlan, budget_crossover, capacity_bucket,
+                   dense_head_flags, streaming_window)
 from .cluster_index import ClusterIndex, concat_rows, csr_view, take_rows, widened
 
 
-THRESHOLD_DENSE_BELOW_KV_BYTES = 384 << 20  # 96K tokens of the Llama-3.1-8B shape (Tactic.dense_below_tokens)
+THRESHOLD_DENSE_BELOW_KV_BYTES = 384 << 20  # 96K tokens of the Llama-3.1-8B shape (Tactic.dense_step_below_tokens)
 
 
 @dataclass
@@ -42,14 +42,21 @@ class Tactic(SparseMethod):
     index_payback_tokens = 256
 
     def dense_below_tokens(self, kv_token_bytes: int) -> int:
-        """A threshold plan is ~10 launches in a chain whose latency, not bytes, sets its cost
-        at batch 1: one layer's step at P = 0.92 (8B attention shape, calibrated data, H100,
-        2026-11-26) is 0.36x dense at 8K, 0.65x at 32K, 0.87x at 64K and 1.31x at 128K, so
-        it attends densely below 96K tokens of that shape (384 MiB per layer). A fixed
-        budget's three launches pay from 8K tokens of that shape, or 8 budgets."""
+        """A fixed budget's three launches pay from 8K tokens of the Llama-3.1-8B shape, or 8
+        budgets. A threshold plan indexes a request from 32 MiB of KV per layer (8K tokens of
+        that shape) and runs once the batch holds enough (dense_step_below_tokens)."""
         if self.config.budget is None:
-            return THRESHOLD_DENSE_BELOW_KV_BYTES // kv_token_bytes
+            return DENSE_BELOW_KV_BYTES // kv_token_bytes
         return budget_crossover(kv_token_bytes, self.config.budget)
+
+    def dense_step_below_tokens(self, kv_token_bytes: int) -> int:
+        """A threshold plan is ~10 launches in a chain whose latency sets its cost while the
+        batch is small; one layer's step at P = 0.92 against our dense kernel (8B attention
+        shape, calibrated data, H100, 2026-11-26) follows the batch's total tokens, however
+        split: 0.65-0.95x at 32K in all (1 x 32K, 2 x 16K, 4 x 8K), 0.87-1.15x at 64K,
+        1.17-1.31x at 128K (1 x 128K ... 16 x 8K), 1.55-1.65x at 256K. So a step plans from 96K
+        tokens of that shape in all (384 MiB per layer)."""
+        return THRESHOLD_DENSE_BELOW_KV_BYTES // kv_token_bytes if self.config.budget is None else 0
 
     def prepare(self, k, lengths, layer=0):
         return self.prepare_layers([k], lengths, [layer])[0]

@@ -111,6 +111,7 @@ def cmd_generate(args) -> int:
         "kv_fraction_per_request": [round(o.kv_fraction, 5) for o in res],
         "attended": ["dense" if o.attended_densely else o.method for o in res],
         "dense_below": eng.dense_below,
+        "dense_step_below": eng.dense_step_below,
         "kv_bytes": eng.runner.cache.page_bytes * sum(-(-(len(p) + len(o.tokens)) // eng.scheduler.page_size)
                                                  for p, o in zip(prompts, res)),
         "ttft_s": [round(o.ttft_s, 4) for o in res],
@@ -141,9 +142,10 @@ def cmd_generate(args) -> int:
         payback = eng.runner.methods["default"].index_payback_tokens
         few = f", or --max-new-tokens is under the {payback} tokens that repay its index" \
             if args.max_new_tokens < payback else ""
+        total = f" ({eng.dense_step_below} for the prompts together)" if eng.dense_step_below else ""
         print(f"--- attended densely: the prompt is below this device's dense/sparse crossover of "
-              f"{eng.dense_below} tokens{few}, or {args.method}'s plans read most of the cache; pass --dense-below 0 "
-              f"to force {args.method}", file=sys.stderr)
+              f"{eng.dense_below} tokens{total}{few}, or {args.method}'s plans read most of the cache; pass "
+              f"--dense-below 0 to force {args.method}", file=sys.stderr)
     attended = ", ".join(sorted(set(report["attended"])))
     print(f"--- {args.method} ({attended} attention) on {device} {report['dtype']}: prompt {report['prompt_tokens']} "
           f"tokens, {gen} generated, KV read {frac:.1%}, prefill {report['prefill_s']:.2f} s, "

@@ -1,0 +1,109 @@
+"""tactic's threshold plan pays by the batch's total tokens (SparseMethod.dense_step_below_tokens):
+the engine indexes a request only when the requests asking for its method hold that many
+tokens, and a decode step under it attends densely for the method's rows. On CUDA the rule
+comes from the method; these tests set it on the CPU engine (whose default is no rule)."""
+import pytest
+
+from kvsieve.engine import LLMEngine, SamplingParams
+from kvsieve.methods.tactic import Tactic
+from test_engine import prompts
+
+LEN = 200  # prompt tokens: 164 of them indexed (sink 4, local 32)
+
+
+@pytest.fixture
+def no_payback(monkeypatch):
+    monkeypatch.setattr(Tactic, "index_payback_tokens", 0)  # the payback rule has its own test
+
+
+def tactic(model, total, **kw):
+    eng = LLMEngine(model, None, "tactic", cluster_size=8, threshold=0.5, protect=0, **kw)  # reads part of it
+    eng.runner.step_dense_below["default"] = total
+    return eng
+
+
+def run(eng, ps, params):
+    """Step eng over requests ps to the end: (outputs by request, [set of request ids whose
+    step attended densely by the batch rule, per step])."""
+    ids = [eng.add_request(p, sp) for p, sp in zip(ps, params)]
+    final, dense_rows = {}, []
+    while eng.has_unfinished:
+        outs = eng.step()
+        if eng.runner.batch is not None and any(o.new_tokens for o in outs):
+            dense_rows.append(set(eng.runner.last_dense_rows))
+        final.update({o.id: o for o in outs if o.finished})
+    return [final[i] for i in ids], dense_rows
+
+
+def test_requests_holding_too_few_tokens_together_attend_densely(tiny_model, no_payback):
+    ps = prompts(4, lo=LEN, hi=LEN + 1, seed=9)
+    params = [SamplingParams(max_new_tokens=8, ignore_eos=True)] * 4
+    dense = LLMEngine(tiny_model, None, "dense").generate(ps, params)
+    # together 800 prompt tokens, one short of the rule: never indexed, dense answers
+    out, _ = run(tactic(tiny_model, 4 * LEN + 1), ps, params)
+    assert all(o.attended_densely and o.kv_fraction == 1.0 and o.method == "tactic" for o in out)
+    assert [o.tokens for o in out] == [o.tokens for o in dense]
+    # exactly at the rule: indexed, and every step plans (the rows hold 804 tokens and more)
+    out, steps = run(tactic(tiny_model, 4 * LEN), ps, params)
+    assert not any(o.attended_densely for o in out) and max(o.kv_fraction for o in out) < 1.0
+    assert steps and not any(steps)
+
+
+def test_an_indexed_request_in_too_small_a_batch_attends_densely_and_keeps_its_index(tiny_model, no_payback):
+    """Three short requests and a long one asked for 1,500 tokens together, so each short one
+    is indexed when its prefill ends; but while the long one is still prefilling (chunks of
+    200 tokens a step) their rows hold ~600: those decode steps are dense, with dense's
+    tokens, while their index folds the new tokens in. Once the long one decodes too, the
+    rows hold enough and plan on the folded index."""
+    ps = prompts(3, lo=LEN, hi=LEN + 1, seed=9) + prompts(1, lo=900, hi=901, seed=3)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (10, 10, 10, 4)]
+    dense = LLMEngine(tiny_model, None, "dense").generate(ps, params)
+    eng = tactic(tiny_model, 3 * LEN + 900, step_tokens=LEN, fold_every=4)
+    folded = []
+    step = eng.runner.decode
+
+    def watch(reqs, soon=None):
+        res = step(reqs, soon)
+        folded.append(eng.runner.batch.states["default"][0].num_indexed.tolist())
+        return res
+
+    eng.runner.decode = watch
+    out, steps = run(eng, ps, params)
+    first = steps.index(set())  # the long request's first decode step: every row plans
+    short = [o.id for o in out[:3]]
+    assert first >= 5 and all(short[0] in s and s <= set(short) for s in steps[:first])
+    for i, o in enumerate(out[:3]):
+        n = sum(o.id in s for s in steps[:first])  # its dense decode steps, after its prefill's token
+        assert n >= 4 and o.tokens[:n + 1] == dense[i].tokens[:n + 1]
+        assert not o.attended_densely and o.kv_fraction < 1.0  # indexed, and planned later
+    assert folded[first - 1][0] > folded[0][0] == LEN - 32  # request 0's index grew during its dense steps
+
+
+def test_a_batch_that_shrinks_under_three_quarters_of_the_rule_attends_densely(tiny_model, no_payback):
+    """Four rows plan while they hold >= 800 tokens; when two finish, the other two (~420
+    tokens, under 600) attend densely from the next step on, reading every token."""
+    ps = prompts(4, lo=LEN, hi=LEN + 1, seed=9)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 3, 14, 14)]
+    out, steps = run(tactic(tiny_model, 4 * LEN), ps, params)
+    assert not any(o.attended_densely for o in out)
+    assert not any(steps[:2]) and all(s == {out[2].id, out[3].id} for s in steps[3:])
+    sparse = tactic(tiny_model, 0).generate(ps[2:], params[2:])
+    assert max(o.kv_fraction for o in sparse) < out[2].kv_fraction < 1.0  # the dense steps read everything
+
+
+def test_the_hf_drop_in_decodes_a_batch_by_its_total_too():
+    from types import SimpleNamespace
+
+    from kvsieve.hf import HFState
+    from kvsieve.methods import make_method
+
+    key = SimpleNamespace(shape=(2, 8, 0, 128), element_size=lambda: 2, is_cuda=True)  # 4 KiB per token
+    state = HFState(make_method("tactic"))
+    assert state.decodes_densely(key, [8191, 8191] * 8)  # each under 8K
+    assert state.decodes_densely(key, [40000, 40000])  # 80K in all, under 96K
+    assert not state.decodes_densely(key, [50000, 49000]) and not state.decodes_densely(key, [98304])
+    budget = HFState(make_method("tactic", budget=64))  # a fixed budget: per request only
+    assert not budget.decodes_densely(key, [8192]) and budget.decodes_densely(key, [8191, 8191])
+    assert not HFState(make_method("tactic"), dense_below=1000).decodes_densely(key, [1000])
+    cpu = SimpleNamespace(shape=key.shape, element_size=key.element_size, is_cuda=False)
+    assert not state.decodes_densely(cpu, [1])
