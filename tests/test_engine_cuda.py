@@ -78,33 +78,43 @@ def test_mid_flight_joins_on_graphs_equal_eager(tiny_cuda, method, opts):
 @pytest.mark.parametrize("method", ["tactic", "hybrid"])
 def test_batch_rule_flips_on_graphs_equal_eager(tiny_cuda, method):
     """tactic's batch-wide crossover (runner.step_dense_below): the rows plan while they hold
-    enough tokens, then attend densely once finished requests leave too few; the captured
-    steps of both kinds give the eager steps' tokens."""
+    enough tokens, then attend densely once finished requests leave too few; and with the
+    rule switched on and off every few steps, a side already captured is replayed (no eager
+    step). The captured steps of both kinds give the eager steps' tokens."""
     model, _ = tiny_cuda
     opts = {"cluster_size": 8, "threshold": 0.5, "protect": 0, "fold_every": 16}
     if method == "hybrid":
         opts.update(streaming_heads=[1, 0], sink=4, local=16)
     ps, lens = prompts(4, lo=200, hi=900, seed=1), [40, 9, 25, 33]
     total = sum(map(len, ps))
-    kinds = []
+    kinds, how = [], []
 
-    def run(eng):
+    def run(eng, toggle):
         eng.runner.step_dense_below["default"] = total
         rids = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(ps, lens)]
-        done = {}
+        done, step = {}, 0
         while eng.has_unfinished:
+            if toggle and step >= 3:  # from the third step: the rule on and off, 3 steps each
+                eng.runner.step_dense_below["default"] = 10 ** 9 if (step // 3) % 2 else 0
             for o in eng.step():
                 done.update({o.id: o.tokens} if o.finished else {})
             kinds.append(bool(eng.runner.last_dense_rows))
+            how.append(eng.runner.last_step)
+            step += 1
         return [done[r] for r in rids]
 
-    plain = LLMEngine(model, None, method, graphs=False, dense_below=0, **opts)
-    plain.runner.keep_dead_rows = True
-    eager = run(plain)
-    kinds.clear()
-    eng = LLMEngine(model, None, method, dense_below=0, **opts)
-    assert run(eng) == eager
-    assert any(kinds) and not all(kinds) and eng.runner.captures >= 2
+    for toggle in (False, True):
+        plain = LLMEngine(model, None, method, graphs=False, dense_below=0, **opts)
+        plain.runner.keep_dead_rows = True
+        eager = run(plain, toggle)
+        kinds.clear()
+        how.clear()
+        eng = LLMEngine(model, None, method, dense_below=0, **opts)
+        assert run(eng, toggle) == eager
+        assert any(kinds) and not all(kinds) and eng.runner.captures >= 2
+        flips = [i for i in range(1, len(kinds)) if kinds[i] != kinds[i - 1]]
+        if toggle:  # the later flips land on captured sides
+            assert sum(how[i] == "replay" for i in flips) >= 2, (how, kinds)
 
 
 def test_cuda_engine_matches_cpu_engine(tiny_cuda):

@@ -256,7 +256,7 @@ class ModelRunner(BatchRows):
                 bt.table[b, bt.table_len[b]:len(r.pages)] = torch.tensor(r.pages[bt.table_len[b]:], dtype=torch.int32)
                 bt.table_len[b] = len(r.pages)
         dense_groups = self._dense_groups(rows, host_len)
-        key = [bt.greedy_only, bt.filtered, tuple(sorted(dense_groups))]
+        key = [bt.greedy_only, bt.filtered]
         alt = []
         for g, a, b in bt.groups:
             m = self.methods[g]
@@ -274,7 +274,12 @@ class ModelRunner(BatchRows):
         if eager:
             bt.graphs.clear()
         bt.last_key = key
-        full_key = (key, tuple(alt))
+        dense_key = tuple(sorted(dense_groups))
+        full_key = (key, tuple(alt), dense_key)
+        # a batch crossing its dense/sparse line keeps the graphs of both sides; a side not
+        # captured yet runs eagerly once, as after a key change
+        eager |= dense_key != bt.last_dense and full_key not in bt.graphs
+        bt.last_dense = dense_key
         if not self.graphs_on or eager or self.observe is not None or self.record_logprobs:  # host code / logits
             out = self._step(host_len, dense_groups)
             self.last_step = "rebuild" if rebuilt else "eager"
