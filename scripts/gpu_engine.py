@@ -16,6 +16,9 @@ chat:       64 short requests (64-512 tokens, 64 new tokens each) submitted toge
 e2e8b:      the Llama-3.1-8B shape (random weights) at batch 1-8, 8K-128K, steady-state decode.
 cb8b, cb64: continuous batching on that shape: 24 requests of 8K-32K (32 new tokens) and
             64 requests of 8K-64K (64 new tokens), submitted together; dense, tactic, lserve.
+batchrule:  tactic at the engine's defaults on that shape (its threshold plan's batch-wide
+            crossover and index payback) against dense: 1 x 32K, 4 x 32K, 16 x 8K, 8 x 32K,
+            300 new tokens each.
 Writes OUT/engine.json and prints a table.
 """
 from __future__ import annotations
@@ -241,6 +244,47 @@ def cb64(model, tok, log, methods=("dense", "tactic", "lserve"), new_tokens=64):
     return cb8b(model, tok, log, n=64, lo=8192, hi=65536, new_tokens=new_tokens, methods=methods)
 
 
+def batchrule(model, tok, log, new_tokens=300, cases=((1, 32768), (4, 32768), (16, 8192), (8, 32768))):
+    """tactic's threshold plan at the engine's defaults (no dense_below) on the 8B shape: which
+    requests are indexed and plan (the batch's total against 96K tokens), and what that costs
+    against dense. Random weights attend uniformly, so a plan reads ~all of the cache there and
+    the engine's other rule moves such a request to dense after 4 steps: a stress case.
+    "tactic, dense steps": every request indexed, every step under the rule (the cost of
+    holding an index that does not plan)."""
+    from kvsieve.bench import e2e
+    from kvsieve.engine.engine import EngineStats
+
+    del model
+    torch.cuda.empty_cache()
+    big = e2e.random_model()
+    rows = []
+    for label in ("dense", "tactic", "tactic, dense steps"):
+        g = torch.Generator().manual_seed(2)  # the same prompts for each
+        eng = LLMEngine(big, None, label.split(",")[0], max_num_seqs=16, step_tokens=8192, prefill_chunk=8192)
+        eng.warmup([8192, 32768])
+        if label == "tactic, dense steps":
+            eng._index_or_dense = lambda req: None
+            eng.runner.step_dense_below["default"] = 1 << 40
+        for B, S in cases:
+            prompts = [torch.randint(0, big.cfg.vocab_size, (S,), generator=g).tolist() for _ in range(B)]
+            eng.stats = EngineStats()
+            captures, composes = eng.runner.captures, eng.runner.composes
+            t0 = time.perf_counter()
+            outs = eng.generate(prompts, SamplingParams(new_tokens, ignore_eos=True))
+            st = eng.stats
+            rows.append({"method": label, "batch": B, "context": S, "new_tokens": new_tokens,
+                         "wall_s": time.perf_counter() - t0, "prefill_s": st.prefill_s,
+                         "decode_tok_s": st.decode_tokens / st.decode_s, "kv_fraction": [o.kv_fraction for o in outs],
+                         "attended_densely": [o.attended_densely for o in outs],
+                         "captures": eng.runner.captures - captures, "composes": eng.runner.composes - composes,
+                         "dense_below": eng.dense_below, "dense_step_below": eng.dense_step_below})
+            log(rows[-1])
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -252,7 +296,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, help="cb8b/cb64: new tokens per request (default 32 / 64)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    embedded = any(p not in ("e2e8b", "cb8b", "cb64") for p in args.parts.split(","))
+    embedded = any(p not in ("e2e8b", "cb8b", "cb64", "batchrule") for p in args.parts.split(","))
     model, tok, MODEL_DIR[0] = load_model(args.model, dtype=torch.bfloat16, device="cuda") if embedded else (None, None, None)
     result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
               "torch": torch.__version__, "command": " ".join(sys.argv)}

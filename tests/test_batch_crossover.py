@@ -5,6 +5,7 @@ comes from the method; these tests set it on the CPU engine (whose default is no
 import pytest
 
 from kvsieve.engine import LLMEngine, SamplingParams
+from kvsieve.methods import tactic as tactic_module
 from kvsieve.methods.tactic import Tactic
 from test_engine import prompts
 
@@ -13,11 +14,12 @@ LEN = 200  # prompt tokens: 164 of them indexed (sink 4, local 32)
 
 @pytest.fixture
 def no_payback(monkeypatch):
-    monkeypatch.setattr(Tactic, "index_payback_tokens", 0)  # the payback rule has its own test
+    monkeypatch.setattr(Tactic, "index_payback_tokens", 0)  # the payback rules have their own tests
+    monkeypatch.setattr(tactic_module, "THRESHOLD_PAYBACK_STEPS", 0)
 
 
 def tactic(model, total, **kw):
-    eng = LLMEngine(model, None, "tactic", cluster_size=8, threshold=0.5, protect=0, **kw)  # reads part of it
+    eng = LLMEngine(model, None, "tactic", **{"cluster_size": 8, "threshold": 0.5, "protect": 0, **kw})  # reads part
     eng.runner.step_dense_below["default"] = total
     return eng
 
@@ -53,8 +55,8 @@ def test_an_indexed_request_in_too_small_a_batch_attends_densely_and_keeps_its_i
     """Three short requests and a long one asked for 1,500 tokens together, so each short one
     is indexed when its prefill ends; but while the long one is still prefilling (chunks of
     200 tokens a step) their rows hold ~600: those decode steps are dense, with dense's
-    tokens, while their index folds the new tokens in. Once the long one decodes too, the
-    rows hold enough and plan on the folded index."""
+    tokens, and their index waits. Once the long one decodes too, the rows hold enough: the
+    index folds the tokens due and the rows plan on it."""
     ps = prompts(3, lo=LEN, hi=LEN + 1, seed=9) + prompts(1, lo=900, hi=901, seed=3)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (10, 10, 10, 4)]
     dense = LLMEngine(tiny_model, None, "dense").generate(ps, params)
@@ -76,7 +78,8 @@ def test_an_indexed_request_in_too_small_a_batch_attends_densely_and_keeps_its_i
         n = sum(o.id in s for s in steps[:first])  # its dense decode steps, after its prefill's token
         assert n >= 4 and o.tokens[:n + 1] == dense[i].tokens[:n + 1]
         assert not o.attended_densely and o.kv_fraction < 1.0  # indexed, and planned later
-    assert folded[first - 1][0] > folded[0][0] == LEN - 32  # request 0's index grew during its dense steps
+    # request 0's index waits during its dense steps and folds what is due when it plans
+    assert folded[first - 1][0] == folded[0][0] == LEN - 32 < folded[first][0]
 
 
 def test_a_batch_that_shrinks_under_three_quarters_of_the_rule_attends_densely(tiny_model, no_payback):
@@ -89,6 +92,49 @@ def test_a_batch_that_shrinks_under_three_quarters_of_the_rule_attends_densely(t
     assert not any(steps[:2]) and all(s == {out[2].id, out[3].id} for s in steps[3:])
     sparse = tactic(tiny_model, 0).generate(ps[2:], params[2:])
     assert max(o.kv_fraction for o in sparse) < out[2].kv_fraction < 1.0  # the dense steps read everything
+
+
+def test_a_request_is_indexed_only_when_the_batch_repays_it_within_its_new_tokens(tiny_model, monkeypatch):
+    """The index's payback at the batch's total T past the step rule T0 is
+    THRESHOLD_PAYBACK_STEPS x T / (T - T0) generated tokens (here 10 x 2 = 20): a request
+    asking for fewer attends densely from the start, one asking for that many is indexed."""
+    monkeypatch.setattr(Tactic, "index_payback_tokens", 0)
+    monkeypatch.setattr(tactic_module, "THRESHOLD_PAYBACK_STEPS", 10)
+    ps = prompts(4, lo=LEN, hi=LEN + 1, seed=9)
+    for n, dense in ((19, True), (20, False)):
+        out, _ = run(tactic(tiny_model, 2 * LEN), ps, [SamplingParams(max_new_tokens=n, ignore_eos=True)] * 4)
+        assert all(o.attended_densely == dense for o in out), n
+    m = Tactic()
+    assert m.index_payback_at(1000, 2000) == float("inf")
+    assert Tactic(config=type(m.config)(budget=64)).index_payback_at(1000, 2000) == 0  # a fixed budget: its own rule
+
+
+def test_after_a_request_falls_back_the_method_indexes_no_new_request(tiny_model, no_payback):
+    """Random weights attend almost uniformly: at P = 0.99 the plans read most of the cache,
+    so the indexed requests fall back to dense after a few steps; the next ones are not
+    indexed at all, until an indexed request plans to its end."""
+    ps = prompts(4, lo=LEN, hi=LEN + 1, seed=9)
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True)] * 2
+    eng = tactic(tiny_model, 2 * LEN, dense_below=1, threshold=0.99)  # dense_below > 0: the fallbacks are on
+    m, built = eng.runner.methods["default"], []
+    prepare = m.prepare_layers
+    m.prepare_layers = lambda *a: built.append(1) or prepare(*a)
+    first, _ = run(eng, ps[:2], params)
+    assert all(o.attended_densely for o in first) and built  # indexed, then fell back
+    assert eng._reads_most == {"default"}
+    built.clear()
+    second, _ = run(eng, ps[2:], params)
+    assert all(o.attended_densely and o.kv_fraction == 1.0 for o in second) and not built  # never indexed
+    ok = tactic(tiny_model, 2 * LEN, dense_below=1, threshold=0.1)  # reads under half: plans to the end
+    ids = [ok.add_request(p, sp) for p, sp in zip(ps[:2], params)]
+    while not ok.runner.batch:
+        ok.step()
+    ok._reads_most.add("default")
+    outs = []
+    while ok.has_unfinished:
+        outs += [o for o in ok.step() if o.finished]
+    assert not any(o.attended_densely for o in outs) and len(outs) == len(ids)
+    assert not ok._reads_most
 
 
 def test_the_hf_drop_in_decodes_a_batch_by_its_total_too():

@@ -363,6 +363,12 @@ def test_each_method_has_its_own_gpu_crossover(tiny_model):
         assert (LLMEngine.dense_below_for(cuda, "k"), LLMEngine.dense_step_below_for(cuda, "k")) == (tokens, total)
         cuda._dense_below_given = 7
         assert (LLMEngine.dense_below_for(cuda, "k"), LLMEngine.dense_step_below_for(cuda, "k")) == (7, 0)
+    # a threshold plan's index repays itself after 170 T / (T - T0) tokens at the batch's total T
+    tactic, t0 = make_method("tactic"), 96 << 10
+    assert [tactic.index_payback_at(t, t0) for t in (t0 - 1, 128 << 10, 256 << 10)] == [float("inf"), 680, 272]
+    assert tactic.index_payback_at(1 << 30, t0) == 256  # never below index_payback_tokens
+    assert make_method("tactic", budget=64).index_payback_at(128 << 10, t0) == 256
+    assert make_method("quest").index_payback_at(0, t0) == 0
     eng = LLMEngine(tiny_model, None, "tactic", cluster_size=8)
     assert eng.dense_below == 0 and eng.dense_below_for("dense") == 0  # the CPU: the method always runs
     assert eng.dense_step_below == 0 and eng.runner.step_dense_below == {"default": 0}

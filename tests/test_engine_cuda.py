@@ -76,11 +76,15 @@ def test_mid_flight_joins_on_graphs_equal_eager(tiny_cuda, method, opts):
 
 
 @pytest.mark.parametrize("method", ["tactic", "hybrid"])
-def test_batch_rule_flips_on_graphs_equal_eager(tiny_cuda, method):
+def test_batch_rule_flips_on_graphs_equal_eager(tiny_cuda, method, monkeypatch):
     """tactic's batch-wide crossover (runner.step_dense_below): the rows plan while they hold
     enough tokens, then attend densely once finished requests leave too few; and with the
     rule switched on and off every few steps, a side already captured is replayed (no eager
     step). The captured steps of both kinds give the eager steps' tokens."""
+    from kvsieve.methods import tactic as tactic_module
+
+    monkeypatch.setattr(tactic_module.Tactic, "index_payback_tokens", 0)  # index every request
+    monkeypatch.setattr(tactic_module, "THRESHOLD_PAYBACK_STEPS", 0)
     model, _ = tiny_cuda
     opts = {"cluster_size": 8, "threshold": 0.5, "protect": 0, "fold_every": 16}
     if method == "hybrid":

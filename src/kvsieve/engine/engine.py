@@ -117,6 +117,9 @@ class LLMEngine:
         self.dense_step_below = self.dense_step_below_for("default")  # its batch-wide one (0: none)
         self.runner.step_dense_below["default"] = self.dense_step_below
         self._warming = False
+        # method keys whose last indexed request fell back to dense because its plans read most
+        # of its cache: a batch-wide method indexes no new request until one plans to its end
+        self._reads_most: set = set()
         self.scheduler = Scheduler(kv_pages, page_size, max_num_seqs, step_tokens, cfg.max_positions, max_waiting)
         self.eos = tuple(cfg.eos_token_ids)
         self.stats = EngineStats()
@@ -240,6 +243,8 @@ class LLMEngine:
                     tr.high = tr.high + 1 if frac > DENSE_ABOVE and req.method_key != "dense" else 0
                 if self.dense_fallback and tr.high >= DENSE_AFTER and "dense" in self.runner.methods:
                     self.runner.attend_densely(req)
+                    if not self._warming:  # (warm-up's dummy prompt says nothing of the model's attention)
+                        self._reads_most.add(tr.key)
                 agg = self.stats.kv_fraction.setdefault(tr.method, [0.0, 0])
                 agg[0] += frac
                 agg[1] += 1
@@ -264,16 +269,21 @@ class LLMEngine:
     def _index_or_dense(self, req: Request) -> None:
         """Before a request's index is built: where its method plans only for a batch holding
         enough tokens (dense_step_below), it is indexed when the requests that asked for that
-        method, running and waiting (as many as the batch has room for), hold that many; else
-        it attends densely (no index)."""
+        method, running and waiting (as many as the batch has room for), hold that many and
+        the request asks for enough tokens to repay its index at that total
+        (SparseMethod.index_payback_at), and the method's last indexed request did not fall
+        back to dense (_reads_most); else it attends densely (no index)."""
         need = self.runner.step_dense_below.get(req.method_key, 0)
         if not need or self._warming or "dense" not in self.runner.methods:
             return
         sch, key = self.scheduler, self._track[req.id].key
+        if key in self._reads_most:  # (the model's attention made its plans read most of the cache)
+            req.method_key = "dense"
+            return
         room = max(0, sch.max_num_seqs - len(sch.running))  # the waiting requests that could join it
         held = sum(len(r.prompt) + len(r.output) for r in (*sch.running, *itertools.islice(sch.waiting, room))
                    if r.id in self._track and self._track[r.id].key == key)
-        if held < need:
+        if req.params.max_new_tokens - len(req.output) < self.runner.methods[req.method_key].index_payback_at(held, need):
             req.method_key = "dense"
 
     def _append(self, req: Request, token: int) -> None:
@@ -287,6 +297,8 @@ class LLMEngine:
         if self.scheduler.append_token(req, token, self.eos):
             self.runner.release(req.id)
             self.stats.finished += 1
+            if req.method_key == tr.key:  # it planned to its end: its method pays on this model again
+                self._reads_most.discard(tr.key)
 
     def _output(self, req: Request) -> RequestOutput:
         tr = self._track[req.id]

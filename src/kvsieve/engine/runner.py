@@ -25,7 +25,7 @@ from torch.nn.attention.bias import causal_lower_right
 from .. import dispatch
 from ..cache import PagedKVCache
 from ..methods import Selection, SparseMethod
-from ..methods.base import dense_plan, recent_and_sink
+from ..methods.base import capacity_bucket, dense_plan, recent_and_sink
 from ..methods.streaming import sink_local_plan
 from ..ops.attention import attend as attend_masked
 from ..ops.paged import PagedKeys
@@ -107,6 +107,7 @@ class ModelRunner(BatchRows):
         # densely for that method's rows (SparseMethod.dense_step_below_tokens; set by the engine)
         self.step_dense_below: Dict[str, int] = {}
         self._step_dense: Dict[str, bool] = {}  # method key -> its rows attended densely last step
+        self._group_key: Dict[str, Any] = {}  # method key -> its graph key at its last planned step
         self.last_dense_rows: set = set()  # request ids whose last decode step attended densely by that rule
 
     # ------------------------------------------------------------------ prefill
@@ -260,6 +261,10 @@ class ModelRunner(BatchRows):
         alt = []
         for g, a, b in bt.groups:
             m = self.methods[g]
+            if g in dense_groups:  # every token: the index waits (a fold due is made when it plans again)
+                key.append(self._group_key.get(g))  # unchanged, so a flip keeps the graphs
+                alt.append(None)
+                continue
             if self.paged and type(m).maintain is not SparseMethod.maintain:
                 new_len = bt.positions + 1
                 for layer, st in enumerate(bt.states[g]):
@@ -268,13 +273,14 @@ class ModelRunner(BatchRows):
                 key.append(m.graph_key(bt.states[g][0], host_len[a:b]))
             else:
                 key.append(tuple(m.graph_key(st, host_len[a:b]) for st in bt.states[g]))
+            self._group_key[g] = key[-1]
             alt.append(m.step_variant(bt.states[g][0]))
         key = tuple(key)
         eager = changed or key != bt.last_key  # caches the plan rebuilds must not be made inside a capture
         if eager:
             bt.graphs.clear()
         bt.last_key = key
-        dense_key = tuple(sorted(dense_groups))
+        dense_key = tuple((g, capacity_bucket(max(host_len[a:b]))) for g, a, b in bt.groups if g in dense_groups)
         full_key = (key, tuple(alt), dense_key)
         # a batch crossing its dense/sparse line keeps the graphs of both sides; a side not
         # captured yet runs eagerly once, as after a key change

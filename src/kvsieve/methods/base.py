@@ -96,6 +96,13 @@ class SparseMethod:
         plan over more rows)."""
         return DENSE_BELOW_KV_BYTES // kv_token_bytes
 
+    def index_payback_at(self, batch_tokens: int, dense_step_below: int) -> float:
+        """Generated tokens before a request's index repays its build when the rows of this
+        method hold batch_tokens in all and its steps plan from dense_step_below tokens in
+        all (dense_step_below_tokens): index_payback_tokens unless a method's gain depends on
+        the batch."""
+        return self.index_payback_tokens
+
     def dense_step_below_tokens(self, kv_token_bytes: int) -> int:
         """On CUDA a decode step attends densely for this method's rows of the batch while they
         hold fewer tokens than this in all (summed over the rows): a plan whose launches'

@@ -129,6 +129,9 @@ class Hybrid(SparseMethod):
     def dense_step_below_tokens(self, kv_token_bytes: int) -> int:
         return self.dynamic.dense_step_below_tokens(kv_token_bytes)
 
+    def index_payback_at(self, batch_tokens: int, dense_step_below: int) -> float:
+        return self.dynamic.index_payback_at(batch_tokens, dense_step_below)
+
     def __post_init__(self):
         from . import build_method
 

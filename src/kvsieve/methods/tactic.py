@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -22,6 +24,7 @@ from .cluster_index import ClusterIndex, concat_rows, csr_view, take_rows, widen
 
 
 THRESHOLD_DENSE_BELOW_KV_BYTES = 384 << 20  # 96K tokens of the Llama-3.1-8B shape (Tactic.dense_step_below_tokens)
+THRESHOLD_PAYBACK_STEPS = 170  # a threshold plan's index payback far above its crossover (Tactic.index_payback_at)
 
 
 @dataclass
@@ -57,6 +60,22 @@ class Tactic(SparseMethod):
         1.17-1.31x at 128K (1 x 128K ... 16 x 8K), 1.55-1.65x at 256K. So a step plans from 96K
         tokens of that shape in all (384 MiB per layer)."""
         return THRESHOLD_DENSE_BELOW_KV_BYTES // kv_token_bytes if self.config.budget is None else 0
+
+    def index_payback_at(self, batch_tokens: int, dense_step_below: int) -> float:
+        """A threshold plan's gain grows with the batch's total T past its crossover T0 =
+        dense_step_below: per layer, the step saves ~(d - c) T - L0 = (d - c)(T - T0) (8B
+        shape, H100, calibrated data: d = 1.57 ns per token of dense attention, c = 0.46 ns of
+        plan and sparse attention, L0 = 105 us of launch chain: 1 x 128K ... 16 x 64K), while
+        K-means cost ~190 ns per token and layer (+0.85 s of prefill for 4 x 32K, +0.75 s for
+        16 x 8K through the engine). So a request's index repays itself after
+        190 / 1.12 T / (T - T0) = 170 T / (T - T0) generated tokens (680 at 128K in all, 272
+        at 256K, 183 at 1M), and never below index_payback_tokens."""
+        if self.config.budget is not None:
+            return self.index_payback_tokens
+        if batch_tokens < dense_step_below:
+            return math.inf
+        return max(self.index_payback_tokens,
+                   THRESHOLD_PAYBACK_STEPS * batch_tokens / max(batch_tokens - dense_step_below, 1))
 
     def prepare(self, k, lengths, layer=0):
         return self.prepare_layers([k], lengths, [layer])[0]
