@@ -142,7 +142,9 @@ def cmd_generate(args) -> int:
         payback = eng.runner.methods["default"].index_payback_tokens
         few = f", or --max-new-tokens is under the {payback} tokens that repay its index" \
             if args.max_new_tokens < payback else ""
-        total = f" ({eng.dense_step_below} for the prompts together)" if eng.dense_step_below else ""
+        total = ""
+        if eng.dense_step_below:  # a batch-wide plan: its payback grows near that line (Tactic.index_payback_at)
+            total = f" ({eng.dense_step_below} for the prompts together, with enough new tokens to repay its index)"
         print(f"--- attended densely: the prompt is below this device's dense/sparse crossover of "
               f"{eng.dense_below} tokens{total}{few}, or {args.method}'s plans read most of the cache; pass "
               f"--dense-below 0 to force {args.method}", file=sys.stderr)
