@@ -31,7 +31,8 @@ from .scheduler import Request, SamplingParams, Scheduler
 # "Crossover": the embedded model never gains up to its 8K limit, 5.8 MB per layer).
 # tactic's threshold plan pays by the batch's total instead (dense_step_below_tokens: 384
 # MiB of KV per layer over the method's rows): a step under it attends densely for those
-# rows, and a request is indexed only when its method's requests hold that much.
+# rows, and a request is indexed only when its method's requests hold that much and it asks
+# for enough new tokens to repay its K-means (SparseMethod.index_payback_at).
 # A request whose plans read more than DENSE_ABOVE of its cache for DENSE_AFTER steps in a
 # row attends densely from then on (a sparse read of most of the cache is slower than dense).
 DENSE_ABOVE, DENSE_AFTER = 0.5, 4
@@ -283,7 +284,8 @@ class LLMEngine:
         room = max(0, sch.max_num_seqs - len(sch.running))  # the waiting requests that could join it
         held = sum(len(r.prompt) + len(r.output) for r in (*sch.running, *itertools.islice(sch.waiting, room))
                    if r.id in self._track and self._track[r.id].key == key)
-        if req.params.max_new_tokens - len(req.output) < self.runner.methods[req.method_key].index_payback_at(held, need):
+        payback = self.runner.methods[req.method_key].index_payback_at(held, need)
+        if req.params.max_new_tokens - len(req.output) < payback:
             req.method_key = "dense"
 
     def _append(self, req: Request, token: int) -> None:
@@ -297,7 +299,7 @@ class LLMEngine:
         if self.scheduler.append_token(req, token, self.eos):
             self.runner.release(req.id)
             self.stats.finished += 1
-            if req.method_key == tr.key:  # it planned to its end: its method pays on this model again
+            if req.method_key == tr.key:  # it kept its index to its end: its method may pay here
                 self._reads_most.discard(tr.key)
 
     def _output(self, req: Request) -> RequestOutput:

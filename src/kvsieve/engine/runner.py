@@ -339,7 +339,7 @@ class ModelRunner(BatchRows):
     def _step(self, host_len: List[int], dense_groups: set = frozenset()) -> Tensor:
         """The decode step's device work (capturable): returns [2, B] float64 = (sampled
         token, summed per-layer KV fraction) per row. The rows of methods in dense_groups
-        attend to every token (their index is still maintained: append_token)."""
+        attend to every token (append_token still runs; decode() skipped their maintain)."""
         bt, cache, model = self.batch, self.cache, self.model
         lengths = bt.positions
         new_len = lengths + 1
