@@ -153,3 +153,11 @@ def test_the_hf_drop_in_decodes_a_batch_by_its_total_too():
     assert not HFState(make_method("tactic"), dense_below=1000).decodes_densely(key, [1000])
     cpu = SimpleNamespace(shape=key.shape, element_size=key.element_size, is_cuda=False)
     assert not state.decodes_densely(cpu, [1])
+    # generate()'s max_new_tokens against the index's payback, as the engine: max(256, 170 T / (T - 96K))
+    state.new_tokens = 400
+    assert not state.decodes_densely(key, [200000]) and state.decodes_densely(key, [120000])  # 327 / 866
+    state.new_tokens = 255
+    assert state.decodes_densely(key, [10 ** 7]) and not budget.decodes_densely(key, [8192])  # unset there
+    budget.new_tokens = 255
+    quest = HFState(make_method("quest", budget=64), new_tokens=1)  # no index to repay
+    assert budget.decodes_densely(key, [8192]) and not quest.decodes_densely(key, [1 << 20])

@@ -175,6 +175,7 @@ def test_under_the_crossover_decode_is_sdpa(tiny_llama):
         khf.disable(model)
     assert torch.equal(out, ref)
     assert state.attended_densely == 2 and state.kv_fraction == 1.0
+    assert state.new_tokens == 4  # generate()'s max_new_tokens, for the index's payback on CUDA
 
 
 def test_full_budget_through_the_kernels_equals_sdpa(tiny_llama, monkeypatch):

@@ -18,8 +18,9 @@ keys form a suffix of the cache. Decode runs the method's plan and the paged att
 method without a plan uses its select() over the keys compacted to a prefix. As in the engine,
 on CUDA a batch whose longest prompt is under the method's measured crossover
 (SparseMethod.dense_below_tokens), or whose prompts together are under its batch-wide one
-(dense_step_below_tokens: tactic's threshold plan), decodes with SDPA (`dense_below`
-overrides both; 0 forces the method).
+(dense_step_below_tokens: tactic's threshold plan), or whose generate() asks for fewer new
+tokens than repay the method's index, decodes with SDPA (`dense_below` overrides these; 0
+forces the method).
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ class HFState:
     kv_read_sum: Any = 0.0  # a device scalar once a step ran: summed there, read only by kv_fraction
     kv_read_steps: int = 0
     attended_densely: int = 0
+    new_tokens: Optional[int] = None  # the running generate()'s max_new_tokens (None: not known)
     warned_foreign_cache: bool = False
     _host: Any = None  # (weak ref to the forward's mask, valid lengths on the device and as ints)
 
@@ -67,14 +69,18 @@ class HFState:
         """Whether a batch of prompts of valid lengths `host`, keys like `key`, decodes with
         SDPA: its longest prompt is under dense_below, or on CUDA by default under the
         method's crossover (SparseMethod.dense_below_tokens), or all its prompts together
-        are under the method's batch-wide one (dense_step_below_tokens)."""
+        are under the method's batch-wide one (dense_step_below_tokens), or generate() asks
+        for fewer new tokens than repay the method's index (SparseMethod.index_payback_at),
+        as the engine decides."""
         if self.dense_below is not None:
             return max(host) < self.dense_below
         if not key.is_cuda:
             return False
         kv_token_bytes = 2 * key.shape[1] * key.shape[3] * key.element_size()
-        return (max(host) < self.method.dense_below_tokens(kv_token_bytes)
-                or sum(host) < self.method.dense_step_below_tokens(kv_token_bytes))
+        m, total = self.method, sum(host)
+        step_below = m.dense_step_below_tokens(kv_token_bytes)
+        return (max(host) < m.dense_below_tokens(kv_token_bytes) or total < step_below
+                or (self.new_tokens is not None and self.new_tokens < m.index_payback_at(total, step_below)))
 
     def lengths(self, attention_mask, B: int, S: int, device) -> Tuple[Tensor, List[int]]:
         """Valid keys per request: ([B] on the device, the same as ints), checked (left padding)
@@ -297,6 +303,8 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
         if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
             kwargs.pop("cache", None), kwargs.pop("past_key_values", None)
             kwargs[cache_kw] = make_cache()
+        config = kwargs.get("generation_config") or model.generation_config
+        state.new_tokens = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
         return original(*args, **kwargs)
 
     model._kvsieve_generate = original
