@@ -40,7 +40,7 @@ class DecodeBatch:
     filtered: bool
     graphs: Dict[Any, Tuple[Any, Tensor]] = field(default_factory=dict)
     last_key: Any = None
-    last_dense: Any = ()  # the method keys whose rows attended densely at the last step (runner)
+    last_dense: Any = ()  # (method key, list capacity) of the groups that attended densely at the last step
     dead: Dict[int, int] = field(default_factory=dict)  # row -> its frozen host length
     last_host: List[int] = field(default_factory=list)  # each row's host length at the last step
     mostly_dead: int = 0  # consecutive steps with more dead rows than live ones

@@ -311,7 +311,7 @@ class ModelRunner(BatchRows):
     def _dense_groups(self, rows: List[Optional[Request]], host_len: List[int]) -> set:
         """Method keys whose rows attend densely this step: their live rows hold fewer tokens
         than step_dense_below in all (back to dense only under 3/4 of it, so a batch near the
-        line does not recapture its step at every join and finish). Sets last_dense_rows."""
+        line does not flip at every join and finish). Sets last_dense_rows."""
         dense = set()
         if self.paged and self.observe is None:
             for g, a, b in self.batch.groups:
