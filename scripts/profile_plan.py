@@ -107,7 +107,7 @@ def cell(S: int, B: int, P: float, log, methods=("tactic",), sweep: bool = False
             sweep_launches(m, q, st, lengths, host, keys, S, B, log)
         if sweep and spec.startswith("tactic") and m.config.budget is not None:
             sweep_budget_plan(m, q, st, lengths, host, keys, S, B, log)
-        if sweep_boxes and st.kmin is not None:
+        if sweep_boxes and st.box is not None:
             sweep_box(q, st, S, B, log)
         if sweep_ranks and spec.startswith("tactic"):
             sweep_rank(q, st, S, B, log)
@@ -121,13 +121,11 @@ def cell(S: int, B: int, P: float, log, methods=("tactic",), sweep: bool = False
 
 
 def sweep_box(q, st, S, B, log) -> None:
-    """The centroid-score launch with and without the box bound in the same pass, at
-    launch configurations, next to the separate box launch it replaces and a copy of the
-    same bytes (the floor)."""
-    from kvsieve.kernels.select import cluster_scores, summary_scores
-    box = (st.kmin, st.kmax)
-    n_valid = st.num_clusters[:, None].expand(B, st.kmin.shape[1])
-    tensors = (st.centroids, st.kmin, st.kmax)
+    """The centroid-score launch with and without the 8-bit box bound in the same pass, at
+    launch configurations, next to a copy of the same bytes (the floor)."""
+    from kvsieve.kernels.select import cluster_scores
+    box = (st.box, st.box_step)
+    tensors = (st.centroids, st.box, st.box_step)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
     def timed(fn):
@@ -135,9 +133,7 @@ def sweep_box(q, st, S, B, log) -> None:
     floor = timed(lambda: [t.clone() for t in tensors])
     log(kind="box", S=S, B=B, config="copy", us=floor, gbps=round(nbytes / floor / 1e3, 1))
     plain = timed(lambda: cluster_scores(q, st.centroids, st.sizes32))
-    apart = timed(lambda: summary_scores(q, st.kmin, st.kmax, n_valid, group_only=True))
     log(kind="box", S=S, B=B, config="centroids only", us=plain)
-    log(kind="box", S=S, B=B, config="box apart", us=apart, with_centroids=round(plain + apart, 2))
     want = cluster_scores(q, st.centroids, st.sizes32, box=box)
     for cfg in (None, (64, 4, 4, 3), (64, 2, 4, 2), (32, 4, 4, 3), (32, 8, 4, 2), (64, 4, 8, 2), (128, 2, 8, 2),
                 (128, 1, 4, 2), (64, 8, 4, 2)):

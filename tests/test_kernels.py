@@ -200,9 +200,10 @@ def test_cluster_scores_keys_and_bound(dtype, G, D, C):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("G,D,C", [(1, 64, 54), (3, 128, 97), (4, 64, 1), (8, 128, 300)])
 def test_cluster_scores_box_bound_in_the_same_pass(dtype, G, D, C):
-    """The box bound (group max of sum_i max(q_i hi_i, q_i lo_i), -inf on empty clusters)
-    from the centroid launch, against the float64 twin and an elementwise float64 oracle;
-    the keys are the same as without a bound; the bound bounds every member's q.k."""
+    """The box bound (group max of sum_i max(q_i hi_i, q_i lo_i) over the 8-bit box about
+    each centroid, -inf on empty clusters) from the centroid launch, against the float64
+    twin and an elementwise float64 oracle; the keys are the same as without a bound; the
+    bound bounds every member's q.k and is within |q|_1 step of the exact box's."""
     g = torch.Generator().manual_seed(G * 1000 + C + D)
     B, Hkv, M = 2, 2, 4  # M members per cluster
     q = torch.randn(B, Hkv * G, D, generator=g).to(dtype)
@@ -213,21 +214,27 @@ def test_cluster_scores_box_bound_in_the_same_pass(dtype, G, D, C):
     sizes[0, 0, 0] = 2
     kmin[sizes == 0] = 0
     kmax[sizes == 0] = 0
-    dev = [t.to(DEV) for t in (q, cent, sizes, kmin, kmax)]
+    codes, step = rselect.quantize_box(kmin, kmax, cent)
+    dev = [t.to(DEV) for t in (q, cent, sizes, codes, step)]
     keys, bnd = kselect.cluster_scores(*dev[:3], box=(dev[3], dev[4]))
     plain, none = kselect.cluster_scores(*dev[:3])
-    k64, b64 = rselect.cluster_scores(q.double(), cent.double(), sizes, box=(kmin.double(), kmax.double()))
+    k64, b64 = rselect.cluster_scores(q.double(), cent.double(), sizes, box=(codes, step))
     keys, bnd, plain = keys.cpu(), bnd.cpu(), plain.cpu()
     assert none is None and torch.equal(keys, plain)
-    oracle = torch.maximum(q.double().view(B, Hkv, G, 1, D) * kmax.double()[:, :, None],
-                           q.double().view(B, Hkv, G, 1, D) * kmin.double()[:, :, None]).sum(-1).amax(2)
+    qg = q.double().view(B, Hkv, G, 1, D)
+    width = codes.double() * step.double()[..., None, None]
+    lo, hi = cent.double() - width[..., 1, :], cent.double() + width[..., 0, :]
+    oracle = torch.maximum(qg * hi[:, :, None], qg * lo[:, :, None]).sum(-1).amax(2)
     oracle = oracle.masked_fill(sizes == 0, float("-inf"))
-    assert torch.equal(b64, oracle)
+    torch.testing.assert_close(b64, oracle, rtol=1e-12, atol=1e-12)
     assert torch.equal(torch.isinf(bnd), sizes == 0) and torch.equal(torch.isinf(bnd), torch.isinf(b64))
     fin = torch.isfinite(b64)
     assert (bnd[fin].double() - b64[fin]).abs().max().item() < 1e-4 * D
     qk = torch.einsum("bhgd,bhcmd->bhgcm", q.double().view(B, Hkv, G, D), members.double()).amax((2, 4))
     assert (bnd[fin].double() >= qk[fin] - 1e-4 * D).all()
+    exact = torch.maximum(qg * kmax.double()[:, :, None], qg * kmin.double()[:, :, None]).sum(-1).amax(2)
+    slack = q.double().abs().sum(-1).view(B, Hkv, G).amax(2, keepdim=True) * step.double()
+    assert (oracle[fin] >= exact[fin] - 1e-9).all() and (oracle[fin] <= (exact + slack)[fin] + 1e-9).all()
     with pytest.raises(ValueError, match="radius or a box"):
         kselect.cluster_scores(*dev[:3], radius=torch.ones(B, Hkv, C, device=DEV), box=(dev[3], dev[4]))
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvsieve import make_method, sparse_decode
-from kvsieve.ops.select import cluster_box, cluster_radius, radius_bound, summary_scores
+from kvsieve.ops.select import box_bounds, cluster_box, cluster_radius, quantize_box, radius_bound, summary_scores
 
 from conftest import clustered_qkv, oracle, rel_err
 
@@ -61,7 +61,7 @@ def test_box_bound_holds_for_every_member_and_is_tight(S, D, G, dtype):
     q, k, _ = clustered_qkv(2, 2 * G, 2, S, D, sharpness=4.0, seed=S + G + D + 1, dtype=dtype)
     lengths = torch.tensor([S, max(1, S - 20)])
     st = make_method("tactic", cluster_size=8, sink=2, local=4).prepare(k, lengths)
-    _, bound = summary_scores(q, st.kmin, st.kmax, st.num_clusters[:, None].expand(2, 2))
+    _, bound = summary_scores(q, *box_bounds(st.box, st.box_step, st.centroids), st.num_clusters[:, None].expand(2, 2))
     for b, per_b in enumerate(_group_max_qk_per_cluster(q, k, st.assign, G)):
         for h, tops in enumerate(per_b):
             for c, top in tops.items():
@@ -103,16 +103,49 @@ def test_fold_keeps_radius_an_upper_bound():
     assert int(st.num_indexed[0]) == 868  # the folds happened
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("S,C,D", [(1, 1, 64), (54, 7, 128), (97, 13, 64)])
+def test_quantized_box_contains_the_exact_box_within_a_step(S, C, D, dtype):
+    """quantize_box rounds outward: the box it encodes contains every member, its widest
+    offset is 255 steps, and no channel is more than one step wider than the exact box."""
+    g = torch.Generator().manual_seed(S + C + D + 2)
+    x = (torch.randn(3, S, D, generator=g) * torch.rand(3, 1, D, generator=g) * 4).to(dtype)
+    assign = torch.randint(-1, C, (3, S), generator=g)
+    kmin, kmax = cluster_box(x, assign, C)
+    sizes = torch.zeros(3, C, dtype=torch.long).scatter_add_(1, assign.clamp(min=0), (assign >= 0).long())
+    u = torch.rand(3, C, D, generator=g, dtype=torch.float64)
+    cent = torch.where(sizes[..., None] > 0, kmin.double() + u * (kmax.double() - kmin.double()), 0).to(dtype)
+    codes, step = quantize_box(kmin, kmax, cent)
+    assert codes.dtype == torch.uint8 and codes.shape == (3, C, 2, D) and step.shape == (3, C)
+    lo, hi = box_bounds(codes, step, cent)
+    used = sizes > 0
+    assert (lo[used] <= kmin.to(lo.dtype)[used]).all() and (hi[used] >= kmax.to(hi.dtype)[used]).all()
+    over = torch.maximum(kmin.to(lo.dtype) - lo, hi - kmax.to(hi.dtype))
+    outside = (cent.to(lo.dtype) - cent.to(lo.dtype).clamp(kmin.to(lo.dtype), kmax.to(lo.dtype))).abs()
+    assert (over[used] <= torch.maximum(step[used][..., None] * (1 + 1e-5), outside[used])).all()
+    wide = used & (step > 0)
+    assert (codes.amax((-2, -1))[wide] == 255).all() and (codes[~used] == 0).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fold_keeps_the_box_exact(dtype):
-    """After folds the box is still exactly each cluster's channel-wise member min/max."""
+def test_fold_keeps_the_box_around_every_member(dtype):
+    """After folds the 8-bit box about the moved centroids still contains every member, a
+    cluster with no new member keeps its codes, and the outward rounding of each fold's
+    re-centring leaves each side within a few steps of the exact min/max."""
     _, k, _ = clustered_qkv(1, 4, 2, 900, 64, sharpness=6.0, seed=6, dtype=dtype)
     m = make_method("tactic", fold_every=100, local=32, cluster_size=16)
     st = m.prepare(k, torch.tensor([500]))
     for n in (600, 700, 900):
+        before = (st.box.clone(), st.sizes.clone())
         st = m.append(st, k, torch.tensor([n]))
-        lo, hi = cluster_box(k[0, :, :n], st.assign[0, :, :n], st.sizes.shape[-1])
-        assert torch.equal(st.kmin[0], lo) and torch.equal(st.kmax[0], hi), n
+        kmin, kmax = cluster_box(k[0, :, :n], st.assign[0, :, :n], st.sizes.shape[-1])
+        lo, hi = box_bounds(st.box[0], st.box_step[0], st.centroids[0])
+        used = st.sizes[0] > 0
+        assert (lo[used] <= kmin.to(lo.dtype)[used]).all() and (hi[used] >= kmax.to(hi.dtype)[used]).all(), n
+        over = torch.maximum(kmin.to(lo.dtype) - lo, hi - kmax.to(hi.dtype)).amax(-1)
+        assert (over[used] <= 4 * st.box_step[0][used]).all(), n
+        same = st.sizes == before[1]
+        assert torch.equal(st.box[same], before[0][same]) and not same.all(), n
     assert int(st.num_indexed[0]) == 868
 
 
@@ -132,7 +165,7 @@ def _plant_needle(q, k, m, lengths):
     k[0, 0, t] = ((top + 5 * k.shape[-1] ** 0.5) * q0 / q0.norm() ** 2).to(k.dtype)
     st.radius = cluster_radius(k.flatten(0, 1), st.assign.flatten(0, 1), st.centroids.flatten(0, 1)).view_as(st.radius)
     box = cluster_box(k.flatten(0, 1), st.assign.flatten(0, 1), st.centroids.shape[2])
-    st.kmin, st.kmax = (b.view(*st.centroids.shape) for b in box)
+    st.box, st.box_step = quantize_box(*(b.view(*st.centroids.shape) for b in box), st.centroids)
     return st, t
 
 
@@ -178,7 +211,7 @@ def test_merge_and_take_states_carry_radius_and_box():
     assert torch.equal(back.radius[0], b.radius[0])
     Ca = a.radius.shape[-1]
     assert torch.equal(back.radius[1, :, :Ca], a.radius[0]) and (back.radius[1, :, Ca:] == 0).all()
-    for name in ("kmin", "kmax"):
+    for name in ("box", "box_step"):
         got, ta, tb = getattr(back, name), getattr(a, name), getattr(b, name)
         assert got.shape[2] == merged.sizes.shape[-1]
         assert torch.equal(got[0], tb[0]) and torch.equal(got[1, :, :Ca], ta[0]) and (got[1, :, Ca:] == 0).all()
@@ -187,13 +220,13 @@ def test_merge_and_take_states_carry_radius_and_box():
 def test_the_index_keeps_a_box_only_where_the_plan_reads_it():
     _, k, _ = clustered_qkv(1, 2, 2, 300, 64, seed=9, dtype=torch.float32)
     lengths = torch.tensor([300])
-    assert make_method("tactic").prepare(k, lengths).kmin is not None  # the default: box
+    assert make_method("tactic").prepare(k, lengths).box is not None  # the default: box
     for opts in ({"protect_bound": "radius"}, {"protect": 0}, {"budget": 64}):
         st = make_method("tactic", **opts).prepare(k, lengths)
-        assert st.kmin is None and st.kmax is None, opts
+        assert st.box is None and st.box_step is None, opts
         m = make_method("tactic", fold_every=50, **opts)  # a fold and row moves without a box
         st = m.append(m.prepare(k, torch.tensor([200])), k, torch.tensor([300]))
-        assert m.take_states(m.merge_states([st, st]), [1]).kmin is None
+        assert m.take_states(m.merge_states([st, st]), [1]).box is None
 
 
 def test_a_box_plan_on_an_index_without_its_box_names_the_fix():

@@ -244,7 +244,10 @@ class TacticConfig(MethodConfig):
         15.6%, 192 tokens 99.9% (833) at 15.2%.
     protect_bound: how the protected clusters are ranked. "box": sum_i max(q_i min_i,
         q_i max_i) over the channel-wise min/max of the cluster's members (Quest's page
-        bound, per cluster; the index keeps the box, 2x the centroids' memory). "radius":
+        bound, per cluster). The index keeps the box as 8-bit offsets above and below the
+        centroid in steps of the widest offset / 255, rounded outward (ops.select.quantize_box:
+        the centroids' memory, half a bf16 box's; the bound is at most |q|_1 step looser and
+        still bounds every member). "radius":
         q.c + |q| r (r: the cluster's radius). [ours] "box". |q| r dominates the radius
         bound, so it ranks clusters by their width: on a suite miss (docs/accuracy.md, seed
         2, 7,680 tokens) the cluster holding 0.94 of a head's mass ranks 228th by the

@@ -48,7 +48,7 @@ def _scores_kernel(Q, LO, HI, NV, OUT, GMAX, Hkv, N, sq_b, sq_h, sl_b, sl_h, sl_
 
 
 @triton.jit(do_not_specialize=('N', 'snv_b', 'snv_h'))
-def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Z, RAD, LO, HI, Hkv, N, sq_b, sq_h, sc_b, sc_h, sc_n, snv_b, snv_h,
+def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Z, RAD, BX, STEP, Hkv, N, sq_b, sq_h, sc_b, sc_h, sc_n, snv_b, snv_h,
                        sb_b, sb_h, sb_n,
                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                        PER_PROGRAM: tl.constexpr, PER_HEAD: tl.constexpr, UPCAST: tl.constexpr,
@@ -59,9 +59,11 @@ def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Z, RAD, LO, HI, Hkv, N, sq_b, sq_h, 
     KEYS: entries are valid where Z (sizes, contiguous [B, Hkv, N]) > 0 instead of below
     NV, and scores are written as sort keys (NaN -> -inf, -0.0 -> +0.0); BOUND: GMAX is the
     group max of score + |q| RAD (contiguous [B, Hkv, N]) instead of the score's; BOX: GMAX
-    is the group max of the box bound sum_i max(q_i hi_i, q_i lo_i) = max(q, 0).hi +
-    min(q, 0).lo (LO/HI [B, Hkv, N, D], strides sb_*), two more tensor-core products on
-    the tiles of the same clusters."""
+    is the group max of the box bound sum_i max(q_i hi_i, q_i lo_i) with hi = c + up step,
+    lo = c - down step (ops.select.quantize_box: BX [B, Hkv, N, 2, D] uint8 codes up, down,
+    strides sb_*, side stride D; STEP contiguous [B, Hkv, N]), i.e.
+    q.c + step (max(q, 0).up - min(q, 0).down): two more tensor-core products, exact on the
+    whole-number codes, on the tiles of the same clusters."""
     start_after_producer(PDL)
     row = tl.program_id(0)
     b = row // Hkv
@@ -78,7 +80,7 @@ def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Z, RAD, LO, HI, Hkv, N, sq_b, sq_h, 
         q = q.to(tl.float32)
     if BOX:
         q_pos = tl.maximum(q, 0.0).to(q.dtype)
-        q_neg = tl.minimum(q, 0.0).to(q.dtype)
+        q_neg = (0.0 - tl.minimum(q, 0.0)).to(q.dtype)
     first = tl.program_id(1) * PER_PROGRAM * BLOCK
     for i in tl.range(0, PER_PROGRAM, num_stages=STAGES):
         offs = first + i * BLOCK + tl.arange(0, BLOCK)
@@ -94,6 +96,7 @@ def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Z, RAD, LO, HI, Hkv, N, sq_b, sq_h, 
             s = tl.dot(q, tl.trans(c), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(c))
+        qc = s
         if KEYS:
             s = tl.where(s == s, tl.where(s == 0.0, 0.0, s), float("-inf"))
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -105,17 +108,15 @@ def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Z, RAD, LO, HI, Hkv, N, sq_b, sq_h, 
             s = s + qn[:, None] * r[None, :]
         if BOX:
             box = b * sb_b + h * sb_h + offs[:, None] * sb_n + offs_d[None, :]
-            lo = tl.load(LO + box, mask=valid[:, None], other=0.0)
-            hi = tl.load(HI + box, mask=valid[:, None], other=0.0)
-            if UPCAST:
-                lo = lo.to(tl.float32)
-                hi = hi.to(tl.float32)
+            up = tl.load(BX + box, mask=valid[:, None], other=0).to(q.dtype)
+            down = tl.load(BX + box + D, mask=valid[:, None], other=0).to(q.dtype)
             if IEEE:
-                s = tl.dot(q_pos, tl.trans(hi), input_precision="ieee")
-                s = tl.dot(q_neg, tl.trans(lo), s, input_precision="ieee")
+                w = tl.dot(q_pos, tl.trans(up), input_precision="ieee")
+                w = tl.dot(q_neg, tl.trans(down), w, input_precision="ieee")
             else:
-                s = tl.dot(q_neg, tl.trans(lo), tl.dot(q_pos, tl.trans(hi)))
-            s = tl.where(valid[None, :], s, float("-inf"))
+                w = tl.dot(q_neg, tl.trans(down), tl.dot(q_pos, tl.trans(up)))
+            step = tl.load(STEP + row * N + offs, mask=offs < N, other=0.0)
+            s = tl.where(valid[None, :], qc + w * step[None, :], float("-inf"))
         gmax = tl.max(tl.where(offs_g[:, None] < G, s, float("-inf")), 0)
         tl.store(GMAX + row * N + offs, gmax, mask=offs < N)
 
@@ -153,17 +154,17 @@ def summary_scores(q: Tensor, lo: Tensor, hi: Optional[Tensor] = None,
 def _dot_scores(q, cent, nv, snv, out, gmax, sizes=None, radius=None, box=None, _config=None) -> None:
     """Launch _dot_scores_kernel: per-head scores into out (None: group max only) and the
     group max (or, with radius or box, the bound) into gmax; sizes/radius contiguous
-    [B, Hkv, N]; box (kmin, kmax) [B, Hkv, N, D] with the same strides."""
+    [B, Hkv, N]; box (codes [B, Hkv, N, 2, D] uint8 with side stride D, step contiguous
+    float32 [B, Hkv, N])."""
     B, Hq, D = q.shape
     Hkv, N = cent.shape[1], cent.shape[2]
     block, per_program, warps, stages = _config or (64, 4, 4, 3)  # H200 sweep, docs/benchmarks-history.md
-    dtypes = {cent.dtype} | ({box[0].dtype, box[1].dtype} if box is not None else set())
-    upcast = interpreting() or torch.float32 in dtypes or len(dtypes | {q.dtype}) > 1
-    lo, hi = box if box is not None else (cent, cent)
+    upcast = interpreting() or torch.float32 in (cent.dtype, q.dtype) or cent.dtype != q.dtype
+    codes, step = box if box is not None else (cent, gmax)
     _dot_scores_kernel[(B * Hkv, triton.cdiv(N, block * per_program))](
         q, cent, nv, gmax if out is None else out, gmax, gmax if sizes is None else sizes,
-        gmax if radius is None else radius, lo, hi, Hkv, N, q.stride(0), q.stride(1), cent.stride(0),
-        cent.stride(1), cent.stride(2), *snv, lo.stride(0), lo.stride(1), lo.stride(2), G=Hq // Hkv,
+        gmax if radius is None else radius, codes, step, Hkv, N, q.stride(0), q.stride(1), cent.stride(0),
+        cent.stride(1), cent.stride(2), *snv, codes.stride(0), codes.stride(1), codes.stride(2), G=Hq // Hkv,
         GP=max(16, next_pow2(Hq // Hkv)), D=D, BLOCK=block, PER_PROGRAM=per_program, PER_HEAD=out is not None,
         UPCAST=upcast, IEEE=upcast and not interpreting(), STAGES=stages, KEYS=sizes is not None,
         BOUND=radius is not None, BOX=box is not None, num_warps=warps, **launch_args(q))
@@ -193,8 +194,11 @@ def cluster_scores(q: Tensor, centroids: Tensor, sizes: Tensor, radius: Optional
     Hkv, N = centroids.shape[1], centroids.shape[2]
     if radius is not None and box is not None:
         raise ValueError("cluster_scores takes a radius or a box bound, not both")
-    if box is not None and (box[0].stride() != box[1].stride() or box[0].stride(-1) != 1):
-        box = (box[0].contiguous(), box[1].contiguous())
+    if box is not None:
+        codes, step = box
+        if codes.stride(-1) != 1 or codes.stride(-2) != D:
+            codes = codes.contiguous()
+        box = (codes, step.float().contiguous())
     if D < 16 or q.stride(-1) != 1 or centroids.stride(-1) != 1:
         from ..ops.select import cluster_scores as reference
         return reference(q, centroids, sizes, radius, box)

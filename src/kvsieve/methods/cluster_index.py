@@ -25,9 +25,11 @@ class ClusterIndex:
     radius [B, Hkv, C] float32 (float64 for float64 keys): an upper bound of the distance
     from each centroid to its members (exact at prepare; a fold adds how far the centroid
     moved), for the protected clusters (TacticConfig.protect, protect_bound "radius").
-    kmin, kmax [B, Hkv, C, D] in the keys' dtype: the channel-wise min/max of each cluster's
-    members (exact, also after a fold; 0 for empty clusters), the box that bounds q.k for
-    protect_bound "box".
+    box [B, Hkv, C, 2, D] uint8 and box_step [B, Hkv, C] float32 (float64 for float64 keys):
+    the channel-wise min/max of each cluster's members as whole steps above and below its
+    centroid, rounded outward (ops.select.quantize_box: exact min/max at prepare; a fold
+    widens a cluster's box to its new members and re-centres it), the box that bounds q.k
+    for protect_bound "box"; codes 0 for empty clusters.
     dense [Hkv] bool or None: KV heads of this layer attended densely (TacticConfig.dense_heads;
     a property of the layer, shared by every row).
     members/entry_start/sizes32: the same index as CSR for the paged fast path (token
@@ -50,8 +52,8 @@ class ClusterIndex:
     host_indexed: Optional[List[int]] = None  # num_indexed mirrored on the host: no sync per step
     consts: Optional[dict] = None
     radius: Optional[Tensor] = None
-    kmin: Optional[Tensor] = None
-    kmax: Optional[Tensor] = None
+    box: Optional[Tensor] = None
+    box_step: Optional[Tensor] = None
     dense: Optional[Tensor] = None
     csr_stale: Set[int] = field(default_factory=set)  # rows changed since the CSR view was built
 
@@ -66,8 +68,8 @@ class ClusterIndex:
             self.centroids = F.pad(self.centroids, (0, 0, 0, C - c))
             self.sizes = F.pad(self.sizes, (0, C - c))
             self.radius = None if self.radius is None else F.pad(self.radius, (0, C - c))
-            self.kmin = None if self.kmin is None else F.pad(self.kmin, (0, 0, 0, C - c))
-            self.kmax = None if self.kmax is None else F.pad(self.kmax, (0, 0, 0, C - c))
+            self.box = None if self.box is None else F.pad(self.box, (0, 0, 0, 0, 0, C - c))
+            self.box_step = None if self.box_step is None else F.pad(self.box_step, (0, C - c))
             if self.sizes32 is not None and self.sizes32.shape[-1] == c:
                 end = self.entry_start[..., -1:] + self.sizes32[..., -1:]
                 self.entry_start = torch.cat([self.entry_start, end.expand(*end.shape[:-1], C - c)], -1)
@@ -107,7 +109,7 @@ class ClusterIndex:
         return not fits
 
 
-ROW_TENSORS = ("centroids", "sizes", "assign", "num_indexed", "num_clusters", "radius", "kmin", "kmax",
+ROW_TENSORS = ("centroids", "sizes", "assign", "num_indexed", "num_clusters", "radius", "box", "box_step",
                "members", "entry_start", "sizes32")  # one row per request: moved with it
 
 

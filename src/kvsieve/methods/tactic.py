@@ -14,7 +14,8 @@ from ..ops.fit import FitLayout, estimate_budget, segment_mask
 from ..ops.paged import PagedKeys, row_table
 from ..ops.threshold import AlwaysTokens
 from ..ops.kmeans import nearest_centroid
-from ..ops.select import cluster_box, cluster_radius, radius_bound, select_by_budget, summary_scores
+from ..ops.select import (box_bounds, cluster_box, cluster_radius, quantize_box, radius_bound, select_by_budget,
+                          summary_scores)
 from ..side_branch import SideBranch
 from . import fit_tables
 from .base import (DENSE_BELOW_KV_BYTES, Selection, SparseMethod, TokenPlan, budget_crossover, capacity_bucket,
@@ -112,7 +113,10 @@ class Tactic(SparseMethod):
         low = ks[0].dtype in (torch.float16, torch.bfloat16)
         cent = res.centroids.to(ks[0].dtype) if low else res.centroids
         radius = cluster_radius(x, res.assign, cent).view(L, B, Hkv, C)
-        box = [t.view(L, B, Hkv, C, D) for t in cluster_box(x, res.assign, C)] if self._uses_box() else [[None] * L] * 2
+        box = [[None] * L] * 2
+        if self._uses_box():
+            codes, step = quantize_box(*cluster_box(x, res.assign, C), cent)
+            box = [codes.view(L, B, Hkv, C, 2, D), step.view(L, B, Hkv, C)]
         cent, sizes = cent.view(L, B, Hkv, C, D), res.sizes.view(L, B, Hkv, C)
         used = res.num_clusters.view(L, B, Hkv)[:, :, 0]
         # the CSR view of every layer in one sort (a join or a rebuild then copies it)
@@ -120,7 +124,7 @@ class Tactic(SparseMethod):
         max_size = int(sizes32.max()) if sizes32.numel() else 0
         return [ClusterIndex(cent[i], sizes[i], assign[i], indexed_end.clone(), used[i].clone(), res.iters,
                              members[i], start[i], sizes32[i], max_size, host_indexed=list(host), radius=radius[i],
-                             kmin=box[0][i], kmax=box[1][i], dense=self._dense_flags(layers[i], Hkv, x.device))
+                             box=box[0][i], box_step=box[1][i], dense=self._dense_flags(layers[i], Hkv, x.device))
                 for i in range(L)]
 
     def _dense_flags(self, layer: int, Hkv: int, device) -> Optional[Tensor]:
@@ -134,8 +138,11 @@ class Tactic(SparseMethod):
         return cfg.protect > 0 and cfg.protect_bound == "box" and cfg.budget is None
 
     def _empty_box(self, zeros: Tensor) -> dict:
-        """kmin/kmax of an index with no cluster (zeros [B, Hkv, 1, D]), when the index keeps a box."""
-        return {"kmin": zeros, "kmax": zeros.clone()} if self._uses_box() else {}
+        """The box of an index with no cluster (its centroids: zeros [B, Hkv, 1, D]), when the index keeps one."""
+        if not self._uses_box():
+            return {}
+        return {"box": torch.zeros(*zeros.shape[:-1], 2, zeros.shape[-1], dtype=torch.uint8, device=zeros.device),
+                "box_step": zeros.new_zeros(zeros.shape[:-1])}
 
     def cluster_size_for(self, n: int) -> int:
         """The average cluster size K-means uses for a head of n indexed tokens: the
@@ -181,11 +188,16 @@ class Tactic(SparseMethod):
         new_cent = torch.where(cnt[..., None] > 0, (cent * old + add) / new_total, cent).to(st.centroids.dtype)
         moved = (new_cent.to(cent.dtype) - cent).norm(dim=-1)  # old members are at most this much farther
         st.radius[b] = torch.maximum(st.radius[b] + moved, cluster_radius(x, a, new_cent)).to(st.radius.dtype)
-        if st.kmin is not None:
-            lo, hi = cluster_box(k[:, start:end].to(st.kmin.dtype), a, C)
-            had, got = (st.sizes[b] > 0)[..., None], (cnt > 0)[..., None]
-            st.kmin[b] = torch.where(got, torch.where(had, torch.minimum(st.kmin[b], lo), lo), st.kmin[b])
-            st.kmax[b] = torch.where(got, torch.where(had, torch.maximum(st.kmax[b], hi), hi), st.kmax[b])
+        if st.box is not None:  # the clusters that got members: old box and new members, about the new centroid
+            lo, hi = cluster_box(k[:, start:end], a, C)
+            old_lo, old_hi = box_bounds(st.box[b], st.box_step[b], st.centroids[b])
+            had = (st.sizes[b] > 0)[..., None]
+            lo = torch.where(had, torch.minimum(old_lo, lo.to(old_lo.dtype)), lo.to(old_lo.dtype))
+            hi = torch.where(had, torch.maximum(old_hi, hi.to(old_hi.dtype)), hi.to(old_hi.dtype))
+            codes, step = quantize_box(lo, hi, new_cent)
+            got = cnt > 0
+            st.box[b] = torch.where(got[..., None, None], codes, st.box[b])
+            st.box_step[b] = torch.where(got, step.to(st.box_step.dtype), st.box_step[b])
         st.centroids[b] = new_cent  # cent may alias st.centroids[b]: written last
         st.sizes[b] += cnt
         st.assign[b, :, start:end] = a
@@ -250,7 +262,8 @@ class Tactic(SparseMethod):
         head_mask = sel_q | always.view(B, Hq, S)
         if cfg.protect:  # attended by every head of the group
             if cfg.protect_bound == "box":
-                _, bound = summary_scores(q, st.kmin, st.kmax, st.num_clusters[:, None].expand(B, Hkv))
+                lo, hi = box_bounds(st.box, st.box_step, st.centroids)
+                _, bound = summary_scores(q, lo, hi, st.num_clusters[:, None].expand(B, Hkv))
             else:
                 bound = radius_bound(cscore, q, st.radius)
             protected, _, _ = select_by_budget(bound, st.sizes, torch.full_like(st.sizes[..., 0], cfg.protect))
@@ -348,10 +361,10 @@ class Tactic(SparseMethod):
                and state.sizes32.shape == state.sizes.shape and new.members is not None
                and new.members.shape == new.assign.shape and not new.csr_stale)
         wide = widened(new, state.centroids.shape[2], state.assign.shape[-1])
-        names = ("centroids", "sizes", "radius", "kmin", "kmax", "assign") + (
+        names = ("centroids", "sizes", "radius", "box", "box_step", "assign") + (
             ("members", "entry_start", "sizes32") if csr else ())
         for name in names:
-            if getattr(state, name) is not None:  # kmin/kmax: only where the config keeps a box
+            if getattr(state, name) is not None:  # box: only where the config keeps one
                 getattr(state, name)[row].copy_(getattr(wide, name)[0])
         state.num_indexed[row] = new.num_indexed[0]
         state.num_clusters[row] = new.num_clusters[0]
@@ -425,12 +438,12 @@ class Tactic(SparseMethod):
         cfg = self.config
         B, Hq, D = q.shape
         Hkv, C = st.sizes.shape[1:]
-        if cfg.protect and cfg.protect_bound == "box" and st.kmin is None:
+        if cfg.protect and cfg.protect_bound == "box" and st.box is None:
             raise ValueError("this cluster index keeps no min/max box (it was prepared by a fixed-budget or "
                              "protect=0 config); prepare it with the threshold config that plans on it")
         bounds = {}
         if cfg.protect:
-            bounds = {"box": (st.kmin, st.kmax)} if cfg.protect_bound == "box" else {"radius": st.radius}
+            bounds = {"box": (st.box, st.box_step)} if cfg.protect_bound == "box" else {"radius": st.radius}
         skeys, bound = dispatch.cluster_scores(q, st.centroids, st.sizes32, **bounds)  # the box in the same pass
         protected, branch = None, SideBranch(q.device)
         if cfg.protect:  # only the union reads it: beside the ranking and the fit (H100 128K x 8: -9 us)

@@ -55,8 +55,8 @@ def sort_keys(scores: Tensor, sizes: Tensor) -> Tensor:
 def cluster_scores(q: Tensor, centroids: Tensor, sizes: Tensor, radius: Optional[Tensor] = None,
                    box: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """Tactic's threshold plan scores every cluster once: q [B, Hq, D], centroids
-    [B, Hkv, C, D], sizes [B, Hkv, C] (0: empty), radius [B, Hkv, C] or box (kmin, kmax),
-    each [B, Hkv, C, D], or neither.
+    [B, Hkv, C, D], sizes [B, Hkv, C] (0: empty), radius [B, Hkv, C] or box (codes
+    [B, Hkv, C, 2, D] uint8, step [B, Hkv, C]; quantize_box), or neither.
     Returns (keys [B, Hq, C] float32: q.centroid unscaled, as sort_keys; bound [B, Hkv, C]:
     the group's upper bound of q.k over each cluster's members, -inf on empty clusters:
     radius_bound of the keys, or the box's summary_scores group max; None without either)."""
@@ -65,7 +65,7 @@ def cluster_scores(q: Tensor, centroids: Tensor, sizes: Tensor, radius: Optional
     per_head, _ = summary_scores(q, centroids)
     keys = sort_keys(per_head, sizes)
     if box is not None:
-        _, group_max = summary_scores(q, box[0], box[1])
+        _, group_max = summary_scores(q, *box_bounds(box[0], box[1], centroids))
         return keys, group_max.masked_fill(sizes == 0, float("-inf"))
     return keys, None if radius is None else radius_bound(keys, q, radius)
 
@@ -221,3 +221,31 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
         valid = j[None, None, :] < counts[..., None]
         out = torch.where(valid, to_pool_rows(block_table, out, page_size), out)
     return out, counts
+
+
+BOX_LEVELS = 255  # a box offset is a whole number of its cluster's steps, 0..255 (uint8)
+
+
+def quantize_box(kmin: Tensor, kmax: Tensor, centroids: Tensor) -> Tuple[Tensor, Tensor]:
+    """A cluster's min/max box as 8-bit offsets from its centroid, rounded outward.
+
+    kmin, kmax, centroids [..., C, D] (the centroids as the index stores them). Returns
+    codes uint8 [..., C, 2, D] and step [..., C] float32 (float64 for float64 centroids):
+    side 0 holds hi's offset above the centroid, side 1 lo's below it, in steps of
+    max offset / 255, so box_bounds' centroid + codes[0] step >= kmax and
+    centroid - codes[1] step <= kmin in every channel. Half the bytes of a bf16 box, and
+    the bound it gives is at most |q|_1 step above the exact box's."""
+    ct = torch.float64 if centroids.dtype == torch.float64 else torch.float32
+    c = centroids.to(ct)
+    offset = torch.stack([kmax.to(ct) - c, c - kmin.to(ct)], -2).clamp(min=0)  # [..., C, 2, D]
+    step = offset.amax((-2, -1)) / BOX_LEVELS * (1 + 2 ** -16)  # the widest offset rounds to 255, not past it
+    # (1 + 2^-20): an offset a whole number of steps apart from its division's rounding still rounds outward
+    codes = torch.ceil(offset / step.clamp(min=torch.finfo(ct).tiny)[..., None, None] * (1 + 2 ** -20))
+    return codes.clamp(0, BOX_LEVELS).to(torch.uint8), step
+
+
+def box_bounds(codes: Tensor, step: Tensor, centroids: Tensor) -> Tuple[Tensor, Tensor]:
+    """The box quantize_box encodes: (lo, hi) [..., C, D] float32 (float64 for float64 centroids)."""
+    ct = torch.float64 if centroids.dtype == torch.float64 else torch.float32
+    c, width = centroids.to(ct), codes.to(ct) * step.to(ct)[..., None, None]
+    return c - width[..., 1, :], c + width[..., 0, :]
