@@ -248,7 +248,7 @@ def sweep_launches(m, q, st, lengths, host, keys, S, B, log) -> None:
     c = m._consts(st, q, host)
     skeys, bound = dispatch.cluster_scores(q, st.centroids, st.sizes32, st.radius)
     order, ranked, csize = dispatch.rank_clusters(skeys, st.sizes32)
-    chosen, offsets, total = m._choose_by_threshold(q, st, lengths, keys, c)
+    chosen, offsets, total, listed = m._choose_by_threshold(q, st, lengths, keys, c)
     keep = torch.randint(1, 200, (B, q.shape[1]), device="cuda")  # stand-in prefixes for the union's timing
     want = None
     for cfg in ((4096, 8), (4096, 16), (4096, 4), (2048, 8), (1024, 4), (512, 4)):
@@ -256,7 +256,7 @@ def sweep_launches(m, q, st, lengths, host, keys, S, B, log) -> None:
         got = fn()
         want = got if want is None else want
         log(kind="union", S=S, B=B, config=cfg, us=round(1e3 * median_ms(capture(fn)), 2),
-            same=all(torch.equal(a, b) for a, b in zip(got, want)))
+            same=all(torch.equal(a, b) for a, b in zip((*got[:3], *got[3]), (*want[:3], *want[3]))))
     from kvsieve.kernels import logits as klogits
     pos = c["positions"].view(B, q.shape[1], -1)
     index = (csize, ranked, order, st.entry_start, st.members)
@@ -275,9 +275,13 @@ def sweep_launches(m, q, st, lengths, host, keys, S, B, log) -> None:
     table, page = row_table(keys)
     cap = m.plan_capacity(st, host)
     want = None
-    for cfg in ((16, 16, 4), (32, 32, 4), (16, 16, 2), (16, 8, 4), (32, 16, 4), (32, 8, 4), (16, 16, 8), "position"):
+    # entry-major (3-tuples), listed (4-tuples: + programs per row), by position
+    for cfg in ((32, 8, 4), (8, 32, 4, 16), (8, 32, 4, 32), (8, 32, 4, 64), (4, 32, 4, 32), (4, 32, 4, 64),
+                (8, 32, 2, 32), (8, 32, 2, 64), (4, 32, 2, 64), (4, 32, 2, 128), (8, 16, 2, 64), (2, 32, 2, 128),
+                "position"):
         fn = lambda: compact_tokens(chosen, offsets, total, st.members, st.entry_start, st.sizes32, 0,  # noqa: E731
                                     c["sink"], st.num_indexed[:, None], lengths, cap, table, page,
+                                    listed=listed if len(cfg) == 4 else None,
                                     _by_entry=cfg != "position", _config=None if cfg == "position" else cfg)
         idx, cnt = fn()
         torch.cuda.synchronize()

@@ -319,11 +319,15 @@ def _csr(assign, N):
 
 @pytest.mark.parametrize("S,cap,N", [(97, 300, 13), (97, 20, 13), (1, 8, 13), (200, 64, 13),
                                      (2000, 1500, 13), (700, 800, 70)])
-@pytest.mark.parametrize("by_entry", [False, True])
-def test_compact_tokens(S, cap, N, by_entry):
+@pytest.mark.parametrize("mode", ["position", "entry", "listed", "listed-small"])
+def test_compact_tokens(S, cap, N, mode):
     """Clusters larger than a kernel tile's columns (S = 2000: ~150 members each) and more
-    entries than one program's (N = 70), lists cut at `cap`, pages and pool rows; both
-    kernels (by list position, by entry)."""
+    entries than one program's (N = 70), lists cut at `cap`, pages and pool rows; every
+    kernel (by list position, by entry, by listed entry: the chosen clusters as a
+    ChosenList, at the default launch and at 2 entries x 8 columns x 3 programs per row, so
+    each program walks several blocks of the list and several column tiles)."""
+    by_entry = mode != "position"
+    config = (2, 8, 4, 3) if mode == "listed-small" else None
     g = torch.Generator().manual_seed(S + cap)
     B, Hkv = 2, 3
     lengths = torch.tensor([S, max(1, S - 5)])
@@ -344,9 +348,14 @@ def test_compact_tokens(S, cap, N, by_entry):
         want_i, want_c = rselect.compact_tokens(chosen, off, tot, *args, a_end, a_start, lengths, cap)
         dev = [None if t is None else t.to(DEV) for t in args[:3]]
         # the always ranges as broadcast views (one value, one per request): read in place
+        listed = None
+        if csr and mode.startswith("listed"):
+            listed = rselect.chosen_list(chosen)
+            listed = rselect.ChosenList(listed.ids.to(DEV), listed.count.to(DEV))
         got_i, got_c = kcompact.compact_tokens(chosen.to(DEV), off.to(DEV), tot.to(DEV), *dev, args[3],
                                               a_end[:1, :1].to(DEV), a_start[:, :1].to(DEV), lengths.to(DEV), cap,
-                                              _by_entry=by_entry)
+                                              listed=listed, _by_entry=by_entry,
+                                              _config=config if listed is not None else None)
         assert torch.equal(want_c, got_c.cpu())
         live = torch.arange(cap)[None, None, :] < want_c[..., None]
         assert torch.equal(want_i[live], got_i.cpu()[live])
@@ -355,7 +364,8 @@ def test_compact_tokens(S, cap, N, by_entry):
         rows_i, rows_c = rselect.compact_tokens(chosen, off, tot, *args, a_end, a_start, lengths, cap, table, 4)
         got_r, _ = kcompact.compact_tokens(chosen.to(DEV), off.to(DEV), tot.to(DEV), *dev, args[3], a_end[:1, :1].to(DEV),
                                           a_start[:, :1].to(DEV), lengths.to(DEV), cap, table.to(DEV), 4,
-                                          _by_entry=by_entry)
+                                          listed=listed, _by_entry=by_entry,
+                                          _config=config if listed is not None else None)
         want_r = table.long().gather(1, (want_i.long() // 4).view(B, -1)).view_as(want_i) * 4 + want_i % 4
         assert torch.equal(rows_c, want_c) and torch.equal(rows_i[live], want_r[live].int())
         assert torch.equal(got_r.cpu()[live], want_r[live].int())
@@ -407,6 +417,48 @@ def test_compact_streaming_rows(S, pool, by_entry):
                 sel = [t for e in torch.nonzero(chosen[b, h])[:, 0].tolist() for t in range(e * W, e * W + W)]
                 want = sel + list(range(min(L, 8))) + list(range(int(a_start[b, 0]), L))
             assert lst == want
+
+
+@pytest.mark.parametrize("S", [54, 97, 700])
+def test_compact_listed_streaming_rows(S):
+    """A hybrid's plan: CSR clusters with their chosen list, streaming rows flagged: the
+    listed kernel drops those rows' selection and writes their window, like the twin."""
+    g = torch.Generator().manual_seed(S + 1)
+    B, Hkv, N = 3, 4, 13
+    lengths = torch.tensor([S, max(1, S - 7), max(1, S // 2)])
+    a_end = torch.full((B, Hkv), 4)
+    a_start = torch.maximum(lengths[:, None] - 9, a_end).expand(B, Hkv).contiguous()
+    pos = torch.arange(S)
+    indexed = (pos >= a_end[..., None]) & (pos < a_start[..., None])
+    assign = torch.randint(0, N, (B, Hkv, S), generator=g).masked_fill(~indexed, -1)
+    mem, est, sizes = _csr(assign, N)
+    chosen, off, tot = rselect.select_by_budget(torch.randn(B, Hkv, N, generator=g), sizes,
+                                                torch.full((B, Hkv), S // 2))
+    flags = torch.tensor([True, False, False, True])
+    cap = S + 16
+    args = (chosen, off, tot, mem, est, sizes.int(), 0, a_end, a_start, lengths, cap)
+    want_i, want_c = rselect.compact_tokens(*args, stream=(flags, 5, 11))
+    listed = rselect.chosen_list(chosen)
+    dev = [a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args]
+    got_i, got_c = kcompact.compact_tokens(*dev, stream=(flags.to(DEV), 5, 11),
+                                          listed=rselect.ChosenList(*(t.to(DEV) for t in listed)),
+                                          _by_entry=True, _config=(2, 8, 4, 3))
+    assert torch.equal(got_c.cpu(), want_c)
+    live = torch.arange(cap)[None, None, :] < want_c[..., None]
+    assert torch.equal(got_i.cpu()[live], want_i[live])
+    assert (want_c[:, 0] <= 16).all() and (want_c[:, 1] > 16).any()  # streaming rows hold windows only
+
+
+def test_chosen_list_lists_the_chosen_in_order():
+    chosen = torch.rand(2, 3, 50, generator=torch.Generator().manual_seed(3)) < 0.3
+    chosen[0, 0] = False
+    ids, count = rselect.chosen_list(chosen)
+    assert ids.dtype == count.dtype == torch.int32
+    for b in range(2):
+        for h in range(3):
+            want = torch.nonzero(chosen[b, h])[:, 0].int()
+            assert int(count[b, h]) == len(want) and torch.equal(ids[b, h, :len(want)], want)
+            assert (ids[b, h, len(want):] == -1).all()
 
 
 def test_compact_tokens_always_range_stops_at_length():
@@ -771,9 +823,10 @@ def test_union_prefixes_matches_reference(G, C, with_extra):
     want = reference(keys, order, keep, sizes, extra)
     got = union_prefixes(keys.to(DEV), order.to(DEV), keep.to(DEV), sizes.to(DEV),
                          None if extra is None else extra.to(DEV))
-    for w, o in zip(want, got):
+    for w, o in zip((*want[:3], *want[3]), (*got[:3], *got[3])):
         assert o.dtype == w.dtype and torch.equal(o.cpu(), w)
     chosen = want[0]
+    assert torch.equal(want[3].count, chosen.sum(-1).int())  # the list: the chosen, in order
     assert torch.equal(want[2], (sizes * chosen).sum(-1).int())  # the union's size, from the mask
     union = (rank < keep[..., None]).view(B, Hkv, G, C).any(2)
     assert torch.equal(chosen, union | extra if with_extra else union)

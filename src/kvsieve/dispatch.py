@@ -113,12 +113,12 @@ def select_by_budget(scores, sizes, budget):
 
 
 def compact_tokens(chosen, offsets, total, members, entry_start, sizes, width,
-                   always_end, always_start, lengths, cap, block_table=None, page_size=0, stream=None):
+                   always_end, always_start, lengths, cap, block_table=None, page_size=0, stream=None, listed=None):
     impl = _select_ref.compact_tokens
     if use_triton(offsets):
         from .kernels.compact import compact_tokens as impl
     return impl(chosen, offsets, total, members, entry_start, sizes, width,
-                always_end, always_start, lengths, cap, block_table, page_size, stream)
+                always_end, always_start, lengths, cap, block_table, page_size, stream, listed)
 
 
 def kmeans(x, lengths, cluster_size, max_iters=10, seed=0, row_period=1, window=None):

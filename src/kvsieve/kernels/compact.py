@@ -13,6 +13,7 @@ from torch import Tensor
 
 from . import int32_contiguous, next_pow2
 from .pdl import launch_args, start_after_producer
+from ..ops.select import ChosenList
 
 
 @triton.jit
@@ -38,6 +39,20 @@ def _list_geometry(TOT, LEN, AEND, ASTART, WIN, row, b, h, CAP, sae_b, sae_h, sa
 def _always_token(j, a_start, a_end):
     """The j-th always-attended token (j counted from the end of the selection)."""
     return tl.where(j < a_end, j, a_start + j - a_end)
+
+
+@triton.jit
+def _write_always(out, cnt, sel, count, a_start, a_end, BT_ROW, BLOCK: tl.constexpr, POOL_ROWS: tl.constexpr,
+                  PAGE: tl.constexpr):
+    """A row's count, and its always-attended tokens at list positions [sel, count):
+    [0, a_end), then [a_start, length)."""
+    tl.store(cnt, count)
+    for d0 in range(sel, count, BLOCK):
+        dst = d0 + tl.arange(0, BLOCK)
+        tok = _always_token(dst - sel, a_start, a_end)
+        if POOL_ROWS:
+            tok = _pool_row(BT_ROW, tok, dst < count, PAGE)
+        tl.store(out + dst, tok, mask=dst < count)
 
 
 # the list geometry's strides follow the batch (a [B, Hkv] tensor, or one broadcast over B
@@ -110,14 +125,8 @@ def _compact_entries_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, C
     sel, a_start, a_end, count = _list_geometry(TOT, LEN, AEND, ASTART, WIN, row, b, row % Hkv, CAP,
                                                 sae_b, sae_h, sas_b, sas_h, swn_b, swn_h, W_SINK, W_LOCAL, STREAM)
     out = IDX + row.to(tl.int64) * CAP
-    if tl.program_id(1) * EB >= N:  # the always-attended tokens: [0, a_end), then [a_start, length)
-        tl.store(CNT + row, count)
-        for d0 in range(sel, count, BLOCK):
-            dst = d0 + tl.arange(0, BLOCK)
-            tok = _always_token(dst - sel, a_start, a_end)
-            if POOL_ROWS:
-                tok = _pool_row(BT + b * sbt, tok, dst < count, PAGE)
-            tl.store(out + dst, tok, mask=dst < count)
+    if tl.program_id(1) * EB >= N:
+        _write_always(out, CNT + row, sel, count, a_start, a_end, BT + b * sbt, BLOCK, POOL_ROWS, PAGE)
     else:
         e = tl.program_id(1) * EB + tl.arange(0, EB)
         inb = e < N
@@ -141,19 +150,74 @@ def _compact_entries_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, C
             tl.store(out + off[:, None] + j[None, :], tok, mask=take)
 
 
+@triton.jit(do_not_specialize=_COMPACT_RUNTIME)
+def _compact_listed_kernel(OFF, TOT, IDS, NCH, Z, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT, WIN,
+                           Hkv, N, M, CAP, WIDTH, sae_b, sae_h, sas_b, sas_h, sbt, swn_b, swn_h, W_SINK, W_LOCAL,
+                           EB: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr, POOL_ROWS: tl.constexpr,
+                           PAGE: tl.constexpr, STREAM: tl.constexpr, PDL: tl.constexpr):
+    """Chosen-list-major (CSR entries whose chosen ones are listed: IDS, NCH, as
+    ops.select.ChosenList). The row's first P = programs - 1 programs take the listed
+    entries EB at a time, program p the blocks p, p + P, ..., and copy each as an
+    [EB, COLS] tile (entry e's j-th token to position offsets[e] + j), so no program visits
+    an unchosen entry and their number does not grow with the entry count. The row's last
+    program writes the always-attended tokens after the selection."""
+    start_after_producer(PDL)
+    row = tl.program_id(0)
+    b = row // Hkv
+    P = tl.num_programs(1) - 1
+    sel, a_start, a_end, count = _list_geometry(TOT, LEN, AEND, ASTART, WIN, row, b, row % Hkv, CAP,
+                                                sae_b, sae_h, sas_b, sas_h, swn_b, swn_h, W_SINK, W_LOCAL, STREAM)
+    out = IDX + row.to(tl.int64) * CAP
+    if tl.program_id(1) == P:
+        _write_always(out, CNT + row, sel, count, a_start, a_end, BT + b * sbt, BLOCK, POOL_ROWS, PAGE)
+    else:
+        n = tl.load(NCH + row)
+        for k0 in range(tl.program_id(1) * EB, n, P * EB):
+            k = k0 + tl.arange(0, EB)
+            listed = k < n
+            e = tl.load(IDS + row * N + k, mask=listed, other=0)
+            off = tl.load(OFF + row * N + e, mask=listed, other=0)
+            size = tl.load(Z + row * N + e, mask=listed, other=0)
+            if STREAM:  # a streaming row's selection is dropped (sel = 0)
+                size = tl.minimum(size, tl.maximum(sel - off, 0))
+            size = tl.minimum(size, tl.maximum(count - off, 0))  # lists are cut at the capacity
+            first = tl.load(ESTART + row * N + e, mask=size > 0, other=0)
+            for j0 in range(0, tl.max(size, 0), COLS):
+                j = j0 + tl.arange(0, COLS)
+                take = j[None, :] < size[:, None]
+                tok = tl.load(MEM + row.to(tl.int64) * M + first[:, None] + j[None, :], mask=take, other=0)
+                if POOL_ROWS:
+                    tok = _pool_row(BT + b * sbt, tok, take, PAGE)
+                tl.store(out + off[:, None] + j[None, :], tok, mask=take)
+
+
 POSITION_MAJOR_MAX_ROWS = 8  # (request, KV head) rows up to which long lists compact by position
+# H200 sweep, threshold plans at 128K x 8 / x 32 (scripts/profile_plan.py --sweep):
+# 32 entries x 8 columns 32 / 66 us, 16 x 16 33 / 90, 32 x 32 40 / 117
+ENTRY_CONFIG = (32, 8, 4)  # entries per program, columns, warps
+# H100, threshold plans at 128K x 8 / x 32 (scripts/profile_plan.py --sweep): by listed entry,
+# 8 entries x 32 columns, 4 warps, 64 programs per row 19.0 / 35.4 us (16 per row 43.1 / 48.2,
+# 32 per row 28.3 / 35.0), against 33.7 / 72.1 by entry and 44.5 / 162 by position
+LISTED_CONFIG = (8, 32, 4)  # listed entries per tile, columns, warps
+
+
+def listed_programs(rows: int) -> int:
+    """Programs per row of the listed compaction: ~16K in all, 16 to 64 per row."""
+    return min(64, max(16, 16384 // max(rows, 1)))
 
 
 def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Optional[Tensor],
                    entry_start: Optional[Tensor], sizes: Optional[Tensor], width: int,
                    always_end: Tensor, always_start: Tensor, lengths: Tensor, cap: int,
                    block_table: Optional[Tensor] = None, page_size: int = 0,
-                   stream: Optional[Tuple[Tensor, int, int]] = None,
-                   _by_entry: Optional[bool] = None, _config: Optional[Tuple[int, int, int]] = None
+                   stream: Optional[Tuple[Tensor, int, int]] = None, listed: Optional[ChosenList] = None,
+                   _by_entry: Optional[bool] = None, _config: Optional[Tuple[int, ...]] = None
                    ) -> Tuple[Tensor, Tensor]:
     """Triton twin of ops.select.compact_tokens. Entries past `counts` are left unwritten.
-    Launches whichever kernel needs fewer programs (`_by_entry` forces one, for tests;
-    `_config` = (entries per program, columns, warps) overrides the entry-major launch).
+    Launches whichever kernel needs fewer programs: by position, or, for long lists, by
+    listed entry (CSR entries with `listed`) or by entry (`_by_entry` forces by entry or by
+    position, for tests; `_config` = (entries per program, columns, warps[, programs per
+    row]) overrides the entry-major or listed launch).
     `chosen` and `sizes` are implied by `offsets` here (only chosen entries own positions;
     a page crossing always_start must have been offered with its clipped size)."""
     B, Hkv, N = chosen.shape
@@ -170,24 +234,27 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
     win = win.expand(B, Hkv)
     win = win.view(torch.uint8) if win.dtype == torch.bool else win
     block = 256
-    # H200 sweep, threshold plans at 128K x 8 / x 32 (scripts/profile_plan.py --sweep):
-    # 32 entries x 8 columns 32 / 66 us, 16 x 16 33 / 90, 32 x 32 40 / 117
-    eb, cols, warps = _config or (32, 8, 4)
     args = (i32(offsets), i32(total), mem, est, ae, ast, lengths, cnt if block_table is None else block_table, idx,
             cnt, win, Hkv, N, M, cap, width, ae.stride(0), ae.stride(1), ast.stride(0), ast.stride(1),
             0 if block_table is None else block_table.stride(0), win.stride(0), win.stride(1), w_sink, w_local)
-    flags = dict(CSR=csr, BLOCK=block, POOL_ROWS=block_table is not None, PAGE=max(page_size, 1),
+    flags = dict(BLOCK=block, POOL_ROWS=block_table is not None, PAGE=max(page_size, 1),
                  STREAM=stream is not None, **launch_args(idx))
+    eb, cols, warps = (_config or ENTRY_CONFIG)[:3]
     by_position, by_entry = triton.cdiv(max(cap, 1), block), triton.cdiv(N, eb) + 1
     # H200, 128K x 8: a 2.5% budget (15 programs per row by position) compacts faster by
     # position, a threshold plan (512) ~4x faster by entry. With few rows the programs past
     # a list's end cost little: H100, threshold plans at batch 1 (8 rows), by position 10.4
     # / 10.9 us against 14.4 / 20.2 by entry at 32K / 128K (scripts/profile_plan.py --sweep)
     entry_major = by_position > triton.cdiv(N, 16) and B * Hkv > POSITION_MAJOR_MAX_ROWS
-    if entry_major if _by_entry is None else _by_entry:
+    if csr and listed is not None and (entry_major if _by_entry is None else _by_entry):
+        eb, cols, warps, programs = _config or (*LISTED_CONFIG, listed_programs(B * Hkv))
+        _compact_listed_kernel[(B * Hkv, programs + 1)](
+            *args[:2], i32(listed.ids), i32(listed.count), i32(sizes), *args[2:], EB=eb, COLS=cols, num_warps=warps,
+            **flags)
+    elif entry_major if _by_entry is None else _by_entry:
         _compact_entries_kernel[(B * Hkv, by_entry)](*args, EB=eb, COLS=cols if csr else max(16, next_pow2(width)),
-                                                     num_warps=warps, **flags)
+                                                     num_warps=warps, CSR=csr, **flags)
     else:
         _compact_positions_kernel[(B * Hkv, by_position)](*args, LOG_N=max(1, (N - 1).bit_length()), num_warps=4,
-                                                          **flags)
+                                                          CSR=csr, **flags)
     return idx, cnt

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from . import int32_contiguous, next_pow2
 from .pdl import launch_args, start_after_producer
+from ..ops.select import ChosenList
 from ..ops.threshold import ranking_order
 
 
@@ -101,15 +102,16 @@ def rank_clusters(keys: Tensor, sizes: Tensor, _in_kernel: Optional[bool] = None
 
 
 @triton.jit(do_not_specialize=('C',))
-def _union_kernel(KEYS, ORDER, KEEP, Z, EXTRA, CHOSEN, OFF, TOT, C, G, HAS_EXTRA: tl.constexpr,
+def _union_kernel(KEYS, ORDER, KEEP, Z, EXTRA, CHOSEN, OFF, TOT, IDS, NCH, C, G, HAS_EXTRA: tl.constexpr,
                   BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program per (request, KV head): a cluster is chosen when it sorts no later than
     the last cluster of some group head's kept prefix (or EXTRA marks it); offsets run over
-    the chosen sizes."""
+    the chosen sizes; IDS lists the chosen clusters in order (-1 after them), NCH counts them."""
     start_after_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     carry = tl.sum(tl.zeros([BLOCK], tl.int32), 0)
+    listed = carry
     for c0 in range(0, C, BLOCK):
         inb = c0 + offs < C
         chosen = tl.zeros([BLOCK], tl.int1)
@@ -128,12 +130,18 @@ def _union_kernel(KEYS, ORDER, KEEP, Z, EXTRA, CHOSEN, OFF, TOT, C, G, HAS_EXTRA
         tl.store(CHOSEN + row * C + c0 + offs, chosen.to(tl.int8), mask=inb)
         tl.store(OFF + row * C + c0 + offs, carry + tl.cumsum(z, 0) - z, mask=inb)
         carry += tl.sum(z, 0)
+        flag = (chosen & inb).to(tl.int32)
+        tl.store(IDS + row * C + listed + tl.cumsum(flag, 0) - flag, c0 + offs, mask=flag != 0)
+        listed += tl.sum(flag, 0)
     tl.store(TOT + row, carry)
+    tl.store(NCH + row, listed)
+    for c0 in range(listed, C, BLOCK):  # -1 after the list
+        tl.store(IDS + row * C + c0 + offs, -1, mask=c0 + offs < C)
 
 
 def union_prefixes(keys: Tensor, order: Tensor, keep: Tensor, sizes: Tensor,
                    extra: Optional[Tensor] = None, _config: Optional[Tuple[int, int]] = None
-                   ) -> Tuple[Tensor, Tensor, Tensor]:
+                   ) -> Tuple[Tensor, Tensor, Tensor, ChosenList]:
     """Triton twin of ops.threshold.union_prefixes. `_config` = (block, warps) overrides the launch."""
     B, Hq, C = keys.shape
     Hkv = sizes.shape[1]
@@ -143,11 +151,13 @@ def union_prefixes(keys: Tensor, order: Tensor, keep: Tensor, sizes: Tensor,
     chosen = torch.empty(B, Hkv, C, dtype=torch.int8, device=z.device)
     off = torch.empty(B, Hkv, C, dtype=torch.int32, device=z.device)
     tot = torch.empty(B, Hkv, dtype=torch.int32, device=z.device)
+    ids = torch.empty(B, Hkv, C, dtype=torch.int32, device=z.device)
+    count = torch.empty(B, Hkv, dtype=torch.int32, device=z.device)
     x = chosen if extra is None else extra.contiguous().view(torch.int8)
     block = min(4096, max(16, next_pow2(C)))
     # H100, 128K x 8 (4,096 clusters, scripts/profile_plan.py --sweep): 16 warps 23.6 us, 8 warps 31.9
     block, warps = _config or (block, 16 if block >= 4096 else 8)
     if B * Hkv:
-        _union_kernel[(B * Hkv,)](keys.float().contiguous(), o, k, z, x, chosen, off, tot, C, Hq // Hkv,
+        _union_kernel[(B * Hkv,)](keys.float().contiguous(), o, k, z, x, chosen, off, tot, ids, count, C, Hq // Hkv,
                                   HAS_EXTRA=extra is not None, BLOCK=block, num_warps=warps, **launch_args(z))
-    return chosen.view(torch.bool), off, tot
+    return chosen.view(torch.bool), off, tot, ChosenList(ids, count)

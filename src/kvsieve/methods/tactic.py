@@ -403,15 +403,16 @@ class Tactic(SparseMethod):
         if self.config.budget is None:
             if keys is None:
                 raise ValueError("tactic's threshold plan reads keys: pass keys=PagedKeys(pool, block_table)")
-            chosen, offsets, total = self._choose_by_threshold(q, state, lengths, keys, c)
+            chosen, offsets, total, listed = self._choose_by_threshold(q, state, lengths, keys, c)
         else:
             _, group_max = dispatch.summary_scores(q, state.centroids, None, n_valid, group_only=True)
             chosen, offsets, total = dispatch.select_by_budget(group_max, state.sizes32, c["budget"])
+            listed = None
         stream, cap = streaming_window(skip, window, self.plan_capacity(state, host_lengths))
         table, page = row_table(keys)
         idx, counts = dispatch.compact_tokens(chosen, offsets, total, state.members, state.entry_start,
                                               state.sizes32, 0, c["sink"], state.num_indexed[:, None], lengths, cap,
-                                              table, page, stream=stream)
+                                              table, page, stream=stream, listed=listed)
         return TokenPlan(idx, counts, cap, table is not None)
 
     def _consts(self, state: ClusterIndex, q, host_lengths) -> dict:
@@ -434,7 +435,8 @@ class Tactic(SparseMethod):
 
     def _choose_by_threshold(self, q, st: ClusterIndex, lengths, keys: PagedKeys, c: dict):
         """Each query head keeps its smallest cluster prefix reaching the threshold (fitted);
-        a KV head takes the union of its group's prefixes. Returns select_by_budget's outputs."""
+        a KV head takes the union of its group's prefixes. Returns select_by_budget's outputs
+        and the chosen clusters' list (union_prefixes)."""
         cfg = self.config
         B, Hq, D = q.shape
         Hkv, C = st.sizes.shape[1:]

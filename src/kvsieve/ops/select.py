@@ -8,7 +8,7 @@ entries; entry e owns `sizes[e]` tokens.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -154,11 +154,27 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor) -> Tuple[Ten
     return chosen.view(*lead, N), offsets.view(*lead, N), chosen_sizes.sum(-1, dtype=torch.int32).view(lead)
 
 
+class ChosenList(NamedTuple):
+    """A selection's chosen entries as a list: ids [B, Hkv, N] int32 (the chosen entries in
+    ascending order, then -1) and count [B, Hkv] int32 (how many)."""
+
+    ids: Tensor
+    count: Tensor
+
+
+def chosen_list(chosen: Tensor) -> ChosenList:
+    """The ChosenList of chosen [B, Hkv, N] bool."""
+    N = chosen.shape[-1]
+    ids = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    count = chosen.sum(-1, dtype=torch.int32)
+    return ChosenList(torch.where(torch.arange(N, device=chosen.device) < count[..., None], ids, -1), count)
+
+
 def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Optional[Tensor],
                    entry_start: Optional[Tensor], sizes: Optional[Tensor], width: int,
                    always_end: Tensor, always_start: Tensor, lengths: Tensor, cap: int,
                    block_table: Optional[Tensor] = None, page_size: int = 0,
-                   stream: Optional[Tuple[Tensor, int, int]] = None
+                   stream: Optional[Tuple[Tensor, int, int]] = None, listed: Optional[ChosenList] = None
                    ) -> Tuple[Tensor, Tensor]:
     """Write each row's token list: the chosen entries' tokens, then the tokens attended
     regardless ([0, min(always_end, length)) and [always_start, length)).
@@ -174,6 +190,8 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
     stream: (flags [Hkv] or [B, Hkv] bool, sink, local): flagged rows are streaming heads,
     their list [0, sink) + [length - local, length) whatever was chosen (LServe's static
     heads in the dynamic heads' plan, with no merge of two plans).
+    listed: chosen as a ChosenList, where the caller has it (the Triton twin then visits
+    only the chosen clusters; the result is the same).
     Returns indices [B, Hkv, cap] int32 and counts [B, Hkv] int32.
     """
     B, Hkv, N = chosen.shape

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .fit import FitLayout, fit_inverse, fit_layout, segment_positions
 from .paged import list_logits_reference
+from .select import ChosenList, chosen_list
 
 EULER_GAMMA = 0.5772156649015329
 
@@ -135,8 +136,9 @@ def prefix_boundary(keys: Tensor, order: Tensor, keep: Tensor) -> Tuple[Tensor, 
 
 
 def union_prefixes(keys: Tensor, order: Tensor, keep: Tensor, sizes: Tensor,
-                   extra: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """GQA union of the query heads' cluster prefixes, in select_by_budget's output form.
+                   extra: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, ChosenList]:
+    """GQA union of the query heads' cluster prefixes, in select_by_budget's output form
+    and as a list of the chosen clusters (compact_tokens' `listed`).
 
     keys [B, Hq, C] and order [B, Hq, C] as rank_clusters sorted them; keep [B, Hq]
     clusters each query head keeps (its first keep ranks); sizes [B, Hkv, C]; extra
@@ -144,8 +146,8 @@ def union_prefixes(keys: Tensor, order: Tensor, keep: Tensor, sizes: Tensor,
     A cluster c is in head h's prefix when it sorts no later than the prefix's last
     cluster l: key(c) > key(l), or equal keys and c <= l (the sort is stable), so no rank
     table is needed. Returns chosen [B, Hkv, C] bool (kept by any head of the group, or
-    extra), offsets [B, Hkv, C] int32 (exclusive running sum of chosen sizes) and total
-    [B, Hkv] int32."""
+    extra), offsets [B, Hkv, C] int32 (exclusive running sum of chosen sizes), total
+    [B, Hkv] int32 and the ChosenList of chosen."""
     B, Hq, C = keys.shape
     Hkv = sizes.shape[1]
     last, key_last = prefix_boundary(keys, order, keep)
@@ -156,7 +158,7 @@ def union_prefixes(keys: Tensor, order: Tensor, keep: Tensor, sizes: Tensor,
         chosen = chosen | extra
     chosen_sizes = sizes.int() * chosen
     offsets = chosen_sizes.cumsum(-1, dtype=torch.int32) - chosen_sizes
-    return chosen, offsets, chosen_sizes.sum(-1, dtype=torch.int32)
+    return chosen, offsets, chosen_sizes.sum(-1, dtype=torch.int32), chosen_list(chosen)
 
 
 def keep_clusters(read: Tensor, positions: Tensor, always: Tensor, layout: FitLayout, n: Tensor,
