@@ -41,8 +41,9 @@ def test_requests_holding_too_few_tokens_together_attend_densely(tiny_model, no_
     ps = prompts(4, lo=LEN, hi=LEN + 1, seed=9)
     params = [SamplingParams(max_new_tokens=8, ignore_eos=True)] * 4
     dense = LLMEngine(tiny_model, None, "dense").generate(ps, params)
-    # together 800 prompt tokens, one short of the rule: never indexed, dense answers
-    out, _ = run(tactic(tiny_model, 4 * LEN + 1), ps, params)
+    # together 800 prompt tokens and 32 new ones, one short of the rule: never indexed (not
+    # at admission, nor later as they grow), dense answers
+    out, _ = run(tactic(tiny_model, 4 * (LEN + 8) + 1), ps, params)
     assert all(o.attended_densely and o.kv_fraction == 1.0 and o.method == "tactic" for o in out)
     assert [o.tokens for o in out] == [o.tokens for o in dense]
     # exactly at the rule: indexed, and every step plans (the rows hold 804 tokens and more)
@@ -135,6 +136,44 @@ def test_after_a_request_falls_back_the_method_indexes_no_new_request(tiny_model
         outs += [o for o in ok.step() if o.finished]
     assert not any(o.attended_densely for o in outs) and len(outs) == len(ids)
     assert not ok._reads_most
+
+
+@pytest.mark.parametrize("first_new, late", [(100, True), (12, False)])
+def test_a_request_left_dense_alone_is_indexed_when_others_join(tiny_model, monkeypatch, first_new, late):
+    """A request alone holds 200 tokens, under the rule's 300: it attends densely, with dense's
+    tokens. After its fourth decode step a second request of 200 tokens arrives; the two hold
+    404, and an index repays itself after 10 x 404 / 104 = 39 new tokens. When the first has
+    95 new tokens left, it is indexed at its next decode step (its 204 cached keys clustered
+    then) and the second (50 new tokens) at its prefill's end. When the first has 7 left, it
+    stays dense, so the second would plan alone under the rule: neither is indexed."""
+    monkeypatch.setattr(Tactic, "index_payback_tokens", 0)
+    monkeypatch.setattr(tactic_module, "THRESHOLD_PAYBACK_STEPS", 10)
+    ps = prompts(2, lo=LEN, hi=LEN + 1, seed=9)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (first_new, 50)]
+    dense = LLMEngine(tiny_model, None, "dense").generate(ps[:1], params[:1])[0]
+    eng = tactic(tiny_model, 300)
+    m, built = eng.runner.methods["default"], []
+    prepare = m.prepare_layers
+    m.prepare_layers = lambda keys, n, layers: built.append(int(n[0])) or prepare(keys, n, layers)
+    first = eng.add_request(ps[0], params[0])
+    tokens, final, planned = 0, {}, []
+    while eng.has_unfinished:
+        if tokens == 5 and len(eng._track) == 1:  # the first's prefill token and 4 dense steps
+            second = eng.add_request(ps[1], params[1])
+        outs = eng.step()
+        tokens = max([len(o.tokens) for o in outs if o.id == first] + [tokens])
+        if len(eng._track) == 2 and eng.runner.batch is not None:
+            planned.append(not {first, second} & eng.runner.last_dense_rows)
+        final.update({o.id: o for o in outs if o.finished})
+    a, b = final[first], final[second]
+    assert a.tokens[:5] == dense.tokens[:5]
+    assert list(dict.fromkeys(built)) == ([LEN + 4, LEN] if late else [])
+    assert a.attended_densely != late and b.attended_densely != late
+    if late:  # the first alone under the rule while the second prefills; then both plan
+        assert not planned[0] and len(planned) > 40 and all(planned[1:])
+        assert a.kv_fraction < 1.0 and b.kv_fraction < 1.0
+    else:
+        assert a.kv_fraction == b.kv_fraction == 1.0 and a.tokens == dense.tokens
 
 
 def test_the_hf_drop_in_decodes_a_batch_by_its_total_too():

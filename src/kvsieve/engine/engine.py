@@ -32,7 +32,8 @@ from .scheduler import Request, SamplingParams, Scheduler
 # tactic's threshold plan pays by the batch's total instead (dense_step_below_tokens: 384
 # MiB of KV per layer over the method's rows): a step under it attends densely for those
 # rows, and a request is indexed only when its method's requests hold that much and it asks
-# for enough new tokens to repay its K-means (SparseMethod.index_payback_at).
+# for enough new tokens to repay its K-means (SparseMethod.index_payback_at); one left dense
+# by that rule is indexed later, at a decode step, once both hold (others joined it).
 # A request whose plans read more than DENSE_ABOVE of its cache for DENSE_AFTER steps in a
 # row attends densely from then on (a sparse read of most of the cache is slower than dense).
 DENSE_ABOVE, DENSE_AFTER = 0.5, 4
@@ -121,6 +122,7 @@ class LLMEngine:
         # method keys whose last indexed request fell back to dense because its plans read most
         # of its cache: a batch-wide method indexes no new request until one plans to its end
         self._reads_most: set = set()
+        self._later: set = set()  # ids of requests the batch rule left dense: indexed once it pays
         self.scheduler = Scheduler(kv_pages, page_size, max_num_seqs, step_tokens, cfg.max_positions, max_waiting)
         self.eos = tuple(cfg.eos_token_ids)
         self.stats = EngineStats()
@@ -210,6 +212,7 @@ class LLMEngine:
     def abort(self, rid: int) -> None:
         """Cancel a request; its KV pages are free when this returns."""
         req = self.scheduler.abort(rid)
+        self._later.discard(rid)
         if req is not None:
             self.runner.release(rid)
         self._track.pop(rid, None)
@@ -229,6 +232,8 @@ class LLMEngine:
         sync = self.model.device.type == "cuda"
         if plan.decode:
             t0 = time.perf_counter()
+            if self._later:
+                self._index_later(plan.decode)
             tokens, fracs = self.runner.decode(plan.decode, self.scheduler.joining_soon)
             if self._scored:
                 for req, lp in zip(plan.decode, self.runner.last_logprobs):
@@ -269,24 +274,67 @@ class LLMEngine:
 
     def _index_or_dense(self, req: Request) -> None:
         """Before a request's index is built: where its method plans only for a batch holding
-        enough tokens (dense_step_below), it is indexed when the requests that asked for that
-        method, running and waiting (as many as the batch has room for), hold that many and
-        the request asks for enough tokens to repay its index at that total
-        (SparseMethod.index_payback_at), and the method's last indexed request did not fall
-        back to dense (_reads_most); else it attends densely (no index)."""
+        enough tokens (dense_step_below), it is indexed when it is among the requests of that
+        method that would plan together, each repaying its index (_repays); else it attends
+        densely (no index) and _index_later judges it again at each decode step."""
+        tr = self._track[req.id]
+        if req.id in self._later:  # (prefilled again after a preemption)
+            req.method_key = tr.key
         need = self.runner.step_dense_below.get(req.method_key, 0)
         if not need or self._warming or "dense" not in self.runner.methods:
             return
-        sch, key = self.scheduler, self._track[req.id].key
-        if key in self._reads_most:  # (the model's attention made its plans read most of the cache)
+        if not self._repays(req, need):
             req.method_key = "dense"
-            return
-        room = max(0, sch.max_num_seqs - len(sch.running))  # the waiting requests that could join it
-        held = sum(len(r.prompt) + len(r.output) for r in (*sch.running, *itertools.islice(sch.waiting, room))
-                   if r.id in self._track and self._track[r.id].key == key)
-        payback = self.runner.methods[req.method_key].index_payback_at(held, need)
-        if req.params.max_new_tokens - len(req.output) < payback:
-            req.method_key = "dense"
+            self._later.add(req.id)
+        else:
+            self._later.discard(req.id)
+
+    def _repays(self, req: Request, need: int) -> bool:
+        """Whether indexing req (not indexed yet) pays now: it is among the requests of its
+        method that would plan together (_planners) and the method's plans did not read most
+        of their cache lately (_reads_most)."""
+        key = self._track[req.id].key
+        return key not in self._reads_most and req.id in self._planners(key, need)
+
+    def _planners(self, key: str, need: int) -> set:
+        """Ids of method `key`'s requests not indexed yet (running, left dense by the batch
+        rule, or prefilling; then the waiting ones the batch has room for) that would plan
+        with the indexed ones: together they hold T >= need tokens and each has at least
+        index_payback_at(T, need) new tokens left to repay its index. Requests that cannot
+        repay are dropped and T recounted until none is: a request whose index never plans
+        (its group stays under the rule without the others) is not built."""
+        sch = self.scheduler
+        room = max(0, sch.max_num_seqs - len(sch.running))
+        held, todo = 0, []
+        for r in (*sch.running, *itertools.islice(sch.waiting, room)):
+            tr = self._track.get(r.id)
+            if tr is None or tr.key != key:
+                continue
+            if r.id in self._later or (r.prefilling and r.method_key == key):
+                todo.append(r)
+            elif r.method_key == key:  # indexed: it plans with them whatever is decided
+                held += len(r.prompt) + len(r.output)  # (else it fell back to dense for good)
+        while True:
+            total = held + sum(len(r.prompt) + len(r.output) for r in todo)
+            payback = self.runner.methods[key].index_payback_at(total, need)
+            keep = [r for r in todo if r.params.max_new_tokens - len(r.output) >= payback]
+            if len(keep) == len(todo):
+                return {r.id for r in keep}
+            todo = keep
+
+    def _index_later(self, decoding: List[Request]) -> None:
+        """Index the decoding requests the batch rule left dense (_later) whose method's
+        requests now hold enough tokens, and which have enough new tokens left to repay it
+        (_repays): requests that joined since made the batch worth planning. Their cache so
+        far is clustered here (one prefill-like pause); they plan from this step on."""
+        for req in decoding:
+            tr = self._track.get(req.id)
+            if req.id not in self._later or tr is None or self._warming:
+                continue
+            if self._repays(req, self.runner.step_dense_below.get(tr.key, 0)):
+                self._later.discard(req.id)
+                req.method_key, tr.high = tr.key, 0
+                self.runner.index_request(req, req.num_cached)
 
     def _append(self, req: Request, token: int) -> None:
         forced = self._forced.get(req.id)
@@ -313,6 +361,7 @@ class LLMEngine:
                             req.method_key == "dense" and tr.method != "dense")
         if req.finished:
             self._track.pop(req.id, None)
+            self._later.discard(req.id)
         return out
 
     # ------------------------------------------------------------------ conveniences
