@@ -176,6 +176,29 @@ def test_a_request_left_dense_alone_is_indexed_when_others_join(tiny_model, monk
         assert a.kv_fraction == b.kv_fraction == 1.0 and a.tokens == dense.tokens
 
 
+def test_requests_left_dense_are_indexed_one_a_step(tiny_model, no_payback):
+    """Two requests of 200 tokens hold 400, under the rule's 700: both attend densely. After
+    their fourth decode step a third of 300 arrives and they hold 708: the first is indexed
+    at that step (204 keys), the third at its prefill's end, the second at the next step
+    (205 keys), so one K-means pause a step. All three then plan."""
+    ps = prompts(2, lo=LEN, hi=LEN + 1, seed=9) + prompts(1, lo=300, hi=301, seed=2)
+    params = [SamplingParams(max_new_tokens=20, ignore_eos=True)] * 3
+    eng = tactic(tiny_model, 700)
+    m, built = eng.runner.methods["default"], []
+    prepare = m.prepare_layers
+    m.prepare_layers = lambda keys, n, layers: built.append(int(n[0])) or prepare(keys, n, layers)
+    ids = [eng.add_request(p, sp) for p, sp in zip(ps[:2], params)]
+    tokens, final = 0, {}
+    while eng.has_unfinished:
+        if tokens == 5 and len(eng._track) == 2:
+            ids.append(eng.add_request(ps[2], params[2]))
+        outs = eng.step()
+        tokens = max([len(o.tokens) for o in outs if o.id == ids[0]] + [tokens])
+        final.update({o.id: o for o in outs if o.finished})
+    assert list(dict.fromkeys(built)) == [LEN + 4, 300, LEN + 5]
+    assert not any(final[i].attended_densely for i in ids) and max(final[i].kv_fraction for i in ids) < 1.0
+
+
 def test_the_hf_drop_in_decodes_a_batch_by_its_total_too():
     from types import SimpleNamespace
 

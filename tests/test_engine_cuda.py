@@ -121,6 +121,31 @@ def test_batch_rule_flips_on_graphs_equal_eager(tiny_cuda, method, monkeypatch):
             assert sum(how[i] == "replay" for i in flips) >= 2, (how, kinds)
 
 
+def test_late_index_on_graphs_equals_eager(tiny_cuda, monkeypatch):
+    """Requests the batch rule left dense are indexed at a decode step once others join
+    (LLMEngine._index_later): the rebuilt batch's captured steps give the eager steps' tokens,
+    and the late requests plan (read less than their whole cache)."""
+    from kvsieve.methods import tactic as tactic_module
+
+    monkeypatch.setattr(tactic_module.Tactic, "index_payback_tokens", 0)
+    monkeypatch.setattr(tactic_module, "THRESHOLD_PAYBACK_STEPS", 0)
+    model, _ = tiny_cuda
+    opts = {"cluster_size": 8, "threshold": 0.5, "protect": 0, "fold_every": 16}
+    ps, lens = prompts(4, lo=300, hi=500, seed=4), [40, 30, 25, 20]
+    outs = []
+    for graphs in (False, True):
+        eng = LLMEngine(model, None, "tactic", graphs=graphs, dense_below=0, **opts)
+        eng.runner.keep_dead_rows = not graphs
+        eng.runner.step_dense_below["default"] = 1000  # two requests alone hold under it
+        built = []
+        prepare = eng.runner.methods["default"].prepare_layers
+        eng.runner.methods["default"].prepare_layers = lambda k, n, layers: built.append(int(n[0])) or prepare(k, n, layers)
+        outs.append(arriving(eng, ps, lens, at=(6, 9)))
+        late = set(built) - set(map(len, ps))  # indexed with decoded tokens in the cache
+        assert len(set(built)) >= 3 and late and max(late) > min(map(len, ps[:2])), built
+    assert outs[0] == outs[1]
+
+
 def test_cuda_engine_matches_cpu_engine(tiny_cuda):
     from kvsieve.model.loader import load_weights
 

@@ -323,10 +323,12 @@ class LLMEngine:
             todo = keep
 
     def _index_later(self, decoding: List[Request]) -> None:
-        """Index the decoding requests the batch rule left dense (_later) whose method's
-        requests now hold enough tokens, and which have enough new tokens left to repay it
-        (_repays): requests that joined since made the batch worth planning. Their cache so
-        far is clustered here (one prefill-like pause); they plan from this step on."""
+        """Index one of the decoding requests the batch rule left dense (_later) whose
+        method's requests now hold enough tokens, and which has enough new tokens left to
+        repay it (_repays): requests that joined since made the batch worth planning. Its
+        cache so far is clustered here, and it plans from this step on. One a step, so the
+        pause K-means adds to every running request's step stays one request's (as a
+        prefill's does); the next ones follow at the next steps."""
         for req in decoding:
             tr = self._track.get(req.id)
             if req.id not in self._later or tr is None or self._warming:
@@ -335,6 +337,7 @@ class LLMEngine:
                 self._later.discard(req.id)
                 req.method_key, tr.high = tr.key, 0
                 self.runner.index_request(req, req.num_cached)
+                return
 
     def _append(self, req: Request, token: int) -> None:
         forced = self._forced.get(req.id)
