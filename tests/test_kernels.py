@@ -144,6 +144,9 @@ def test_list_logits_matches_reference_and_oracle(dtype, G, D, W):
     tokens[:, ::2, ::3] = -1
     tokens = tokens.to(DEV)
     got = klogits.list_logits(q, kp, bt, tokens)
+    # either grid order (a row's blocks in a row, the default; or the rows of a block) and a
+    # block that splits W: the same values
+    assert torch.equal(klogits.list_logits(q, kp, bt, tokens, _config=(16, 2, 2), _rows_first=True), got)
     want = rpaged.list_logits_reference(q, kp, bt, tokens)
     exact = rpaged.list_logits_reference(q.double(), kp.double(), bt, tokens)
     none = tokens < 0

@@ -41,12 +41,13 @@ def _ranked_token(p, CS, RK, ORD, EST, MEM, row, kv, NC, M, ROUNDS: tl.constexpr
 def _list_logits_kernel(Q, K, BT, TOK, OUT, CS, RK, ORD, EST, MEM,
                         sq_b, sq_h, sk_p, sk_h, sk_s, sbt, st_b, st_h,
                         Hq, G, W, NC, M, scale, D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
-                        RANKED: tl.constexpr, ROUNDS: tl.constexpr, FAN_BITS: tl.constexpr):
-    row = tl.program_id(0)
+                        RANKED: tl.constexpr, ROUNDS: tl.constexpr, FAN_BITS: tl.constexpr,
+                        ROW_AXIS: tl.constexpr):
+    row = tl.program_id(ROW_AXIS)
     b = row // Hq
     h = row % Hq
     kv = b * (Hq // G) + h // G
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(1 - ROW_AXIS) * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, D)
     inside = offs < W
     tok = tl.load(TOK + b * st_b + h * st_h + offs, mask=inside, other=-1)
@@ -64,14 +65,14 @@ def _list_logits_kernel(Q, K, BT, TOK, OUT, CS, RK, ORD, EST, MEM,
 
 @triton.jit(do_not_specialize=('W', 'NC', 'M', 'A', 'sink'))
 def _ranked_tokens_kernel(POS, CS, RK, ORD, EST, MEM, NIDX, LEN, OUT, Hq, G, W, NC, M, A, sink,
-                          BLOCK: tl.constexpr, ROUNDS: tl.constexpr, FAN_BITS: tl.constexpr):
+                          BLOCK: tl.constexpr, ROUNDS: tl.constexpr, FAN_BITS: tl.constexpr, ROW_AXIS: tl.constexpr):
     """Token ids at list positions (ops.threshold.ranked_list_tokens): the search and the
     CSR lookups alone, so many programs stay resident to hide their chained loads. The A
     columns after W hold the always-attended tokens (ops.threshold.AlwaysTokens), so the
     plan scores them in the same logits launch instead of building them in torch."""
-    row = tl.program_id(0)
+    row = tl.program_id(ROW_AXIS)
     kv = (row // Hq) * (Hq // G) + (row % Hq) // G
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(1 - ROW_AXIS) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < W
     p = tl.load(POS + row * W + offs, mask=inside, other=-1)
     tok, valid = _ranked_token(p, CS, RK, ORD, EST, MEM, row, kv, NC, M, ROUNDS, FAN_BITS)
@@ -87,8 +88,12 @@ def _ranked_tokens_kernel(POS, CS, RK, ORD, EST, MEM, NIDX, LEN, OUT, Hq, G, W, 
     tl.store(OUT + row * (W + A) + offs, tok, mask=inside)
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
+
+
 def ranked_list_tokens(positions: Tensor, csize: Tensor, ranked: Tensor, order: Tensor, entry_start: Tensor,
-                       members: Tensor, always: Optional[AlwaysTokens] = None, _config=None) -> Tensor:
+                       members: Tensor, always: Optional[AlwaysTokens] = None, _config=None,
+                       _rows_first: bool = True) -> Tensor:
     """Triton twin of ops.threshold.ranked_list_tokens (int32 [B, Hq, W (+ always.width)],
     -1 where none)."""
     B, Hq, W = positions.shape
@@ -100,15 +105,16 @@ def ranked_list_tokens(positions: Tensor, csize: Tensor, ranked: Tensor, order: 
     nidx, lens = (pos, pos) if always is None else (always.num_indexed, always.lengths)
     out = torch.empty(B, Hq, W + A, dtype=torch.int32, device=pos.device)
     block, warps, fan_bits = _config or (256, 4, 2)  # H200, 128K x 8 / x 32: 22 / 64 us (128: 23 / 67)
+    tiles = triton.cdiv(W + A, block)
     if W + A and B * Hq:
-        _ranked_tokens_kernel[(B * Hq, triton.cdiv(W + A, block))](
+        _ranked_tokens_kernel[(B * Hq, tiles) if _rows_first else (tiles, B * Hq)](
             pos, cs, rk, order, est, mem, nidx, lens, out, Hq, Hq // Hkv, W, NC, M, A,
             0 if always is None else always.sink, BLOCK=block,
-            ROUNDS=search_rounds(NC, fan_bits), FAN_BITS=fan_bits, num_warps=warps)
+            ROUNDS=search_rounds(NC, fan_bits), FAN_BITS=fan_bits, ROW_AXIS=0 if _rows_first else 1, num_warps=warps)
     return out
 
 
-def _launch(q, k_pool, block_table, tokens, scale, ranked=None, _config=None):
+def _launch(q, k_pool, block_table, tokens, scale, ranked=None, _config=None, _rows_first=None):
     B, Hq, D = q.shape
     Hkv, page = k_pool.shape[1], k_pool.shape[2]
     W = tokens.shape[-1]
@@ -125,21 +131,30 @@ def _launch(q, k_pool, block_table, tokens, scale, ranked=None, _config=None):
     else:
         cs, rk, order, est, mem = (t.to(torch.int32).contiguous() for t in ranked)
         NC, M = cs.shape[-1], mem.shape[-1]
-    block, warps, fan_bits = _config or (64, 4, 2)  # H200 sweep at 128K x 8/32, docs/benchmarks-history.md
+    # A row's blocks run one after another (rows last in the grid), so the G query heads of
+    # a KV head, adjacent rows, read their shared key rows while they are in L2: H100, 128K
+    # x 32 (scripts/profile_plan.py --sweep), 260 -> 199 us; x 8, 67 -> 61. The fused
+    # (ranked) launch keeps rows first.
+    if _rows_first is None:
+        _rows_first = ranked is not None or B * Hq > MAX_GRID_Y
+    block, warps, fan_bits = _config or ((64, 4, 2) if _rows_first else (32, 2, 2))
+    grid = (B * Hq, triton.cdiv(W, block)) if _rows_first else (triton.cdiv(W, block), B * Hq)
     if W:
-        _list_logits_kernel[(B * Hq, triton.cdiv(W, block))](
+        _list_logits_kernel[grid](
             q, k_pool, block_table, tokens, out, cs, rk, order, est, mem,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
             k_pool.stride(2), block_table.stride(0), tokens.stride(0), tokens.stride(1),
             Hq, Hq // Hkv, W, NC, M, D ** -0.5 if scale is None else scale, D=D, PAGE=page, BLOCK=block,
-            RANKED=ranked is not None, ROUNDS=search_rounds(NC, fan_bits), FAN_BITS=fan_bits, num_warps=warps)
+            RANKED=ranked is not None, ROUNDS=search_rounds(NC, fan_bits), FAN_BITS=fan_bits,
+            ROW_AXIS=0 if _rows_first else 1, num_warps=warps)
     return out
 
 
 def list_logits(q: Tensor, k_pool: Tensor, block_table: Tensor, tokens: Tensor,
-                scale: Optional[float] = None) -> Tensor:
-    """Triton twin of list_logits_reference (float32 output)."""
-    return _launch(q, k_pool, block_table, tokens, scale)
+                scale: Optional[float] = None, _config=None, _rows_first: Optional[bool] = None) -> Tensor:
+    """Triton twin of list_logits_reference (float32 output). `_config` = (entries per
+    program, warps, fan bits), `_rows_first` the grid's order (sweeps)."""
+    return _launch(q, k_pool, block_table, tokens, scale, _config=_config, _rows_first=_rows_first)
 
 
 def ranked_list_logits(q: Tensor, k_pool: Tensor, block_table: Tensor, positions: Tensor, csize: Tensor,
