@@ -151,7 +151,7 @@ def sweep_rank(q, st, S, B, log) -> None:
 
     skeys, _ = dispatch.cluster_scores(q, st.centroids, st.sizes32)
     want = rank_clusters(skeys, st.sizes32, _in_kernel=False)
-    for in_kernel, warps in ((False, None), (True, 4), (True, 8), (True, 16), (True, 32)):
+    for in_kernel, warps in ((False, None), (False, 8), (False, 16), (True, 4), (True, 8), (True, 16), (True, 32)):
         fn = lambda: rank_clusters(skeys, st.sizes32, _in_kernel=in_kernel, _warps=warps)  # noqa: E731
         got = fn()
         log(kind="rank", S=S, B=B, clusters=skeys.shape[-1], in_kernel=in_kernel, warps=warps,

@@ -828,6 +828,9 @@ def test_union_prefixes_matches_reference(G, C, with_extra):
                          None if extra is None else extra.to(DEV))
     for w, o in zip((*want[:3], *want[3]), (*got[:3], *got[3])):
         assert o.dtype == w.dtype and torch.equal(o.cpu(), w)
+    tiles = union_prefixes(keys.to(DEV), order.to(DEV), keep.to(DEV), sizes.to(DEV),  # several blocks a row
+                           None if extra is None else extra.to(DEV), _config=(32, 2))
+    assert all(torch.equal(a, b) for a, b in zip((*got[:3], *got[3]), (*tiles[:3], *tiles[3])))
     chosen = want[0]
     assert torch.equal(want[3].count, chosen.sum(-1).int())  # the list: the chosen, in order
     assert torch.equal(want[2], (sizes * chosen).sum(-1).int())  # the union's size, from the mask

@@ -83,7 +83,7 @@ def rank_clusters(keys: Tensor, sizes: Tensor, _in_kernel: Optional[bool] = None
     """Triton twin of ops.threshold.rank_clusters: torch's segmented sort then one launch for
     the rest, or (few short rows: SORT_IN_KERNEL_MAX_ENTRIES) one launch that sorts too:
     the same order, ties in cluster order. `_in_kernel` forces either path, `_warps` the
-    one-launch sort's warps (tests, sweeps)."""
+    launch's warps (tests, sweeps)."""
     B, Hq, C = keys.shape
     Hkv = sizes.shape[1]
     z = int32_contiguous(sizes)
@@ -97,33 +97,38 @@ def rank_clusters(keys: Tensor, sizes: Tensor, _in_kernel: Optional[bool] = None
         return order, ranked, csize
     order64 = ranking_order(keys)
     _ranked_kernel[(B * Hq,)](order64, z, order, ranked, csize, C, Hq // Hkv, C,
-                              BLOCK=min(4096, block), num_warps=4, **launch_args(z))
+                              BLOCK=min(4096, block), num_warps=_warps or 4, **launch_args(z))
     return order, ranked, csize
 
 
 @triton.jit(do_not_specialize=('C',))
 def _union_kernel(KEYS, ORDER, KEEP, Z, EXTRA, CHOSEN, OFF, TOT, IDS, NCH, C, G, HAS_EXTRA: tl.constexpr,
-                  BLOCK: tl.constexpr, PDL: tl.constexpr):
+                  GP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program per (request, KV head): a cluster is chosen when it sorts no later than
     the last cluster of some group head's kept prefix (or EXTRA marks it); offsets run over
-    the chosen sizes; IDS lists the chosen clusters in order (-1 after them), NCH counts them."""
+    the chosen sizes; IDS lists the chosen clusters in order (-1 after them), NCH counts them.
+    The group's G heads (GP = next power of two) are one [GP, BLOCK] tile, so their prefix
+    boundaries load together, once."""
     start_after_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
+    gi = tl.arange(0, GP)
+    heads = row * G + gi
+    has = gi < G
+    keep = tl.load(KEEP + heads, mask=has, other=0)
+    last = tl.load(ORDER + heads * C + tl.maximum(tl.minimum(keep, C) - 1, 0), mask=has, other=0)
+    key_last = tl.load(KEYS + heads * C + last, mask=has, other=0.0)
+    has = has & (keep > 0)  # a head that keeps nothing: no cluster sorts at or before its boundary
+    last = tl.where(has, last, -1)
+    key_last = tl.where(has, key_last, float("nan"))
     carry = tl.sum(tl.zeros([BLOCK], tl.int32), 0)
     listed = carry
     for c0 in range(0, C, BLOCK):
         inb = c0 + offs < C
-        chosen = tl.zeros([BLOCK], tl.int1)
-        for g in range(G):
-            head = row * G + g
-            keep = tl.load(KEEP + head)
-            last = tl.load(ORDER + head * C + tl.maximum(tl.minimum(keep, C) - 1, 0))
-            key_last = tl.load(KEYS + head * C + last)
-            last = tl.where(keep > 0, last, -1)  # keeps nothing: no cluster sorts at or before it
-            key_last = tl.where(keep > 0, key_last, float("nan"))
-            key = tl.load(KEYS + head * C + c0 + offs, mask=inb, other=float("-inf"))
-            chosen = chosen | (key > key_last) | ((key == key_last) & (c0 + offs <= last))
+        key = tl.load(KEYS + heads[:, None] * C + (c0 + offs)[None, :], mask=has[:, None] & inb[None, :],
+                      other=float("-inf"))
+        inside = (key > key_last[:, None]) | ((key == key_last[:, None]) & ((c0 + offs)[None, :] <= last[:, None]))
+        chosen = tl.max(inside.to(tl.int32), 0) > 0
         if HAS_EXTRA:
             chosen = chosen | (tl.load(EXTRA + row * C + c0 + offs, mask=inb, other=0) != 0)
         z = tl.where(chosen, tl.load(Z + row * C + c0 + offs, mask=inb, other=0), 0)
@@ -155,9 +160,16 @@ def union_prefixes(keys: Tensor, order: Tensor, keep: Tensor, sizes: Tensor,
     count = torch.empty(B, Hkv, dtype=torch.int32, device=z.device)
     x = chosen if extra is None else extra.contiguous().view(torch.int8)
     block = min(4096, max(16, next_pow2(C)))
-    # H100, 128K x 8 (4,096 clusters, scripts/profile_plan.py --sweep): 16 warps 23.6 us, 8 warps 31.9
-    block, warps = _config or (block, 16 if block >= 4096 else 8)
+    # H100, 4,096 clusters (scripts/profile_plan.py --sweep): 128K x 8 (64 rows) 16.5 us at
+    # 16 warps, 18.9 at 8, 19.5 at (2,048, 8); 128K x 32 (256 rows) 25.7 us at (2,048, 8), 31.9
+    # at (4,096, 16)
+    if block >= 4096:
+        block, warps = (2048, 8) if B * Hkv >= 128 else (4096, 16)
+    else:
+        warps = 8
+    block, warps = _config or (block, warps)
     if B * Hkv:
         _union_kernel[(B * Hkv,)](keys.float().contiguous(), o, k, z, x, chosen, off, tot, ids, count, C, Hq // Hkv,
-                                  HAS_EXTRA=extra is not None, BLOCK=block, num_warps=warps, **launch_args(z))
+                                  HAS_EXTRA=extra is not None, GP=next_pow2(Hq // Hkv), BLOCK=block, num_warps=warps,
+                                  **launch_args(z))
     return chosen.view(torch.bool), off, tot, ChosenList(ids, count)

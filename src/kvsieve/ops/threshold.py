@@ -112,7 +112,10 @@ def ranked_list_logits_reference(q: Tensor, k_pool: Tensor, block_table: Tensor,
 def ranking_order(keys: Tensor) -> Tensor:
     """[B, Hq, C] int64 cluster ids by descending key (ops.select.sort_keys: empty clusters
     and NaN at -inf), stable: ties keep cluster order, so empty clusters come last, in order."""
-    return keys.sort(dim=-1, descending=True, stable=True)[1]
+    values = keys.clone()  # sorted in place: torch's out= sort copies its input into values twice otherwise
+    order = torch.empty(keys.shape, dtype=torch.long, device=keys.device)
+    torch.sort(values, dim=-1, descending=True, stable=True, out=(values, order))
+    return order
 
 
 def rank_clusters(keys: Tensor, sizes: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
