@@ -329,11 +329,17 @@ class LLMEngine:
         cache so far is clustered here, and it plans from this step on. One a step, so the
         pause K-means adds to every running request's step stays one request's (as a
         prefill's does); the next ones follow at the next steps."""
+        if self._warming:
+            return
+        planners: Dict[str, set] = {}  # method key -> _planners (once a step, not once a request)
         for req in decoding:
             tr = self._track.get(req.id)
-            if req.id not in self._later or tr is None or self._warming:
+            if req.id not in self._later or tr is None:
                 continue
-            if self._repays(req, self.runner.step_dense_below.get(tr.key, 0)):
+            if tr.key not in planners:
+                planners[tr.key] = set() if tr.key in self._reads_most else \
+                    self._planners(tr.key, self.runner.step_dense_below.get(tr.key, 0))
+            if req.id in planners[tr.key]:
                 self._later.discard(req.id)
                 req.method_key, tr.high = tr.key, 0
                 self.runner.index_request(req, req.num_cached)
