@@ -199,6 +199,36 @@ def test_requests_left_dense_are_indexed_one_a_step(tiny_model, no_payback):
     assert not any(final[i].attended_densely for i in ids) and max(final[i].kv_fraction for i in ids) < 1.0
 
 
+def test_preempted_requests_left_dense_are_judged_again_and_indexed_once(tiny_model, no_payback):
+    """A pool of 32 pages (512 tokens) and a rule of 500 tokens. Two requests of 200 attend
+    densely until their own new tokens take them past the rule; then both are indexed late,
+    one a step. A third arrives at step 5 but its pages are not free: it does not count
+    towards the rule (Scheduler.admissible). Decode growth preempts the second; prefilled
+    again, it is judged as new (too few tokens run beside it: dense). Every request finishes,
+    no index is built twice in one life, and none is left waiting for one."""
+    ps = prompts(3, lo=LEN, hi=LEN + 1, seed=9)
+    eng = tactic(tiny_model, 500, kv_pages=32, page_size=16)
+    built = []
+    index = eng.runner.index_request
+    eng.runner.index_request = lambda req, n: built.append(
+        (req.id, req.method_key, n, eng.stats.preemptions)) or index(req, n)
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    ids = [eng.add_request(p, params) for p in ps[:2]]
+    step, final = 0, {}
+    while eng.has_unfinished or len(ids) < 3:
+        if step == 5:
+            ids.append(eng.add_request(ps[2], params))
+        final.update({o.id: o for o in eng.step() if o.finished})
+        step += 1
+    assert all(len(final[i].tokens) == 60 for i in ids) and eng.stats.preemptions >= 1
+    indexed = [(rid, n) for rid, key, n, _ in built if key != "dense"]
+    assert [rid for rid, _ in indexed] == ids[:2] and all(n > LEN + 40 for _, n in indexed)  # late, own tokens
+    lives = [(rid, p) for rid, key, _, p in built if key != "dense"]
+    assert len(lives) == len(set(lives))
+    assert final[ids[1]].attended_densely and final[ids[2]].attended_densely and not final[ids[0]].attended_densely
+    assert not eng._later and eng.scheduler.used_pages == 0
+
+
 def test_the_hf_drop_in_decodes_a_batch_by_its_total_too():
     from types import SimpleNamespace
 

@@ -11,7 +11,6 @@ the engine records tokens, timings and the KV fraction each request read.
 """
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from dataclasses import dataclass, field
@@ -277,17 +276,15 @@ class LLMEngine:
         enough tokens (dense_step_below), it is indexed when it is among the requests of that
         method that would plan together, each repaying its index (_repays); else it attends
         densely (no index) and _index_later judges it again at each decode step."""
-        tr = self._track[req.id]
-        if req.id in self._later:  # (prefilled again after a preemption)
-            req.method_key = tr.key
+        if req.id in self._later:  # (prefilled again after a preemption: judged as new)
+            self._later.discard(req.id)
+            req.method_key = self._track[req.id].key
         need = self.runner.step_dense_below.get(req.method_key, 0)
         if not need or self._warming or "dense" not in self.runner.methods:
             return
         if not self._repays(req, need):
             req.method_key = "dense"
             self._later.add(req.id)
-        else:
-            self._later.discard(req.id)
 
     def _repays(self, req: Request, need: int) -> bool:
         """Whether indexing req (not indexed yet) pays now: it is among the requests of its
@@ -298,15 +295,15 @@ class LLMEngine:
 
     def _planners(self, key: str, need: int) -> set:
         """Ids of method `key`'s requests not indexed yet (running, left dense by the batch
-        rule, or prefilling; then the waiting ones the batch has room for) that would plan
-        with the indexed ones: together they hold T >= need tokens and each has at least
-        index_payback_at(T, need) new tokens left to repay its index. Requests that cannot
-        repay are dropped and T recounted until none is: a request whose index never plans
-        (its group stays under the rule without the others) is not built."""
+        rule, or prefilling; then the waiting ones the free pages admit now,
+        Scheduler.admissible) that would plan with the indexed ones: together they hold
+        T >= need tokens and each has at least index_payback_at(T, need) new tokens left to
+        repay its index. Requests that cannot repay are dropped and T recounted until none
+        is: a request whose index never plans (its group stays under the rule without the
+        others) is not built."""
         sch = self.scheduler
-        room = max(0, sch.max_num_seqs - len(sch.running))
         held, todo = 0, []
-        for r in (*sch.running, *itertools.islice(sch.waiting, room)):
+        for r in (*sch.running, *sch.admissible()):
             tr = self._track.get(r.id)
             if tr is None or tr.key != key:
                 continue
@@ -325,7 +322,7 @@ class LLMEngine:
     def _index_later(self, decoding: List[Request]) -> None:
         """Index one of the decoding requests the batch rule left dense (_later) whose
         method's requests now hold enough tokens, and which has enough new tokens left to
-        repay it (_repays): requests that joined since made the batch worth planning. Its
+        repay it (_planners): requests that joined since made the batch worth planning. Its
         cache so far is clustered here, and it plans from this step on. One a step, so the
         pause K-means adds to every running request's step stays one request's (as a
         prefill's does); the next ones follow at the next steps."""

@@ -274,13 +274,23 @@ class Scheduler:
         for r in self.running:
             if r.prefilling:
                 add(r, 1)
-        free, room = len(self.free_pages), max(0, self.max_num_seqs - len(self.running))
-        for i, r in enumerate(itertools.islice(self.waiting, self.max_num_seqs)):
-            free -= self.pages_for(r.prefill_target + 1) - len(r.pages)
-            admitted = i < room and free >= 0
-            room = room if admitted else 0  # FCFS: none after the first that waits
-            add(r, int(admitted))
+        admitted = {r.id for r in self.admissible()}
+        for r in itertools.islice(self.waiting, self.max_num_seqs):
+            add(r, int(r.id in admitted))
         return soon
+
+    def admissible(self) -> List[Request]:
+        """The waiting requests the free pages admit now, in order, as schedule() admits them:
+        first come first served, each while its prefill (and one token) fits the free pages
+        and the batch has a row for it (max_num_seqs running); none after the first that waits."""
+        out: List[Request] = []
+        free = len(self.free_pages)
+        for r in itertools.islice(self.waiting, max(0, self.max_num_seqs - len(self.running))):
+            free -= self.pages_for(r.prefill_target + 1) - len(r.pages)
+            if free < 0:
+                break
+            out.append(r)
+        return out
 
     def prefilled(self, req: Request, end: int) -> None:
         """A prefill chunk ran: the cache now holds `end` tokens of req."""
