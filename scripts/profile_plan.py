@@ -270,12 +270,6 @@ def sweep_launches(m, q, st, lengths, host, keys, S, B, log) -> None:
         both = lambda: klogits.list_logits(q, keys.pool, keys.block_table, tok())  # noqa: E731
         log(kind="ranked_logits", S=S, B=B, config=cfg, tokens_us=round(1e3 * median_ms(capture(tok)), 2),
             us=round(1e3 * median_ms(capture(both)), 2), same=bool(torch.equal(both(), want)))
-    want_t = klogits.ranked_list_tokens(pos, *index)
-    for rows_first in (True, False):
-        for cfg in ((256, 4, 2), (128, 4, 2), (64, 2, 2)):
-            fn = lambda: klogits.ranked_list_tokens(pos, *index, _config=cfg, _rows_first=rows_first)  # noqa: E731
-            log(kind="ranked_tokens", S=S, B=B, config=cfg, rows_first=rows_first,
-                us=round(1e3 * median_ms(capture(fn)), 2), same=bool(torch.equal(fn(), want_t)))
     want = klogits.list_logits(q, keys.pool, keys.block_table, t)
     for rows_first in (True, False):  # (False: a row's tiles in a row, so a GQA group's shared keys meet in L2)
         for cfg in ((64, 4, 2), (32, 2, 2), (128, 4, 2), (128, 8, 2), (256, 8, 2)):

@@ -274,24 +274,19 @@ class LLMEngine:
     def _index_or_dense(self, req: Request) -> None:
         """Before a request's index is built: where its method plans only for a batch holding
         enough tokens (dense_step_below), it is indexed when it is among the requests of that
-        method that would plan together, each repaying its index (_repays); else it attends
-        densely (no index) and _index_later judges it again at each decode step."""
+        method that would plan together, each repaying its index (_planners), unless the
+        method's plans read most of their cache lately (_reads_most); else it attends densely
+        (no index) and _index_later judges it again at each decode step."""
         if req.id in self._later:  # (prefilled again after a preemption: judged as new)
             self._later.discard(req.id)
             req.method_key = self._track[req.id].key
         need = self.runner.step_dense_below.get(req.method_key, 0)
         if not need or self._warming or "dense" not in self.runner.methods:
             return
-        if not self._repays(req, need):
+        key = self._track[req.id].key
+        if key in self._reads_most or req.id not in self._planners(key, need):
             req.method_key = "dense"
             self._later.add(req.id)
-
-    def _repays(self, req: Request, need: int) -> bool:
-        """Whether indexing req (not indexed yet) pays now: it is among the requests of its
-        method that would plan together (_planners) and the method's plans did not read most
-        of their cache lately (_reads_most)."""
-        key = self._track[req.id].key
-        return key not in self._reads_most and req.id in self._planners(key, need)
 
     def _planners(self, key: str, need: int) -> set:
         """Ids of method `key`'s requests not indexed yet (running, left dense by the batch

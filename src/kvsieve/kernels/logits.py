@@ -65,14 +65,14 @@ def _list_logits_kernel(Q, K, BT, TOK, OUT, CS, RK, ORD, EST, MEM,
 
 @triton.jit(do_not_specialize=('W', 'NC', 'M', 'A', 'sink'))
 def _ranked_tokens_kernel(POS, CS, RK, ORD, EST, MEM, NIDX, LEN, OUT, Hq, G, W, NC, M, A, sink,
-                          BLOCK: tl.constexpr, ROUNDS: tl.constexpr, FAN_BITS: tl.constexpr, ROW_AXIS: tl.constexpr):
+                          BLOCK: tl.constexpr, ROUNDS: tl.constexpr, FAN_BITS: tl.constexpr):
     """Token ids at list positions (ops.threshold.ranked_list_tokens): the search and the
     CSR lookups alone, so many programs stay resident to hide their chained loads. The A
     columns after W hold the always-attended tokens (ops.threshold.AlwaysTokens), so the
     plan scores them in the same logits launch instead of building them in torch."""
-    row = tl.program_id(ROW_AXIS)
+    row = tl.program_id(0)
     kv = (row // Hq) * (Hq // G) + (row % Hq) // G
-    offs = tl.program_id(1 - ROW_AXIS) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < W
     p = tl.load(POS + row * W + offs, mask=inside, other=-1)
     tok, valid = _ranked_token(p, CS, RK, ORD, EST, MEM, row, kv, NC, M, ROUNDS, FAN_BITS)
@@ -92,8 +92,7 @@ MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
 
 
 def ranked_list_tokens(positions: Tensor, csize: Tensor, ranked: Tensor, order: Tensor, entry_start: Tensor,
-                       members: Tensor, always: Optional[AlwaysTokens] = None, _config=None,
-                       _rows_first: bool = True) -> Tensor:
+                       members: Tensor, always: Optional[AlwaysTokens] = None, _config=None) -> Tensor:
     """Triton twin of ops.threshold.ranked_list_tokens (int32 [B, Hq, W (+ always.width)],
     -1 where none)."""
     B, Hq, W = positions.shape
@@ -105,12 +104,11 @@ def ranked_list_tokens(positions: Tensor, csize: Tensor, ranked: Tensor, order: 
     nidx, lens = (pos, pos) if always is None else (always.num_indexed, always.lengths)
     out = torch.empty(B, Hq, W + A, dtype=torch.int32, device=pos.device)
     block, warps, fan_bits = _config or (256, 4, 2)  # H200, 128K x 8 / x 32: 22 / 64 us (128: 23 / 67)
-    tiles = triton.cdiv(W + A, block)
     if W + A and B * Hq:
-        _ranked_tokens_kernel[(B * Hq, tiles) if _rows_first else (tiles, B * Hq)](
+        _ranked_tokens_kernel[(B * Hq, triton.cdiv(W + A, block))](
             pos, cs, rk, order, est, mem, nidx, lens, out, Hq, Hq // Hkv, W, NC, M, A,
             0 if always is None else always.sink, BLOCK=block,
-            ROUNDS=search_rounds(NC, fan_bits), FAN_BITS=fan_bits, ROW_AXIS=0 if _rows_first else 1, num_warps=warps)
+            ROUNDS=search_rounds(NC, fan_bits), FAN_BITS=fan_bits, num_warps=warps)
     return out
 
 
