@@ -229,6 +229,22 @@ def test_preempted_requests_left_dense_are_judged_again_and_indexed_once(tiny_mo
     assert not eng._later and eng.scheduler.used_pages == 0
 
 
+def test_a_burst_left_dense_composes_its_batch_once_as_dense_does(tiny_model, no_payback):
+    """Four requests prefill one a step (200-token chunks) under a rule they cannot reach:
+    each becomes dense only at its prefill's end. The rebuilt batch reserves their rows in
+    the dense group they will join (LLMEngine._joining_soon), so the others join in place:
+    one compose, as a dense engine makes, not one more per request."""
+    ps = prompts(4, lo=LEN, hi=LEN + 1, seed=9)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    composes = []
+    for eng in (LLMEngine(tiny_model, None, "dense", step_tokens=LEN), tactic(tiny_model, 10 ** 6, step_tokens=LEN)):
+        eng.runner.keep_dead_rows = True  # as with step graphs (CUDA): rows reserved for the requests to come
+        out = eng.generate(ps, params)
+        composes.append((eng.runner.composes, eng.runner.row_joins))
+        assert all(o.attended_densely for o in out) == (eng.default_method == "tactic")
+    assert composes[1] == composes[0] == (1, 3)
+
+
 def test_the_hf_drop_in_decodes_a_batch_by_its_total_too():
     from types import SimpleNamespace
 

@@ -233,7 +233,7 @@ class LLMEngine:
             t0 = time.perf_counter()
             if self._later:
                 self._index_later(plan.decode)
-            tokens, fracs = self.runner.decode(plan.decode, self.scheduler.joining_soon)
+            tokens, fracs = self.runner.decode(plan.decode, self._joining_soon)
             if self._scored:
                 for req, lp in zip(plan.decode, self.runner.last_logprobs):
                     self._scored[req.id].append(lp)
@@ -313,6 +313,23 @@ class LLMEngine:
             if len(keep) == len(todo):
                 return {r.id for r in keep}
             todo = keep
+
+    def _joining_soon(self) -> Dict[str, Tuple[int, int]]:
+        """Scheduler.joining_soon, each request under the key it will decode with: one whose
+        method plans only for a batch holding enough tokens joins as dense unless it is among
+        the requests that would plan now (_planners), so a rebuilt batch keeps its rows in
+        the group it will join."""
+        planners: Dict[str, set] = {}
+
+        def key_of(r: Request) -> str:
+            key = r.method_key
+            need = self.runner.step_dense_below.get(key, 0)
+            if not need or self._warming or "dense" not in self.runner.methods or r.id not in self._track:
+                return key
+            if key not in planners:
+                planners[key] = set() if key in self._reads_most else self._planners(key, need)
+            return key if r.id in planners[key] else "dense"
+        return self.scheduler.joining_soon(key_of)
 
     def _index_later(self, decoding: List[Request]) -> None:
         """Index one of the decoding requests the batch rule left dense (_later) whose

@@ -18,7 +18,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Deque, Dict, List, Optional, Sequence as Seq, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence as Seq, Tuple
 
 
 class SchedulerFullError(RuntimeError):
@@ -259,17 +259,20 @@ class Scheduler:
         self.requests.pop(req.id, None)
 
     # ------------------------------------------------------------------ results
-    def joining_soon(self) -> Dict[str, Tuple[int, int]]:
+    def joining_soon(self, key_of: Optional[Callable[[Request], str]] = None) -> Dict[str, Tuple[int, int]]:
         """Method key -> (rows, longest) for the decode batch's next rebuild: rows = the
         requests that join next (admitted and still prefilling, then the waiting ones the
         free pages admit now, in order, as schedule() admits them, up to max_num_seqs
         running); longest = the longest prefill target (tokens) of every request of that key
-        not yet decoding (up to max_num_seqs of them), whose index a row must fit."""
+        not yet decoding (up to max_num_seqs of them), whose index a row must fit. key_of:
+        the key a request will decode with (default: its method_key)."""
         soon: Dict[str, Tuple[int, int]] = {}
+        key_of = key_of or (lambda r: r.method_key)
 
         def add(r: Request, row: int) -> None:
-            n, longest = soon.get(r.method_key, (0, 0))
-            soon[r.method_key] = (n + row, max(longest, r.prefill_target))
+            key = key_of(r)
+            n, longest = soon.get(key, (0, 0))
+            soon[key] = (n + row, max(longest, r.prefill_target))
 
         for r in self.running:
             if r.prefilling:
