@@ -283,8 +283,7 @@ class LLMEngine:
         need = self.runner.step_dense_below.get(req.method_key, 0)
         if not need or self._warming or "dense" not in self.runner.methods:
             return
-        key = self._track[req.id].key
-        if key in self._reads_most or req.id not in self._planners(key, need):
+        if req.id not in self._planners(self._track[req.id].key, need):
             req.method_key = "dense"
             self._later.add(req.id)
 
@@ -295,7 +294,10 @@ class LLMEngine:
         T >= need tokens and each has at least index_payback_at(T, need) new tokens left to
         repay its index. Requests that cannot repay are dropped and T recounted until none
         is: a request whose index never plans (its group stays under the rule without the
-        others) is not built."""
+        others) is not built. None while the method's plans read most of their cache lately
+        (_reads_most)."""
+        if key in self._reads_most:
+            return set()
         sch = self.scheduler
         held, todo = 0, []
         for r in (*sch.running, *sch.admissible()):
@@ -327,7 +329,7 @@ class LLMEngine:
             if not need or self._warming or "dense" not in self.runner.methods or r.id not in self._track:
                 return key
             if key not in planners:
-                planners[key] = set() if key in self._reads_most else self._planners(key, need)
+                planners[key] = self._planners(key, need)
             return key if r.id in planners[key] else "dense"
         return self.scheduler.joining_soon(key_of)
 
@@ -346,8 +348,7 @@ class LLMEngine:
             if req.id not in self._later or tr is None:
                 continue
             if tr.key not in planners:
-                planners[tr.key] = set() if tr.key in self._reads_most else \
-                    self._planners(tr.key, self.runner.step_dense_below.get(tr.key, 0))
+                planners[tr.key] = self._planners(tr.key, self.runner.step_dense_below.get(tr.key, 0))
             if req.id in planners[tr.key]:
                 self._later.discard(req.id)
                 req.method_key, tr.high = tr.key, 0
