@@ -174,8 +174,9 @@ def test_summary_scores(minmax, G, D, N):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("G,D,C", [(1, 64, 54), (3, 128, 97), (4, 64, 1), (8, 128, 300)])
 def test_cluster_scores_keys_and_bound(dtype, G, D, C):
-    """One launch: sort keys (empty clusters and NaN at -inf, -0.0 as +0.0) and the group's
-    radius bound, against the float64 twin of the same (rounded) inputs."""
+    """One launch: sort keys (empty clusters and NaN at -inf, -0.0 as +0.0; float16 for 16-bit
+    inputs) and the group's radius bound, against the float64 twin of the same (rounded)
+    inputs and the torch twin's keys at the inputs' dtype."""
     g = torch.Generator().manual_seed(G * 100 + C)
     B, Hkv = 2, 2
     q = torch.randn(B, Hkv * G, D, generator=g).to(dtype)
@@ -188,11 +189,17 @@ def test_cluster_scores_keys_and_bound(dtype, G, D, C):
     keys, bound = kselect.cluster_scores(q.to(DEV), cent.to(DEV), sizes.to(DEV), radius.to(DEV))
     k64, b64 = rselect.cluster_scores(q.double(), cent.double(), sizes, radius.double())
     keys, bound = keys.cpu(), bound.cpu()
-    assert keys.dtype == torch.float32 and torch.equal(torch.isinf(keys), torch.isinf(k64))
+    kd = rselect.key_dtype(dtype)
+    assert keys.dtype == kd and torch.equal(torch.isinf(keys), torch.isinf(k64))
     assert torch.equal(torch.isinf(bound), torch.isinf(b64)) and not keys.isnan().any()
     assert (keys[..., C // 2][0, :G] == 0).all() and not torch.signbit(keys[..., C // 2][0, :G]).any()
     fin = torch.isfinite(k64)
-    assert (keys[fin].double() - k64[fin]).abs().max().item() < 1e-4 * D
+    rounding = k64.abs() * 2.0 ** -11 if kd == torch.float16 else 0.0 * k64  # half an ulp of float16
+    assert ((keys.double() - k64).abs() <= 1e-4 * D + rounding)[fin].all()
+    twin = rselect.cluster_scores(q, cent, sizes, radius)[0]  # the same dtype's keys: at most an ulp apart
+    assert twin.dtype == kd and torch.equal(torch.isinf(twin), torch.isinf(keys))
+    ulp = k64.abs() * 2.0 ** -10 if kd == torch.float16 else 0.0 * k64
+    assert ((keys.double() - twin.double()).abs() <= 1e-4 * D + ulp)[fin].all()
     finb = torch.isfinite(b64)
     assert (bound[finb].double() - b64[finb]).abs().max().item() < 1e-4 * D
     empty = (sizes == 0).repeat_interleave(G, 1)
@@ -776,12 +783,44 @@ def test_count_at_most_matches_searchsorted(n):
         assert torch.equal(od.cpu(), full)  # counts up to n
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_float16_sort_keys_round_and_saturate(dtype):
+    """16-bit inputs rank on float16 keys: each score rounded to nearest, scores past
+    float16's range saturated at +-65504 (never -inf, which marks empty clusters), a tiny
+    negative stored as +0.0, NaN and empty clusters at -inf; the kernel's keys equal the
+    twin's here, and the order they give is the float64 order up to ties within an ulp."""
+    inf = float("inf")
+    scores = torch.tensor([[[1e6, -1e6, -1e-9, 3.0, 3.0004, float("nan"), 5.0, 7e4]]])
+    sizes = torch.tensor([[[1, 1, 1, 1, 1, 1, 0, 1]]])
+    keys = rselect.sort_keys(scores, sizes, rselect.key_dtype(dtype))
+    assert keys.dtype == torch.float16
+    assert keys[0, 0].tolist() == [65504.0, -65504.0, 0.0, 3.0, 3.0, -inf, -inf, 65504.0]
+    assert not torch.signbit(keys[0, 0, 2])
+    D = 64  # through the kernel: q.c = +-D x 100^2, far past float16's range, and small ones
+    q = torch.full((1, 2, D), 100.0).to(dtype)
+    cent = torch.zeros(1, 1, 5, D)
+    cent[0, 0, 0], cent[0, 0, 1] = 100.0, -100.0
+    cent[0, 0, 2:] = torch.randn(3, D, generator=torch.Generator().manual_seed(0)) * 1e-3
+    cent = cent.to(dtype)
+    sizes = torch.tensor([[[1, 1, 1, 1, 0]]]).int()
+    got = kselect.cluster_scores(q.to(DEV), cent.to(DEV), sizes.to(DEV))[0].cpu()
+    twin = rselect.cluster_scores(q, cent, sizes)[0]
+    assert got.dtype == twin.dtype == torch.float16 and torch.equal(got, twin)
+    assert got[0, 0, :2].tolist() == [65504.0, -65504.0] and got[0, 0, 4] == -inf
+    g = torch.Generator().manual_seed(3)  # random scores: the float16 order is the exact one up to an ulp
+    s = torch.randn(2, 4, 500, generator=g, dtype=torch.float64) * 30
+    order = rselect.sort_keys(s, torch.ones(2, 2, 500), torch.float16).argsort(dim=-1, descending=True, stable=True)
+    ranked = s.gather(-1, order)
+    assert (ranked[..., :-1] >= ranked[..., 1:] - ranked[..., 1:].abs() * 2.0 ** -10).all()
+
+
+@pytest.mark.parametrize("kd", [torch.float32, torch.float16])
 @pytest.mark.parametrize("in_kernel", [False, True])
 @pytest.mark.parametrize("G,C", [(1, 1), (3, 7), (4, 54), (8, 97), (4, 300)])
-def test_rank_clusters_matches_stable_sort(G, C, in_kernel):
+def test_rank_clusters_matches_stable_sort(G, C, in_kernel, kd):
     """The ranking (torch's sort then one launch, or the sort in that launch) = the torch
-    twin's stable descending sort of the sort keys, with tied scores, -0.0 against +0.0,
-    NaN and empty clusters (last, in order)."""
+    twin's stable descending sort of the sort keys (float32 or float16), with tied scores,
+    -0.0 against +0.0, NaN and empty clusters (last, in order)."""
     from kvsieve.kernels.rank import rank_clusters
     from kvsieve.ops.threshold import rank_clusters as reference
 
@@ -792,13 +831,13 @@ def test_rank_clusters_matches_stable_sort(G, C, in_kernel):
     scores[0, 0, C // 2:] = -0.0
     scores[1, -1, ::5] = float("nan")
     sizes = torch.randint(0, 4, (B, Hkv, C), generator=g).int()  # a quarter empty
-    keys = rselect.sort_keys(scores, sizes)
+    keys = rselect.sort_keys(scores, sizes, kd)
     want = reference(keys, sizes)
     got = rank_clusters(keys.to(DEV), sizes.to(DEV), _in_kernel=in_kernel)
     for name, w, o in zip(("order", "ranked", "csize"), want, got):
         assert o.dtype == torch.int32 and torch.equal(o.cpu(), w), name
     order, ranked, csize = want
-    s = torch.where(scores.isnan() | (sizes == 0).repeat_interleave(G, 1), float("-inf"), scores)
+    s = torch.where(scores.isnan() | (sizes == 0).repeat_interleave(G, 1), float("-inf"), scores).to(kd)
     ranked_s = s.gather(-1, order.long())
     assert (ranked_s[..., :-1] >= ranked_s[..., 1:]).all()  # descending
     tie = ranked_s[..., :-1] == ranked_s[..., 1:]
@@ -806,18 +845,20 @@ def test_rank_clusters_matches_stable_sort(G, C, in_kernel):
     assert torch.equal(csize[..., -1], sizes.sum(-1).repeat_interleave(G, 1).int())
 
 
+@pytest.mark.parametrize("kd", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_extra", [False, True])
 @pytest.mark.parametrize("G,C", [(1, 1), (3, 54), (4, 97), (8, 2500)])
-def test_union_prefixes_matches_reference(G, C, with_extra):
+def test_union_prefixes_matches_reference(G, C, with_extra, kd):
     """The union from each prefix's last (key, id), without a rank table, against the twin
-    and against ranks computed here: tied keys (rounded scores) and empty clusters included."""
+    and against ranks computed here: tied keys (rounded scores) and empty clusters included,
+    float32 and float16 keys."""
     from kvsieve.kernels.rank import union_prefixes
     from kvsieve.ops.threshold import rank_clusters, union_prefixes as reference
 
     g = torch.Generator().manual_seed(G + C)
     B, Hkv = 2, 3
     sizes = torch.randint(0, 40, (B, Hkv, C), generator=g).int()
-    keys = rselect.sort_keys(torch.randn(B, Hkv * G, C, generator=g).round(decimals=1), sizes)
+    keys = rselect.sort_keys(torch.randn(B, Hkv * G, C, generator=g).round(decimals=1), sizes, kd)
     order = rank_clusters(keys, sizes)[0]
     rank = torch.empty_like(order).scatter_(-1, order.long(), torch.arange(C, dtype=torch.int32).expand_as(order))
     keep = torch.randint(0, C + 2, (B, Hkv * G), generator=g)  # C + 1: past the list

@@ -47,7 +47,7 @@ def _sort_ranked_kernel(KEYS, Z, ORDER, RANKED, CSIZE, C, G, sz_r, BLOCK: tl.con
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     inb = offs < C
-    k = tl.load(KEYS + row * C + offs, mask=inb, other=0.0)
+    k = tl.load(KEYS + row * C + offs, mask=inb, other=0.0).to(tl.float32)  # float16 keys: exact, same order
     bits = k.to(tl.int32, bitcast=True)
     key = tl.where(inb, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits), -2147483648)  # padding sorts last
     packed = (key.to(tl.int64) << 32) | tl.where(inb, C - 1 - offs, 0).to(tl.int64)
@@ -92,7 +92,7 @@ def rank_clusters(keys: Tensor, sizes: Tensor, _in_kernel: Optional[bool] = None
         return order, ranked, csize
     block = max(16, next_pow2(C))
     if _sorts_in_kernel(B * Hq, C) if _in_kernel is None else _in_kernel:
-        _sort_ranked_kernel[(B * Hq,)](keys.float().contiguous(), z, order, ranked, csize, C, Hq // Hkv, C,
+        _sort_ranked_kernel[(B * Hq,)](keys.contiguous(), z, order, ranked, csize, C, Hq // Hkv, C,
                                        BLOCK=block, num_warps=_warps or _sort_warps(block), **launch_args(z))
         return order, ranked, csize
     order64 = ranking_order(keys)
@@ -117,7 +117,7 @@ def _union_kernel(KEYS, ORDER, KEEP, Z, EXTRA, CHOSEN, OFF, TOT, IDS, NCH, C, G,
     has = gi < G
     keep = tl.load(KEEP + heads, mask=has, other=0)
     last = tl.load(ORDER + heads * C + tl.maximum(tl.minimum(keep, C) - 1, 0), mask=has, other=0)
-    key_last = tl.load(KEYS + heads * C + last, mask=has, other=0.0)
+    key_last = tl.load(KEYS + heads * C + last, mask=has, other=0.0).to(tl.float32)
     has = has & (keep > 0)  # a head that keeps nothing: no cluster sorts at or before its boundary
     last = tl.where(has, last, -1)
     key_last = tl.where(has, key_last, float("nan"))
@@ -126,7 +126,7 @@ def _union_kernel(KEYS, ORDER, KEEP, Z, EXTRA, CHOSEN, OFF, TOT, IDS, NCH, C, G,
     for c0 in range(0, C, BLOCK):
         inb = c0 + offs < C
         key = tl.load(KEYS + heads[:, None] * C + (c0 + offs)[None, :], mask=has[:, None] & inb[None, :],
-                      other=float("-inf"))
+                      other=float("-inf")).to(tl.float32)
         inside = (key > key_last[:, None]) | ((key == key_last[:, None]) & ((c0 + offs)[None, :] <= last[:, None]))
         chosen = tl.max(inside.to(tl.int32), 0) > 0
         if HAS_EXTRA:
@@ -169,7 +169,7 @@ def union_prefixes(keys: Tensor, order: Tensor, keep: Tensor, sizes: Tensor,
         warps = 8
     block, warps = _config or (block, warps)
     if B * Hkv:
-        _union_kernel[(B * Hkv,)](keys.float().contiguous(), o, k, z, x, chosen, off, tot, ids, count, C, Hq // Hkv,
+        _union_kernel[(B * Hkv,)](keys.contiguous(), o, k, z, x, chosen, off, tot, ids, count, C, Hq // Hkv,
                                   HAS_EXTRA=extra is not None, GP=next_pow2(Hq // Hkv), BLOCK=block, num_warps=warps,
                                   **launch_args(z))
     return chosen.view(torch.bool), off, tot, ChosenList(ids, count)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from . import int32_contiguous, interpreting, next_pow2
 from .pdl import launch_args, start_after_producer
+from ..ops.select import key_dtype
 
 
 @triton.jit(do_not_specialize=('N', 'snv_b', 'snv_h'))
@@ -53,11 +54,12 @@ def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Z, RAD, BX, STEP, Hkv, N, sq_b, sq_h
                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                        PER_PROGRAM: tl.constexpr, PER_HEAD: tl.constexpr, UPCAST: tl.constexpr,
                        IEEE: tl.constexpr, STAGES: tl.constexpr, KEYS: tl.constexpr, BOUND: tl.constexpr,
-                       BOX: tl.constexpr, PDL: tl.constexpr):
+                       BOX: tl.constexpr, KEY16: tl.constexpr, PDL: tl.constexpr):
     """Centroid scores as a [GP, D] x [D, BLOCK] tensor-core product per tile, PER_PROGRAM
     tiles per program so their loads pipeline (bf16/fp16 products are exact in fp32).
     KEYS: entries are valid where Z (sizes, contiguous [B, Hkv, N]) > 0 instead of below
-    NV, and scores are written as sort keys (NaN -> -inf, -0.0 -> +0.0); BOUND: GMAX is the
+    NV, and scores are written as sort keys (NaN -> -inf, -0.0 -> +0.0; KEY16: float16 keys as
+    ops.select.sort_keys rounds them, the bounds from the float32 scores); BOUND: GMAX is the
     group max of score + |q| RAD (contiguous [B, Hkv, N]) instead of the score's; BOX: GMAX
     is the group max of the box bound sum_i max(q_i hi_i, q_i lo_i) with hi = c + up step,
     lo = c - down step (ops.select.quantize_box: BX [B, Hkv, N, 2, D] uint8 codes up, down,
@@ -101,7 +103,12 @@ def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Z, RAD, BX, STEP, Hkv, N, sq_b, sq_h
             s = tl.where(s == s, tl.where(s == 0.0, 0.0, s), float("-inf"))
         s = tl.where(valid[None, :], s, float("-inf"))
         if PER_HEAD:
-            tl.store(OUT + ((b * Hkv + h) * G + offs_g)[:, None] * N + offs[None, :], s,
+            out = s
+            if KEY16:  # saturate finite scores (none ties an empty cluster), round to nearest, -0.0 as +0.0
+                out = tl.where(s == float("-inf"), s, tl.minimum(tl.maximum(s, -65504.0), 65504.0))
+                out = out.to(tl.float16)
+                out = tl.where(out == 0.0, 0.0, out)
+            tl.store(OUT + ((b * Hkv + h) * G + offs_g)[:, None] * N + offs[None, :], out,
                      mask=(offs_g[:, None] < G) & (offs[None, :] < N))
         if BOUND:
             r = tl.load(RAD + row * N + offs, mask=offs < N, other=0.0).to(tl.float32)
@@ -167,7 +174,8 @@ def _dot_scores(q, cent, nv, snv, out, gmax, sizes=None, radius=None, box=None, 
         cent.stride(1), cent.stride(2), *snv, codes.stride(0), codes.stride(1), codes.stride(2), G=Hq // Hkv,
         GP=max(16, next_pow2(Hq // Hkv)), D=D, BLOCK=block, PER_PROGRAM=per_program, PER_HEAD=out is not None,
         UPCAST=upcast, IEEE=upcast and not interpreting(), STAGES=stages, KEYS=sizes is not None,
-        BOUND=radius is not None, BOX=box is not None, num_warps=warps, **launch_args(q))
+        BOUND=radius is not None, BOX=box is not None, KEY16=out is not None and out.dtype == torch.float16,
+        num_warps=warps, **launch_args(q))
 
 
 def _ones(device) -> Tensor:
@@ -202,7 +210,7 @@ def cluster_scores(q: Tensor, centroids: Tensor, sizes: Tensor, radius: Optional
     if D < 16 or q.stride(-1) != 1 or centroids.stride(-1) != 1:
         from ..ops.select import cluster_scores as reference
         return reference(q, centroids, sizes, radius, box)
-    keys = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
+    keys = torch.empty(B, Hq, N, dtype=key_dtype(q.dtype), device=q.device)
     gmax = torch.empty(B, Hkv, N, dtype=torch.float32, device=q.device)
     if B * Hkv and N:
         one = _ones(q.device)

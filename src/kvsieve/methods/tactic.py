@@ -14,8 +14,8 @@ from ..ops.fit import FitLayout, estimate_budget, segment_mask
 from ..ops.paged import PagedKeys, row_table
 from ..ops.threshold import AlwaysTokens
 from ..ops.kmeans import nearest_centroid
-from ..ops.select import (box_bounds, cluster_box, cluster_radius, quantize_box, radius_bound, select_by_budget,
-                          summary_scores)
+from ..ops.select import (box_bounds, cluster_box, cluster_radius, key_dtype, quantize_box, radius_bound,
+                          select_by_budget, sort_keys, summary_scores)
 from ..side_branch import SideBranch
 from . import fit_tables
 from .base import (DENSE_BELOW_KV_BYTES, Selection, SparseMethod, TokenPlan, budget_crossover, capacity_bucket,
@@ -223,9 +223,9 @@ class Tactic(SparseMethod):
 
         # 1. rank clusters per query head by q . centroid
         sizes = st.sizes.repeat_interleave(G, 1)  # [B, Hq, C] tokens of each cluster in the list
-        cscore = torch.einsum("bhd,bhcd->bhc", q.to(ct), st.centroids.to(ct).repeat_interleave(G, 1))
-        cscore = cscore.masked_fill(sizes == 0, float("-inf"))
-        order = cscore.argsort(dim=-1, descending=True, stable=True)
+        scores = torch.einsum("bhd,bhcd->bhc", q.to(ct), st.centroids.to(ct).repeat_interleave(G, 1))
+        scores = scores.masked_fill(sizes == 0, float("-inf"))
+        order = sort_keys(scores, st.sizes, key_dtype(q.dtype)).argsort(dim=-1, descending=True, stable=True)
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(C, device=q.device).expand_as(order))
         csize = sizes.gather(-1, order).cumsum(-1)  # tokens in the first r+1 clusters
 
@@ -265,7 +265,7 @@ class Tactic(SparseMethod):
                 lo, hi = box_bounds(st.box, st.box_step, st.centroids)
                 _, bound = summary_scores(q, lo, hi, st.num_clusters[:, None].expand(B, Hkv))
             else:
-                bound = radius_bound(cscore, q, st.radius)
+                bound = radius_bound(scores, q, st.radius)
             protected, _, _ = select_by_budget(bound, st.sizes, torch.full_like(st.sizes[..., 0], cfg.protect))
             head_mask |= (protected.gather(-1, st.assign[..., :S].clamp(min=0)) & in_list_kv).repeat_interleave(G, 1)
         if st.dense is not None:  # every valid token of the dense KV heads

@@ -121,7 +121,7 @@ def ranking_order(keys: Tensor) -> Tensor:
 def rank_clusters(keys: Tensor, sizes: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """Each query head's clusters by descending score: its ranked list's geometry.
 
-    keys [B, Hq, C] float32 sort keys (ops.select.cluster_scores); sizes [B, Hkv, C] int
+    keys [B, Hq, C] float16 or float32 sort keys (ops.select.cluster_scores); sizes [B, Hkv, C] int
     cluster sizes of the KV heads (Hq = G x Hkv). Order as ranking_order. Returns int32
     [B, Hq, C] each: order (cluster ids by rank), ranked (their sizes) and csize (tokens
     in the first r + 1 ranked clusters)."""
