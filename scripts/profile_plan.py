@@ -79,9 +79,22 @@ def profile_one(spec, m, st, q, lengths, host, keys, pk, pv, bt, probs, ref, t_d
         plan_fraction=round(t_plan / t_dense, 3), attn_ms=round(t_attn, 4),
         speedup=round(t_dense / (t_plan + t_attn), 3), read=round(float(p.counts.double().sum() / (B * 8 * S)), 4),
         mass=round(float(mass.mean()), 4), err=round(rel_err(out, ref), 4),
-        kernels_us_sum=round(sum(r[1] for r in table), 1))
+        kernels_us_sum=round(sum(r[1] for r in table), 1), **page_floor(spec, st, t_plan))
     for name, us, n in table:
         log(kind="kernel", method=spec, S=S, B=B, us=round(us, 2), launches=n, name=name)
+
+
+def page_floor(spec: str, st, t_plan: float) -> dict:
+    """quest / lserve: the fresh selection's floor as the bench takes it (the dynamic heads'
+    min/max summaries read once at copy bandwidth, bytes read plus written) and plan / floor."""
+    if spec not in ("quest", "lserve"):
+        return {}
+    from kvsieve.bench.timing import copy_bandwidth_gbs
+
+    ps, share = (st.dynamic, float((~st.flags).float().mean())) if spec == "lserve" else (st, 1.0)
+    copy_gbs = copy_bandwidth_gbs()
+    floor = 2 * ps.kmin.numel() * ps.kmin.element_size() * share / copy_gbs / 1e6
+    return {"floor_ms": round(floor, 4), "copy_gbs": round(copy_gbs), "plan_over_floor": round(t_plan / floor, 2)}
 
 
 def cell(S: int, B: int, P: float, log, methods=("tactic",), sweep: bool = False, sweep_boxes: bool = False,
@@ -151,11 +164,22 @@ def sweep_rank(q, st, S, B, log) -> None:
 
     skeys, _ = dispatch.cluster_scores(q, st.centroids, st.sizes32)
     want = rank_clusters(skeys, st.sizes32, _in_kernel=False)
+    sweep_sort_keys(skeys, S, B, log)
     for in_kernel, warps in ((False, None), (False, 8), (False, 16), (True, 4), (True, 8), (True, 16), (True, 32)):
         fn = lambda: rank_clusters(skeys, st.sizes32, _in_kernel=in_kernel, _warps=warps)  # noqa: E731
         got = fn()
         log(kind="rank", S=S, B=B, clusters=skeys.shape[-1], in_kernel=in_kernel, warps=warps,
             us=round(1e3 * median_ms(capture(fn)), 2), same=all(torch.equal(a, b) for a, b in zip(got, want)))
+
+
+def sweep_sort_keys(skeys, S, B, log) -> None:
+    """The ranking's sort (ranking_order: a clone sorted in place) on the plan's keys
+    (float16 for 16-bit inputs, ops.select.key_dtype) against the same sort on the same
+    keys in float32, what the key width costs."""
+    from kvsieve.ops.threshold import ranking_order
+
+    for keys in (skeys.float(), skeys) if skeys.dtype != torch.float32 else (skeys,):
+        log(kind="sort", S=S, B=B, keys=str(keys.dtype), us=round(1e3 * median_ms(capture(lambda: ranking_order(keys))), 2))
 
 
 def sweep_budget_plan(m, q, st, lengths, host, keys, S, B, log) -> None:
