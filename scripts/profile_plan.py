@@ -179,7 +179,8 @@ def sweep_sort_keys(skeys, S, B, log) -> None:
     from kvsieve.ops.threshold import ranking_order
 
     for keys in (skeys.float(), skeys) if skeys.dtype != torch.float32 else (skeys,):
-        log(kind="sort", S=S, B=B, keys=str(keys.dtype), us=round(1e3 * median_ms(capture(lambda: ranking_order(keys))), 2))
+        us = 1e3 * median_ms(capture(lambda: ranking_order(keys)))
+        log(kind="sort", S=S, B=B, keys=str(keys.dtype), us=round(us, 2))
 
 
 def sweep_budget_plan(m, q, st, lengths, host, keys, S, B, log) -> None:

@@ -790,11 +790,11 @@ def test_float16_sort_keys_round_and_saturate(dtype):
     negative stored as +0.0, NaN and empty clusters at -inf; the kernel's keys equal the
     twin's here, and the order they give is the float64 order up to ties within an ulp."""
     inf = float("inf")
-    scores = torch.tensor([[[1e6, -1e6, -1e-9, 3.0, 3.0004, float("nan"), 5.0, 7e4]]])
-    sizes = torch.tensor([[[1, 1, 1, 1, 1, 1, 0, 1]]])
+    scores = torch.tensor([[[1e6, -1e6, -1e-9, 3.0, 3.0004, float("nan"), 5.0, 7e4, -inf, inf]]])
+    sizes = torch.tensor([[[1, 1, 1, 1, 1, 1, 0, 1, 1, 1]]])
     keys = rselect.sort_keys(scores, sizes, rselect.key_dtype(dtype))
     assert keys.dtype == torch.float16
-    assert keys[0, 0].tolist() == [65504.0, -65504.0, 0.0, 3.0, 3.0, -inf, -inf, 65504.0]
+    assert keys[0, 0].tolist() == [65504.0, -65504.0, 0.0, 3.0, 3.0, -inf, -inf, 65504.0, -inf, 65504.0]
     assert not torch.signbit(keys[0, 0, 2])
     D = 64  # through the kernel: q.c = +-D x 100^2, far past float16's range, and small ones
     q = torch.full((1, 2, D), 100.0).to(dtype)

@@ -55,15 +55,15 @@ def key_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def sort_keys(scores: Tensor, sizes: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """Cluster scores as Tactic's ranking sorts them: [B, Hq, C] of `dtype` (float32, or
-    float16: rounded to nearest, finite scores saturated at +-65504 so none ties an empty
-    cluster) with empty clusters (sizes [B, Hkv, C] == 0) and NaN at -inf, and -0.0 as +0.0
-    (a GPU radix sort tells them apart, a comparison sort does not)."""
+    float16: rounded to nearest, scores past its range saturated at +-65504 so none ties an
+    empty cluster) with empty clusters (sizes [B, Hkv, C] == 0) and NaN at -inf, and -0.0 as
+    +0.0 (a GPU radix sort tells them apart, a comparison sort does not)."""
     B, Hq, C = scores.shape
     Hkv = sizes.shape[1]
     s = scores.float().view(B, Hkv, Hq // Hkv, C)
     bad = (sizes == 0)[:, :, None, :] | s.isnan()
-    if dtype == torch.float16:
-        s = s.clamp(-FLOAT16_MAX, FLOAT16_MAX)
+    if dtype == torch.float16:  # -inf stays -inf, as in the kernel
+        s = torch.where(s == float("-inf"), s, s.clamp(-FLOAT16_MAX, FLOAT16_MAX))
     s = s.to(dtype) + 0.0  # -0.0 + 0.0 = +0.0 (also where float16 rounds a tiny score to -0.0)
     return s.masked_fill(bad, float("-inf")).view(B, Hq, C)
 
@@ -73,8 +73,8 @@ def cluster_scores(q: Tensor, centroids: Tensor, sizes: Tensor, radius: Optional
     """Tactic's threshold plan scores every cluster once: q [B, Hq, D], centroids
     [B, Hkv, C, D], sizes [B, Hkv, C] (0: empty), radius [B, Hkv, C] or box (codes
     [B, Hkv, C, 2, D] uint8, step [B, Hkv, C]; quantize_box), or neither.
-    Returns (keys [B, Hq, C] of key_dtype(q.dtype): q.centroid unscaled, as sort_keys; bound [B, Hkv, C]:
-    the group's upper bound of q.k over each cluster's members, -inf on empty clusters:
+    Returns (keys [B, Hq, C] of key_dtype(q.dtype): q.centroid unscaled, as sort_keys;
+    bound [B, Hkv, C]: the group's upper bound of q.k over each cluster's members, -inf on empty clusters:
     radius_bound of the keys, or the box's summary_scores group max; None without either)."""
     if radius is not None and box is not None:
         raise ValueError("cluster_scores takes a radius or a box bound, not both")
