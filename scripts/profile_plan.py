@@ -124,8 +124,8 @@ def cell(S: int, B: int, P: float, log, methods=("tactic",), sweep: bool = False
             sweep_box(q, st, S, B, log)
         if sweep_ranks and spec.startswith("tactic"):
             sweep_rank(q, st, S, B, log)
-        if sweep and spec == "quest":
-            sweep_page_scores(m, q, st, lengths, S, B, log)
+        if sweep and spec in ("quest", "lserve"):
+            sweep_page_scores(m, q, st, lengths, S, B, log, spec)
         if sweep and spec in ("quest", "lserve"):
             sweep_budget(m, q, st, lengths, S, B, log, spec)
         del st
@@ -218,24 +218,29 @@ def sweep_budget_plan(m, q, st, lengths, host, keys, S, B, log) -> None:
             us=round(1e3 * median_ms(capture(fn)), 2), same=bool(torch.equal(got, want)))
 
 
-def sweep_page_scores(m, q, st, lengths, S, B, log) -> None:
-    """Launch configurations of the fused page scoring kernel (its summaries' dtype as stored)."""
+def sweep_page_scores(m, q, st, lengths, S, B, log, spec="quest") -> None:
+    """Launch configurations of the fused page scoring kernel (its summaries' dtype as stored;
+    lserve: its streaming heads skipped, the bytes those of the dynamic heads)."""
     from kvsieve.kernels.pages import physical_page_scores
 
+    skip, share = None, 1.0
+    if spec == "lserve":
+        m, st, skip = m.dynamic, st.dynamic, st.flags
+        share = float((~skip).float().mean())
     cfg = m.config
     ae = torch.zeros(B, 1, dtype=torch.long, device="cuda")
     ast = lengths[:, None]
-    nbytes = 2 * st.kmin.numel() * st.kmin.element_size()
+    nbytes = 2 * st.kmin.numel() * st.kmin.element_size() * share
     want = None
     for dot in (False, True):
-        for c in (None, (16, 4), (32, 4), (32, 8), (64, 4), (64, 8)):
+        for c in (None, (16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)):
             fn = lambda: physical_page_scores(q, st.kmin, st.kmax, lengths, ae, ast, cfg.page_size,  # noqa: E731
-                                              cfg.physical_page_size, _config=c, _dot=dot)
+                                              cfg.physical_page_size, skip=skip, _config=c, _dot=dot)
             got = fn()
             want = got if want is None else want
             fin = torch.isfinite(want)
             us = 1e3 * median_ms(capture(fn))
-            log(kind="page_scores", S=S, B=B, dot=dot, config=c, dtype=str(st.kmin.dtype), us=round(us, 2),
+            log(kind="page_scores", method=spec, S=S, B=B, dot=dot, config=c, dtype=str(st.kmin.dtype), us=round(us, 2),
                 gbs=round(nbytes / us / 1e3), max_rel_diff=float(((got - want).abs() / want.abs().clamp(min=1))[fin].max()),
                 same_inf=bool(torch.equal(fin, torch.isfinite(got))))
 
@@ -256,7 +261,7 @@ def sweep_budget(m, q, st, lengths, S, B, log, spec="quest") -> None:
     bud = torch.full((1, 1), int(0.025 * S) // pp * pp, dtype=torch.int32, device="cuda").expand(B, 8)
     s = physical_page_scores(q, st.kmin, st.kmax, lengths, ae, lengths[:, None], cfg.page_size, pp, "max", skip)
     want = None
-    for c in (None, (4, 4), (4, 8), (4, 16), (8, 4), (8, 8), (16, 8)):
+    for c in (None, (4, 1), (4, 2), (4, 4), (4, 8), (4, 16), (8, 1), (8, 2), (8, 4), (8, 8), (16, 8)):
         fn = lambda: select_by_budget(s, sizes, bud, _config=c)  # noqa: E731
         got = fn()
         want = got if want is None else want

@@ -75,7 +75,7 @@ def decode_cell(S: int, B: int, frac: float, copy_gbs: float):
         ms = median_ms(capture(lambda: kselect.summary_scores(q, st.centroids, None, n_valid, True, cfg)))
         log(kind="scores", S=S, B=B, config=cfg, ms=round(ms, 4))
     for cfg in BUDGET_CONFIGS:
-        ms = median_ms(capture(lambda: kselect.select_by_budget(gmax, st.sizes32, bud, cfg)))
+        ms = median_ms(capture(lambda: kselect.select_by_budget(gmax, st.sizes32, bud, _config=cfg)))
         log(kind="budget", S=S, B=B, thresholds=cfg[0], warps=cfg[1], ms=round(ms, 4))
     if CONFIGS_ONLY_DEFAULT:
         return
