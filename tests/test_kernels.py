@@ -283,12 +283,22 @@ def test_select_by_budget(N, ties):
     sizes = torch.randint(0, 40, (3, 2, N), generator=g)
     for budget in (0, 7, 100, 5000, 10 ** 6):
         bud = torch.full((3, 2), budget)
-        want = rselect.select_by_budget(s, sizes, bud)
+        listed = budget in (7, 5000)
+        want = rselect.select_by_budget(s, sizes, bud, listed=listed)
         # int32 sizes and a stride-0 budget are read in place
-        got = kselect.select_by_budget(s.to(DEV), sizes.int().to(DEV), torch.tensor(budget).to(DEV).expand(3, 2))
-        for w, x in zip(want, got):
+        got = kselect.select_by_budget(s.to(DEV), sizes.int().to(DEV), torch.tensor(budget).to(DEV).expand(3, 2),
+                                       listed=listed)
+        assert len(got) == len(want) == 3 + listed
+        for w, x in zip(want[:3] + (tuple(want[3]) if listed else ()), got[:3] + (tuple(got[3]) if listed else ())):
             assert torch.equal(w.int().cpu(), x.int().cpu())
-        chosen, _, total = want
+        chosen, _, total = want[:3]
+        if listed:  # the list: the chosen entries in ascending order, then -1
+            ids, count = want[3]
+            for r in range(3):
+                for h in range(2):
+                    on = torch.nonzero(chosen[r, h])[:, 0]
+                    assert count[r, h] == on.numel() and torch.equal(ids[r, h, :on.numel()].long(), on)
+                    assert (ids[r, h, on.numel():] == -1).all()
         # the semantics: never over budget unless one best group alone is taken
         over = total > budget
         for r in zip(*torch.nonzero(over, as_tuple=True)):
@@ -387,11 +397,12 @@ def test_compact_tokens(S, cap, N, mode):
 
 @pytest.mark.parametrize("S", [1, 54, 97, 700])
 @pytest.mark.parametrize("pool", [False, True])
-@pytest.mark.parametrize("by_entry", [False, True])
+@pytest.mark.parametrize("by_entry", [False, True, "listed"])
 def test_compact_streaming_rows(S, pool, by_entry):
     """Rows flagged as streaming heads (LServe's static heads inside the dynamic plan) get
     [0, sink) + [L - local, L) and nothing chosen, whatever the selection holds for them;
-    the other rows keep their pages and windows: kernel (both forms) = twin = oracle."""
+    the other rows keep their pages and windows: kernel (by position, by entry, by position
+    through the chosen pages' list) = twin = oracle."""
     g = torch.Generator().manual_seed(S)
     B, Hkv, W = 3, 4, 8
     lengths = torch.tensor([S, max(1, S - 7), max(1, S // 2)])
@@ -407,9 +418,12 @@ def test_compact_streaming_rows(S, pool, by_entry):
     table = torch.randperm(4 * B * (S // 4 + 1), generator=g)[:B * (S // 4 + 1)].view(B, -1).int() if pool else None
     cap = 24 + 8 + 13 + W
     args = (chosen, off, tot, None, None, None, W, a_end, a_start, lengths, cap, table, 4 if pool else 0)
-    want_i, want_c = rselect.compact_tokens(*args, stream=(flags, 5, 11))
+    listed = rselect.chosen_list(chosen) if by_entry == "listed" else None
+    want_i, want_c = rselect.compact_tokens(*args, stream=(flags, 5, 11), listed=listed)
     dev = [a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args]
-    got_i, got_c = kcompact.compact_tokens(*dev, stream=(flags.to(DEV), 5, 11), _by_entry=by_entry)
+    dev_listed = None if listed is None else rselect.ChosenList(*(t.to(DEV) for t in listed))
+    got_i, got_c = kcompact.compact_tokens(*dev, stream=(flags.to(DEV), 5, 11), listed=dev_listed,
+                                           _by_entry=None if listed is not None else by_entry)
     assert torch.equal(got_c.cpu(), want_c)
     live = torch.arange(cap)[None, None, :] < want_c[..., None]
     assert torch.equal(got_i.cpu()[live], want_i[live])

@@ -14,6 +14,7 @@ from kvsieve.methods import make_method  # noqa: E402
 from kvsieve.methods.pages import PageSelect  # noqa: E402
 from kvsieve.ops import pages as rpages  # noqa: E402
 from kvsieve.ops.paged import plan_positions  # noqa: E402
+from kvsieve.ops.select import chosen_list  # noqa: E402
 
 from conftest import clustered_qkv  # noqa: E402
 
@@ -121,7 +122,8 @@ def old_choose(self, q, state, lengths, skip=None):
     kpages = min(max(1, cfg.budget // pp), Pp)
     budget = torch.full((B, Hkv), kpages * pp, dtype=torch.int32, device=q.device)
     chosen, offsets, total = dispatch.select_by_budget(s, sizes, budget)
-    return chosen, offsets, total, always_end.expand(B, Hkv).contiguous(), always_start.expand(B, Hkv).contiguous()
+    ends = always_end.expand(B, Hkv).contiguous(), always_start.expand(B, Hkv).contiguous()
+    return chosen, offsets, total, *ends, *chosen_list(chosen)  # (the list: the twin's, of the same choice)
 
 
 def tied_case(G, D, dtype, seed):
@@ -278,6 +280,33 @@ def test_page_windows_kernel_matches_twin(sink, local, pp):
         assert want[0][i, 0] == end and want[1][i, 0] == max(max(L - local, 0) // pp * pp, end)
 
 
+@pytest.mark.parametrize("sink,local,r,dtype,skip,pages", [
+    (16, 256, 4, torch.bfloat16, False, None), (100, 37, 1, torch.float32, True, None),
+    (0, 0, 4, torch.float16, True, None), (64, 64, 1, torch.float32, False, 0)])
+def test_windowed_scores_write_the_windows(sink, local, r, dtype, skip, pages):
+    """The scoring launch that computes the windows itself: windows equal page_windows'
+    (twin and kernel), scores equal the kernel's between those windows bit for bit and the
+    twin's to rounding; with no pages at all the windows are still written."""
+    ps = 16
+    pp = ps * r
+    q, kmin, kmax, lengths, _, _ = case(4, 64, dtype, ps, pp, seed=sink + local + r)
+    if pages is not None:
+        kmin, kmax = kmin[:, :, :pages], kmax[:, :, :pages]
+    flags = torch.tensor([[False, True], [True, False], [True, True], [True, False]]) if skip else None
+    want = rpages.windowed_page_scores(q, kmin, kmax, lengths, sink, local, ps, pp, "max", flags)
+    dev = [t.to(DEV) for t in (q, kmin, kmax, lengths)]
+    dflags = None if flags is None else flags.to(DEV)
+    got = [t.cpu() for t in kpages.windowed_page_scores(*dev, sink, local, ps, pp, "max", dflags)]
+    windows = rpages.page_windows(lengths, sink, local, pp)
+    assert all(torch.equal(w, g) and torch.equal(w, x) for w, g, x in zip(windows, got[1:], want[1:]))
+    ends = [t.to(DEV) for t in windows]
+    plain = kpages.physical_page_scores(*dev, *ends, ps, pp, "max", dflags).cpu()
+    assert torch.equal(got[0], plain) and got[0].shape == want[0].shape
+    fin = torch.isfinite(want[0])
+    assert torch.equal(torch.isfinite(got[0]), fin) and (fin.sum() > 8 or pages == 0)
+    assert torch.allclose(got[0][fin], want[0][fin].float(), rtol=1e-5, atol=1e-4)
+
+
 def token_sets(plan):
     """[B][Hkv] sorted positions of each list."""
     pos, valid = plan_positions(plan.indices, plan.counts, plan.cap)
@@ -376,8 +405,8 @@ def test_a_some_step_scores_only_the_rows_due(monkeypatch):
     m.plan(q, st, lengths, LENGTHS)  # every row selects: then 3 reuse steps each
     st.steps[3] = 4  # row 3 is due again now, the others are not
     seen = []
-    real = dispatch.physical_page_scores
-    monkeypatch.setattr(dispatch, "physical_page_scores", lambda *a, **kw: seen.append(a[-1]) or real(*a, **kw))
+    real = dispatch.windowed_page_scores
+    monkeypatch.setattr(dispatch, "windowed_page_scores", lambda *a, **kw: seen.append(a[-1]) or real(*a, **kw))
     m.maintain(st, lengths, LENGTHS, None)
     assert st.mode == "some" and st.due.tolist() == [False, False, False, True]
     got = token_sets(m.plan(q, st, lengths, LENGTHS))

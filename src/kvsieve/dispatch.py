@@ -105,11 +105,21 @@ def physical_page_scores(q, kmin, kmax, lengths, always_end, always_start, page_
     return impl(q, kmin, kmax, lengths, always_end, always_start, page_size, physical_page_size, gqa_reduce, skip)
 
 
-def select_by_budget(scores, sizes, budget):
+def windowed_page_scores(q, kmin, kmax, lengths, sink, local, page_size, physical_page_size, gqa_reduce="max",
+                         skip=None):
+    """See ops.pages.windowed_page_scores."""
+    if use_triton(q):
+        from .kernels.pages import windowed_page_scores as impl
+    else:
+        from .ops.pages import windowed_page_scores as impl
+    return impl(q, kmin, kmax, lengths, sink, local, page_size, physical_page_size, gqa_reduce, skip)
+
+
+def select_by_budget(scores, sizes, budget, listed=False):
     if use_triton(scores):
         from .kernels.select import select_by_budget as kernel
-        return kernel(scores, sizes, budget)
-    return _select_ref.select_by_budget(scores, sizes, budget)
+        return kernel(scores, sizes, budget, listed)
+    return _select_ref.select_by_budget(scores, sizes, budget, listed)
 
 
 def compact_tokens(chosen, offsets, total, members, entry_start, sizes, width,

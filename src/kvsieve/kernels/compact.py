@@ -67,17 +67,18 @@ def _pool_row(BT_ROW, tok, mask, PAGE: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=_COMPACT_RUNTIME)
-def _compact_positions_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT, WIN,
+def _compact_positions_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX, CNT, WIN, IDS,
                               Hkv, N, M, CAP, WIDTH, sae_b, sae_h, sas_b, sas_h, sbt, swn_b, swn_h, W_SINK, W_LOCAL,
                               CSR: tl.constexpr, LOG_N: tl.constexpr, BLOCK: tl.constexpr,
                               POOL_ROWS: tl.constexpr, PAGE: tl.constexpr, STREAM: tl.constexpr,
-                              PDL: tl.constexpr):
+                              LISTED: tl.constexpr, PDL: tl.constexpr):
     """Output-major (lists short next to the entry count: fixed budgets). Each list
     position finds its chosen entry by binary search on the entry offsets (the largest e
     with offsets[e] <= position is the chosen entry holding it: unchosen entries own no
     position), so only chosen entries' tokens are read and no program's work depends on
     a cluster's size. (A 16-ary search was slower here: a block's positions share most of
-    their binary-search loads.)"""
+    their binary-search loads.) LISTED (pages, every chosen one WIDTH tokens): position p's
+    entry is the listed one at p // WIDTH, one load instead of the search."""
     start_after_producer(PDL)
     row = tl.program_id(0)
     b = row // Hkv
@@ -89,13 +90,17 @@ def _compact_positions_kernel(OFF, TOT, MEM, ESTART, AEND, ASTART, LEN, BT, IDX,
     if tl.program_id(1) * BLOCK >= count:  # a threshold plan's capacity is the context
         return
     in_sel = dst < sel
-    e = tl.zeros([BLOCK], tl.int32)
-    for i in tl.static_range(LOG_N):
-        step = 1 << (LOG_N - 1 - i)
-        c = e + step
-        ok = in_sel & (c < N)
-        e = tl.where(ok & (tl.load(OFF + row * N + c, mask=ok, other=0) <= dst), c, e)
-    rel = dst - tl.load(OFF + row * N + e, mask=in_sel, other=0)
+    if LISTED:
+        e = tl.load(IDS + row * N + dst // WIDTH, mask=in_sel, other=0)
+        rel = dst % WIDTH
+    else:
+        e = tl.zeros([BLOCK], tl.int32)
+        for i in tl.static_range(LOG_N):
+            step = 1 << (LOG_N - 1 - i)
+            c = e + step
+            ok = in_sel & (c < N)
+            e = tl.where(ok & (tl.load(OFF + row * N + c, mask=ok, other=0) <= dst), c, e)
+        rel = dst - tl.load(OFF + row * N + e, mask=in_sel, other=0)
     if CSR:
         first = tl.load(ESTART + row * N + e, mask=in_sel, other=0)
         tok = tl.load(MEM + row * M + first + rel, mask=in_sel, other=0)
@@ -217,9 +222,11 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
     Launches whichever kernel needs fewer programs: by position, or, for long lists, by
     listed entry (CSR entries with `listed`) or by entry (`_by_entry` forces by entry or by
     position, for tests; `_config` = (entries per program, columns, warps[, programs per
-    row]) overrides the entry-major or listed launch).
+    row]) overrides the entry-major or listed launch). Pages (members None) with `listed`
+    compact by position through the list, whatever the lists' length.
     `chosen` and `sizes` are implied by `offsets` here (only chosen entries own positions;
-    a page crossing always_start must have been offered with its clipped size)."""
+    a page crossing always_start must have been offered with its clipped size; pages with
+    `listed`: every chosen page holds `width` tokens, as ops.select.compact_tokens says)."""
     B, Hkv, N = chosen.shape
     dev = chosen.device
     csr = members is not None
@@ -245,7 +252,8 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
     # position, a threshold plan (512) ~4x faster by entry. With few rows the programs past
     # a list's end cost little: H100, threshold plans at batch 1 (8 rows), by position 10.4
     # / 10.9 us against 14.4 / 20.2 by entry at 32K / 128K (scripts/profile_plan.py --sweep)
-    entry_major = by_position > triton.cdiv(N, 16) and B * Hkv > POSITION_MAJOR_MAX_ROWS
+    pages_listed = not csr and listed is not None and not _by_entry  # one load a position: no search to avoid
+    entry_major = by_position > triton.cdiv(N, 16) and B * Hkv > POSITION_MAJOR_MAX_ROWS and not pages_listed
     if csr and listed is not None and (entry_major if _by_entry is None else _by_entry):
         eb, cols, warps, programs = _config or (*LISTED_CONFIG, listed_programs(B * Hkv))
         _compact_listed_kernel[(B * Hkv, programs + 1)](
@@ -255,6 +263,8 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
         _compact_entries_kernel[(B * Hkv, by_entry)](*args, EB=eb, COLS=cols if csr else max(16, next_pow2(width)),
                                                      num_warps=warps, CSR=csr, **flags)
     else:
-        _compact_positions_kernel[(B * Hkv, by_position)](*args, LOG_N=max(1, (N - 1).bit_length()), num_warps=4,
-                                                          CSR=csr, **flags)
+        ids = i32(listed.ids) if pages_listed else cnt
+        _compact_positions_kernel[(B * Hkv, by_position)](*args[:11], ids, *args[11:],
+                                                          LOG_N=max(1, (N - 1).bit_length()), num_warps=4, CSR=csr,
+                                                          LISTED=pages_listed, **flags)
     return idx, cnt

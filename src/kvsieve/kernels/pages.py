@@ -21,19 +21,23 @@ from .pdl import launch_args, start_after_producer
 _use_dot = True  # the tensor-core form by default (scripts/profile_plan.py --methods quest --sweep)
 
 
-@triton.jit(do_not_specialize=('P', 'NP', 'sae_b', 'sae_h', 'sas_b', 'sas_h', 'ssk_b', 'ssk_h'))
+@triton.jit(do_not_specialize=('P', 'NP', 'sae_b', 'sae_h', 'sas_b', 'sas_h', 'ssk_b', 'ssk_h', 'SINK_END', 'LOCAL'))
 def _physical_scores_kernel(Q, LO, HI, LEN, AEND, ASTART, SKIP, OUT, Hkv, P, NP,
-                            sq_b, sq_h, sl_b, sl_h, sl_n, sae_b, sae_h, sas_b, sas_h, ssk_b, ssk_h,
+                            sq_b, sq_h, sl_b, sl_h, sl_n, sae_b, sae_h, sas_b, sas_h, ssk_b, ssk_h, SINK_END, LOCAL,
                             G: tl.constexpr, D: tl.constexpr, R: tl.constexpr, WIDTH: tl.constexpr,
                             BLOCK: tl.constexpr, SUM: tl.constexpr, HAS_SKIP: tl.constexpr, DOT: tl.constexpr,
-                            GP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                            GP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
+                            PDL: tl.constexpr):
     """Program (row = b * Hkv + h, i): physical pages [i BLOCK, (i + 1) BLOCK) of the row,
     each R logical pages of WIDTH / R tokens. A page is a candidate when it lies wholly in
     [always_end, min(always_start, length)); only candidates' summaries are read. Per
     logical page the G query heads' bounds are combined (max, or sum with SUM, in head
     order), then the max over the R logical pages is taken. DOT: the bounds of GP (>= G)
     heads x BLOCK pages as two tensor-core products; else kernels.select._scores_kernel's
-    float32 operations per channel (the same scores as the old selection path, bit for bit)."""
+    float32 operations per channel (the same scores as the old selection path, bit for bit).
+    WINDOW: always_end / always_start are computed here from (SINK_END, LOCAL) as
+    ops.pages.page_windows does, and written to AEND / ASTART ([B, 1]) by each request's
+    first program (no launch of their own before this one)."""
     start_after_producer(PDL)
     row = tl.program_id(0)
     b = row // Hkv
@@ -41,8 +45,15 @@ def _physical_scores_kernel(Q, LO, HI, LEN, AEND, ASTART, SKIP, OUT, Hkv, P, NP,
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, D)
     length = tl.load(LEN + b).to(tl.int64)
-    a_end = tl.load(AEND + b * sae_b + h * sae_h).to(tl.int64)
-    a_start = tl.minimum(tl.load(ASTART + b * sas_b + h * sas_h).to(tl.int64), length)
+    if WINDOW:
+        a_end = tl.minimum(length, SINK_END)
+        a_start = tl.maximum(tl.maximum(length - LOCAL, 0) // WIDTH * WIDTH, a_end)  # <= length
+        if (h == 0) & (tl.program_id(1) == 0):
+            tl.store(AEND + b, a_end)
+            tl.store(ASTART + b, a_start)
+    else:
+        a_end = tl.load(AEND + b * sae_b + h * sae_h).to(tl.int64)
+        a_start = tl.minimum(tl.load(ASTART + b * sas_b + h * sas_h).to(tl.int64), length)
     if HAS_SKIP:
         a_start = tl.where(tl.load(SKIP + b * ssk_b + h * ssk_h) != 0, 0, a_start)
     first = offs.to(tl.int64) * WIDTH
@@ -108,6 +119,28 @@ def physical_page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, lengths: Tensor,
     pages per program, warps) overrides the launch for tuning sweeps; `_dot` picks the
     tensor-core form (q+ . hi + q- . lo) or the CUDA-core one (max per channel), default
     _use_dot (tiles under 16 pages use the CUDA cores)."""
+    return _page_scores(q, kmin, kmax, lengths, (always_end, always_start), page_size, physical_page_size,
+                        gqa_reduce, skip, _config, _dot)
+
+
+def windowed_page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, lengths: Tensor, sink: int, local: int,
+                         page_size: int, physical_page_size: int, gqa_reduce: str = "max",
+                         skip: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """Triton twin of ops.pages.windowed_page_scores: the windows computed in the scoring
+    launch (one launch fewer in a fresh selection's chain)."""
+    B = q.shape[0]
+    a_end = torch.empty(B, 1, dtype=torch.int64, device=q.device)
+    a_start = torch.empty_like(a_end)
+    pp = physical_page_size
+    s = _page_scores(q, kmin, kmax, lengths, (a_end, a_start), page_size, pp, gqa_reduce, skip,
+                     window=(-(-sink // pp) * pp, local))
+    return s, a_end, a_start
+
+
+def _page_scores(q, kmin, kmax, lengths, ends, page_size, physical_page_size, gqa_reduce, skip, _config=None,
+                 _dot=None, window=None) -> Tensor:
+    """Launch _physical_scores_kernel; ends = (always_end, always_start), read, or with
+    window = (sink rounded up to physical pages, local) written."""
     B, Hq, D = q.shape
     Hkv, P = kmin.shape[1], kmin.shape[2]
     if kmax.stride() != kmin.stride():
@@ -117,7 +150,7 @@ def physical_page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, lengths: Tensor,
     r = physical_page_size // page_size
     NP = -(-P // r)
     out = torch.empty(B, Hkv, NP, dtype=torch.float32, device=q.device)
-    ae, ast = always_end.expand(B, Hkv), always_start.expand(B, Hkv)
+    ae, ast = ends[0].expand(B, Hkv), ends[1].expand(B, Hkv)
     sk = out if skip is None else skip.expand(B, Hkv).view(torch.uint8)
     sk_strides = (0, 0) if skip is None else sk.stride()
     # CUDA cores: 128 logical pages per program: on the H200 at 128K x 8 (Llama-8B heads, r = 4)
@@ -133,12 +166,13 @@ def physical_page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, lengths: Tensor,
         block, warps = _config or (next_pow2(max(1, 128 // r)), warps)
     dot = dot and block >= 16  # tensor-core tiles need 16 rows
     upcast = interpreting() or kmin.dtype == torch.float32 or q.dtype != kmin.dtype
-    _physical_scores_kernel[(B * Hkv, triton.cdiv(NP, block))](
+    sink_end, local = window or (0, 0)
+    _physical_scores_kernel[(B * Hkv, max(1, triton.cdiv(NP, block)))](  # (a program to write the windows)
         q, kmin, kmax, lengths, ae, ast, sk, out, Hkv, P, NP, q.stride(0), q.stride(1), kmin.stride(0),
         kmin.stride(1), kmin.stride(2), ae.stride(0), ae.stride(1), ast.stride(0), ast.stride(1), *sk_strides,
-        G=G, D=D, R=r, WIDTH=physical_page_size, BLOCK=block, SUM=gqa_reduce == "sum",
+        sink_end, local, G=G, D=D, R=r, WIDTH=physical_page_size, BLOCK=block, SUM=gqa_reduce == "sum",
         HAS_SKIP=skip is not None, DOT=dot, GP=16, UPCAST=upcast, IEEE=upcast and not interpreting(),
-        num_warps=warps, **launch_args(out))
+        WINDOW=window is not None, num_warps=warps, **launch_args(out))
     return out
 
 

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from . import int32_contiguous, interpreting, next_pow2
 from .pdl import launch_args, start_after_producer
-from ..ops.select import key_dtype
+from ..ops.select import ChosenList, key_dtype
 
 
 @triton.jit(do_not_specialize=('N', 'snv_b', 'snv_h'))
@@ -234,8 +234,11 @@ def _key_value(k):
 
 
 @triton.jit(do_not_specialize=('N', 'sz_r', 'sb_r'))
-def _budget_kernel(S, Z, BUD, CHOSEN, OFF, TOT, N, sz_r, sb_r, BLOCK: tl.constexpr, K: tl.constexpr,
-                   PDL: tl.constexpr):
+def _budget_kernel(S, Z, BUD, CHOSEN, OFF, TOT, IDS, NCH, N, sz_r, sb_r, BLOCK: tl.constexpr, K: tl.constexpr,
+                   LISTED: tl.constexpr, PDL: tl.constexpr):
+    """Program (row): the row's budgeted choice (ops.select.select_by_budget) with its entries
+    in registers; LISTED: also the chosen entries as a list (IDS [R, N]: ascending, then -1;
+    NCH [R]: how many), as ops.select.chosen_list."""
     start_after_producer(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -286,16 +289,24 @@ def _budget_kernel(S, Z, BUD, CHOSEN, OFF, TOT, N, sz_r, sb_r, BLOCK: tl.constex
     tl.store(CHOSEN + row * N + offs, chosen.to(tl.int8), mask=inb)
     tl.store(OFF + row * N + offs, off, mask=inb)
     tl.store(TOT + row, tl.sum(csz, 0))
+    if LISTED:
+        ch = chosen.to(tl.int32)
+        rank = tl.cumsum(ch, 0) - ch
+        n = tl.sum(ch, 0)
+        tl.store(IDS + row * N + rank, offs, mask=chosen)
+        tl.store(IDS + row * N + offs, -1, mask=(offs >= n) & inb)  # (other positions than the ranks)
+        tl.store(NCH + row, n)
 
 
 THRESHOLDS_PER_ROUND = 4  # fastest on the H200 at 4096 entries: 8 or 16 need fewer rounds
 # but each costs more than it saves
 
 
-def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor,
-                     _config: Optional[Tuple[int, int]] = None) -> Tuple[Tensor, Tensor, Tensor]:
+def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor, listed: bool = False,
+                     _config: Optional[Tuple[int, int]] = None) -> tuple:
     """Triton twin of ops.select.select_by_budget (one program per row, entries in
-    registers). `_config` = (thresholds per round, warps) overrides the launch."""
+    registers; with `listed` the same launch writes the ChosenList). `_config` =
+    (thresholds per round, warps) overrides the launch."""
     lead, N = scores.shape[:-1], scores.shape[-1]
     s = scores.reshape(-1, N).to(torch.float32).contiguous()
     R = s.shape[0]
@@ -306,10 +317,12 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor,
     chosen = torch.empty(R, N, dtype=torch.int8, device=s.device)
     off = torch.empty(R, N, dtype=torch.int32, device=s.device)
     tot = torch.empty(R, dtype=torch.int32, device=s.device)
+    ids, nch = (torch.empty(R, N, dtype=torch.int32, device=s.device), torch.empty_like(tot)) if listed else (off, tot)
     block = max(16, next_pow2(N))
     # H200 sweeps: 8 warps for 2,048 entries (LServe's 64-token pages at 128K) 15.7 us against
     # 4 warps' 18.3 at x 8 (scripts/profile_plan.py --methods lserve --sweep)
     k, warps = _config or (THRESHOLDS_PER_ROUND, min(16, max(8 if block >= 2048 else 4, block // 1024)))
-    _budget_kernel[(R,)](s, z, bud, chosen, off, tot, N, z.stride(0), bud.stride(0), BLOCK=block, K=k,
-                         num_warps=warps, **launch_args(s))
-    return chosen.view(torch.bool).view(*lead, N), off.view(*lead, N), tot.view(lead)
+    _budget_kernel[(R,)](s, z, bud, chosen, off, tot, ids, nch, N, z.stride(0), bud.stride(0), BLOCK=block, K=k,
+                         LISTED=listed, num_warps=warps, **launch_args(s))
+    out = chosen.view(torch.bool).view(*lead, N), off.view(*lead, N), tot.view(lead)
+    return (*out, ChosenList(ids.view(*lead, N), nch.view(lead))) if listed else out

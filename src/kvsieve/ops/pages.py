@@ -94,6 +94,17 @@ def physical_page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, lengths: Tensor,
     return s.masked_fill(~cand, float("-inf"))
 
 
+def windowed_page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, lengths: Tensor, sink: int, local: int,
+                         page_size: int, physical_page_size: int, gqa_reduce: str = "max",
+                         skip: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """page_windows, then physical_page_scores between them: (scores [B, Hkv, Pp],
+    always_end [B, 1], always_start [B, 1])."""
+    always_end, always_start = page_windows(lengths, sink, local, physical_page_size)
+    s = physical_page_scores(q, kmin, kmax, lengths, always_end, always_start, page_size, physical_page_size,
+                             gqa_reduce, skip)
+    return s, always_end, always_start
+
+
 def page_windows(lengths: Tensor, sink: int, local: int, physical_page_size: int) -> Tuple[Tensor, Tensor]:
     """The tokens a page selection attends anyway, per request (lengths [B]): [0, always_end)
     with always_end = min(length, sink rounded up to whole physical pages), and

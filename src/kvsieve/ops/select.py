@@ -139,7 +139,7 @@ def radius_bound(per_head: Tensor, q: Tensor, radius: Tensor) -> Tensor:
     return (per_head.to(ct).view(B, Hkv, Hq // Hkv, C) + qn * radius.to(ct)[:, :, None]).amax(2)
 
 
-def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor, listed: bool = False) -> tuple:
     """Take entries in descending score order while their total size stays <= budget.
 
     scores [R..., N] float (-inf: not a candidate); sizes [R..., N] int (0: not a
@@ -148,7 +148,7 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor) -> Tuple[Ten
     any candidate never selects nothing).
     Returns chosen [R..., N] bool, offsets [R..., N] int32 (exclusive running sum of the
     chosen sizes in entry order: where each chosen entry's tokens go) and total [R...]
-    int32 (tokens chosen).
+    int32 (tokens chosen), and with `listed` the ChosenList of chosen.
     """
     lead, N = scores.shape[:-1], scores.shape[-1]
     s = scores.reshape(-1, N).double()
@@ -167,7 +167,8 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor) -> Tuple[Ten
     chosen = cand & (s >= thr)
     chosen_sizes = (z * chosen).to(torch.int32)
     offsets = chosen_sizes.cumsum(-1, dtype=torch.int32) - chosen_sizes
-    return chosen.view(*lead, N), offsets.view(*lead, N), chosen_sizes.sum(-1, dtype=torch.int32).view(lead)
+    out = chosen.view(*lead, N), offsets.view(*lead, N), chosen_sizes.sum(-1, dtype=torch.int32).view(lead)
+    return (*out, chosen_list(out[0])) if listed else out
 
 
 class ChosenList(NamedTuple):
@@ -179,7 +180,7 @@ class ChosenList(NamedTuple):
 
 
 def chosen_list(chosen: Tensor) -> ChosenList:
-    """The ChosenList of chosen [B, Hkv, N] bool."""
+    """The ChosenList of chosen [..., N] bool."""
     N = chosen.shape[-1]
     ids = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True).to(torch.int32)
     count = chosen.sum(-1, dtype=torch.int32)
@@ -207,7 +208,9 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
     their list [0, sink) + [length - local, length) whatever was chosen (LServe's static
     heads in the dynamic heads' plan, with no merge of two plans).
     listed: chosen as a ChosenList, where the caller has it (the Triton twin then visits
-    only the chosen clusters; the result is the same).
+    only the chosen clusters, or finds a page position's page at position // width; the
+    result is the same). For pages it requires every chosen page to hold `width` tokens
+    (none crossing always_start), as the page methods choose them.
     Returns indices [B, Hkv, cap] int32 and counts [B, Hkv] int32.
     """
     B, Hkv, N = chosen.shape
