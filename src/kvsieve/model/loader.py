@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional, Tuple, Union
 
@@ -77,10 +78,21 @@ def resolve_named(name: str) -> Path:
     out = cache_root() / name
     if is_converted(out):
         return out
-    work = cache_root() / f"{name}.gguf-tmp"
-    convert_gguf(NAMED[name](work), out)
-    shutil.rmtree(work, ignore_errors=True)  # the chunks stay installed; reassembly takes ~10 s
+    with cache_lock(out):
+        if not is_converted(out):  # (another process may have converted it while this one waited)
+            work = cache_root() / f"{name}.gguf-tmp"
+            _convert(NAMED[name](work), out)
+            shutil.rmtree(work, ignore_errors=True)  # the chunks stay installed; reassembly takes ~10 s
     return out
+
+
+def cache_lock(out: Path):
+    """An exclusive lock on cache entry `out` across processes: commands started together
+    (a server and a generate, parallel eval jobs) convert a model once, the others wait for it."""
+    from filelock import FileLock
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(out) + ".lock")
 
 
 def is_converted(out: Path) -> bool:
@@ -151,9 +163,19 @@ def resolve_model_dir(model: Optional[str]) -> Path:
 def convert_gguf(gguf: Path, out: Path) -> Path:
     """De-quantise a GGUF file into a float32 safetensors directory (once), with its tokenizer
     (and chat template, where the GGUF has one). An architecture kvsieve does not run raises
-    ValueError naming it, before any conversion."""
+    ValueError naming it, before any conversion. Processes converting the same file at once
+    convert it once (cache_lock)."""
     if is_converted(out):
         return out
+    with cache_lock(out):
+        if not is_converted(out):  # (another process may have converted it while this one waited)
+            _convert(gguf, out)
+    return out
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    """convert_gguf's work, under the entry's lock: written in a directory of this process's
+    own, then renamed to `out` in one step (a reader never sees a half-written model)."""
     arch = gguf_architecture(gguf)
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {gguf.name}; kvsieve runs "
@@ -161,23 +183,24 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"kvsieve: converting {gguf.name} to safetensors in {out} (once, ~30 s)", file=sys.stderr)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    except Exception as e:  # transformers raises many kinds; the user needs one line
-        raise ValueError(f"could not read GGUF file {gguf}: {e.__class__.__name__}: {e}; "
-                         "pass a valid Llama-family or Gemma 3 .gguf or a Hugging Face directory") from e
-    # the weights are de-quantised float32 now; drop the GGUF marker so they save as plain safetensors
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+        try:
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        except Exception as e:  # transformers raises many kinds; the user needs one line
+            raise ValueError(f"could not read GGUF file {gguf}: {e.__class__.__name__}: {e}; "
+                             "pass a valid Llama-family or Gemma 3 .gguf or a Hugging Face directory") from e
+        # the weights are de-quantised float32 now; drop the GGUF marker so they save as plain safetensors
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)  # an unfinished leftover (a converted one was returned)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_model(model: Optional[str] = None, dtype=torch.float32, device="cpu") -> Tuple[Model, object, Path]:
