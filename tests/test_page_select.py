@@ -261,18 +261,25 @@ def test_one_index_serves_methods_with_other_budgets():
     assert counts[1] > counts[0] == counts[2]
 
 
+def launch_windows(lengths, sink, local, pp):
+    """The windows as the scoring launch writes them (no summaries to score: one program per row)."""
+    B = lengths.shape[0]
+    q, kmin = torch.zeros(B, 1, 16, device=lengths.device), torch.zeros(B, 1, 0, 16, device=lengths.device)
+    return kpages.windowed_page_scores(q, kmin, kmin, lengths, sink, local, 16, pp)[1:]
+
+
 @pytest.mark.parametrize("sink,local,pp", [(0, 0, 16), (16, 256, 64), (100, 37, 16), (64, 64, 64)])
 def test_page_windows_kernel_matches_twin(sink, local, pp):
-    """The always-attended windows of a fresh selection, one launch against the twin's
-    torch ops and an oracle, lengths at and around page boundaries."""
+    """The always-attended windows of a fresh selection, written by the scoring launch,
+    against the twin's torch ops and an oracle, lengths at and around page boundaries."""
     lengths = torch.tensor([1, 54, 97, 1000, 63, 64, 65, 128, 300, 2])
     lengths = torch.cat([lengths, torch.randint(1, 5000, (130,), generator=torch.Generator().manual_seed(pp))])
-    for n in (1, 10, 64, 65, 140):  # one program of 64 rows, and several
+    for n in (1, 10, 64, 65, 140):
         sub = lengths[:n]
         assert all(torch.equal(w, x.cpu()) for w, x in zip(rpages.page_windows(sub, sink, local, pp),
-                                                            kpages.page_windows(sub.to(DEV), sink, local, pp)))
+                                                            launch_windows(sub.to(DEV), sink, local, pp)))
     want = rpages.page_windows(lengths, sink, local, pp)
-    got = kpages.page_windows(lengths.to(DEV), sink, local, pp)
+    got = launch_windows(lengths.to(DEV), sink, local, pp)
     for w, x in zip(want, got):
         assert x.shape == (len(lengths), 1) and torch.equal(w, x.cpu())
     for i, L in enumerate(lengths.tolist()):

@@ -86,15 +86,6 @@ def update_page_summaries(kmin, kmax, k_new, lengths, page_size):
     return impl(kmin, kmax, k_new, lengths, page_size)
 
 
-def page_windows(lengths, sink, local, physical_page_size):
-    """See ops.pages.page_windows."""
-    if use_triton(lengths):
-        from .kernels.pages import page_windows as impl
-    else:
-        from .ops.pages import page_windows as impl
-    return impl(lengths, sink, local, physical_page_size)
-
-
 def physical_page_scores(q, kmin, kmax, lengths, always_end, always_start, page_size, physical_page_size,
                          gqa_reduce="max", skip=None):
     """See ops.pages.physical_page_scores."""

@@ -208,27 +208,3 @@ def update_page_summaries(kmin: Tensor, kmax: Tensor, k_new: Tensor, lengths: Te
         _update_summaries_kernel[(B * Hkv,)](kmin, kmax, k_new, lengths, Hkv, kmin.stride(0), kmin.stride(1),
                                              kmin.stride(2), k_new.stride(0), k_new.stride(1), PAGE=page_size, D=D,
                                              BLOCK_D=next_pow2(D), num_warps=1, **launch_args(kmin))
-
-
-@triton.jit(do_not_specialize=('B',))
-def _windows_kernel(LEN, AEND, ASTART, B, SINK_END, LOCAL, PP, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    start_after_producer(PDL)
-    b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    length = tl.load(LEN + b, mask=b < B, other=0).to(tl.int64)
-    a_end = tl.minimum(length, SINK_END)
-    a_start = tl.maximum(tl.maximum(length - LOCAL, 0) // PP * PP, a_end)
-    tl.store(AEND + b, a_end, mask=b < B)
-    tl.store(ASTART + b, a_start, mask=b < B)
-
-
-def page_windows(lengths: Tensor, sink: int, local: int, physical_page_size: int) -> Tuple[Tensor, Tensor]:
-    """Triton twin of ops.pages.page_windows: one launch instead of six elementwise ones per
-    fresh selection (each layer of a decode step)."""
-    B = lengths.shape[0]
-    a_end = torch.empty(B, 1, dtype=torch.int64, device=lengths.device)
-    a_start = torch.empty_like(a_end)
-    pp = physical_page_size
-    # one variant for every batch size (a constexpr following B compiled one per row bucket)
-    _windows_kernel[(triton.cdiv(B, 64),)](lengths, a_end, a_start, B, -(-sink // pp) * pp, local, pp,
-                                           BLOCK=64, num_warps=1, **launch_args(a_end))
-    return a_end, a_start
