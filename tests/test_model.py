@@ -1,6 +1,8 @@
 """Tests on the real embedded model (SmolLM2-135M-Instruct). Prompts <= 2K tokens; longer
 ones are marked slow."""
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,7 +218,12 @@ def test_generate_takes_the_shipped_dense_heads_in_threshold_mode_only(capsys, m
     (["--dense-heads", "/nonexistent/heads.json", "--prompt", "hi"], "dense-heads file '/nonexistent/heads.json' "
                                                                         "not found"),
     (["--prompt-file", "/nonexistent.txt"], "prompt file '/nonexistent.txt' not found"),
-    (["--prompt", "hi", "--max-new-tokens", "8200"], "the model allows 8192 positions"),
+    (["--prompt", "hi", "--max-new-tokens", "8200"], "the model allows 8192 positions; ask for at most 81"),
+    (["--prompt", "hi", "--method", "quest", "--budget", "2147483648"], "budget must be at most 16,777,216"),
+    (["--prompt", "hi", "--method", "tactic", "--budget", str(1 << 63)], "budget must be at most 16,777,216"),
+    (["--prompt", "hi", "--method", "streaming", "--local", "99999999999"], "local must be at most 16,777,216"),
+    (["--prompt", "hi", "--device", "meta"], "kvsieve runs on cpu or cuda devices"),
+    (["--prompt", "hi", "--device", "mps"], "kvsieve runs on cpu or cuda devices"),
 ])
 def test_generate_bad_input_exits_2_with_one_line(capsys, argv, message):
     rc, out, err = run_cli(capsys, "generate", *argv)
@@ -245,3 +252,18 @@ def test_passkey_long_contexts(embedded, length):
         for method, opts in [("tactic", {}), ("lserve", {"budget": 512})]:
             out = tok.decode(Engine(model, method, progress=False, **opts).generate([ids], 8).tokens[0])
             assert key in out, (method, length, depth, out)
+
+
+def test_unreadable_weights_exit_2_naming_the_file(embedded, tmp_path, capsys):
+    """A truncated or foreign .safetensors file (an interrupted download) is one clear error
+    naming the file, not a traceback."""
+    _, _, path = embedded
+    d = tmp_path / "broken"
+    d.mkdir()
+    for f in Path(path).iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, d / f.name)
+    (d / "model.safetensors").write_bytes(next(Path(path).glob("*.safetensors")).read_bytes()[:100000])
+    rc, _, err = run_cli(capsys, "generate", "--model", str(d), "--prompt", "hi")
+    assert rc == 2 and "could not read weights file" in err and "model.safetensors" in err
+    assert err.count("\n") == 1 and "Traceback" not in err

@@ -14,16 +14,30 @@ from dataclasses import dataclass, fields
 from typing import Optional, Tuple
 
 
+# Token counts and sizes beyond this are no context's (16.8M tokens): a budget or window at
+# least the context's length already covers all of it, and the kernels index lists in int32
+MAX_TOKENS = 1 << 24
+
+
 def _positive_int(name: str, value, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    _at_most_max(name, value)
 
 
-def _non_negative_int(name: str, value) -> None:
+def _non_negative_int(name: str, value, bounded: bool = True) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    if bounded:
+        _at_most_max(name, value)
+
+
+def _at_most_max(name: str, value: int) -> None:
+    if value > MAX_TOKENS:
+        raise ValueError(f"{name} must be at most {MAX_TOKENS:,}, got {value:,}; a value at or above the "
+                         "context's length already covers all of it")
 
 
 def _fraction(name: str, value, low_open: bool = True) -> None:
@@ -295,7 +309,7 @@ class TacticConfig(MethodConfig):
         _positive_int("cluster_size", self.cluster_size)
         _non_negative_int("max_clusters", self.max_clusters)
         _positive_int("max_iters", self.max_iters)
-        _non_negative_int("seed", self.seed)
+        _non_negative_int("seed", self.seed, bounded=False)
         _fraction("head_fraction", self.head_fraction, low_open=False)
         c = tuple(self.segment_centers)
         if len(c) != 2 or not all(isinstance(x, (int, float)) for x in c) or not (

@@ -515,6 +515,8 @@ def resolve_device(device: Optional[str], dtype: Optional[str]):
         raise ValueError(f"--device {device!r} is not a device torch knows ({e}); use cpu or cuda") from e
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device} was asked for but no CUDA GPU is available; use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: kvsieve runs on cpu or cuda devices; use --device cpu or --device cuda")
     if dtype is None:
         dtype = "bfloat16" if dev.type == "cuda" else "float32"
     if dtype not in ("float32", "bfloat16", "float16"):

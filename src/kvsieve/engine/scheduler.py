@@ -157,11 +157,12 @@ class Scheduler:
             raise ValueError("the prompt is empty; give at least one token")
         total = len(prompt) + params.max_new_tokens
         if total > self.max_model_len:
+            room = self.max_model_len - params.max_new_tokens
+            fix = (f"shorten the prompt to at most {room} tokens or ask for fewer new tokens" if room > 0
+                   else f"ask for at most {self.max_model_len - len(prompt)} new tokens")
             raise ValueError(
                 f"the prompt has {len(prompt)} tokens and max_new_tokens is {params.max_new_tokens}, but the model "
-                f"allows {self.max_model_len} positions; shorten the prompt to at most "
-                f"{self.max_model_len - params.max_new_tokens} tokens or ask for fewer new tokens "
-                "(kvsieve never truncates)")
+                f"allows {self.max_model_len} positions; {fix} (kvsieve never truncates)")
         if self.pages_for(total) > self.num_pages:
             raise ValueError(
                 f"a request of {total} tokens needs {self.pages_for(total)} KV pages of {self.page_size} tokens but "

@@ -266,9 +266,15 @@ def load_weights(d: Path, dtype=torch.float32, device="cpu") -> Model:
     except (KeyError, json.JSONDecodeError) as e:
         raise ValueError(f"{d / 'config.json'} is not a usable model config ({e}); "
                          "pass a Llama-family or Gemma 3 Hugging Face model directory") from e
+    from safetensors import SafetensorError
+
     weights = {}
     for f in sorted(d.glob("*.safetensors")):
-        weights.update(load_file(str(f), device=str(device)))
+        try:
+            weights.update(load_file(str(f), device="cpu"))
+        except SafetensorError as e:  # a truncated download, a file that is not safetensors
+            raise ValueError(f"could not read weights file {f}: {e}; download or convert the model again") from e
+    weights = {k: v.to(device) for k, v in weights.items()}
     if raw.get("model_type") == "gemma3" and "text_config" in raw:
         weights = text_weights(weights)
     return build_model(cfg, {k: v.to(dtype) for k, v in weights.items()})

@@ -121,10 +121,11 @@ class Engine:
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty; give some text")
             if len(p) + max_new_tokens > limit:
+                fix = (f"shorten the prompt to at most {limit - max_new_tokens} tokens or lower --max-new-tokens"
+                       if max_new_tokens < limit else f"ask for at most {limit - len(p)} new tokens")
                 raise ValueError(
                     f"prompt {i} has {len(p)} tokens and --max-new-tokens is {max_new_tokens}, but the model "
-                    f"allows {limit} positions; shorten the prompt to at most {limit - max_new_tokens} tokens "
-                    "or lower --max-new-tokens (kvsieve never truncates)")
+                    f"allows {limit} positions; {fix} (kvsieve never truncates)")
 
     def new_cache(self, prompts, max_new_tokens) -> PagedKVCache:
         cfg = self.model.cfg
