@@ -180,7 +180,7 @@ def test_index_room_reserved_for_a_long_request_is_bounded_by_the_pool(tiny_mode
     opts = {"cluster_size": 8, "local": 8}
     ps = prompts(8, lo=30, hi=40, seed=51) + prompts(1, lo=400, hi=401, seed=52)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    eng = LLMEngine(tiny_model, None, "tactic", paged=True, kv_pages=40, page_size=16, step_tokens=400,
+    eng = LLMEngine(tiny_model, None, "tactic", paged=True, kv_pages=40, kv_page_size=16, step_tokens=400,
                     max_num_seqs=9, **opts)
     eng.runner.keep_dead_rows = True
     cap = RESERVE_POOL_MULTIPLE * 40 * 16 // 8  # 320 tokens per row for 8 rows: under the 400-token prompt
@@ -256,7 +256,7 @@ def test_full_pool_queues_and_preempts_without_losing_a_request(tiny_model):
     ps = prompts(6, lo=40, hi=60, seed=5)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     # 14 pages of 16 tokens: about two requests at a time; decode growth forces preemption
-    eng = LLMEngine(tiny_model, None, "dense", kv_pages=14, page_size=16)
+    eng = LLMEngine(tiny_model, None, "dense", kv_pages=14, kv_page_size=16)
     outs = eng.generate(ps, params)
     assert all(len(o.tokens) == 40 and o.finish_reason == "length" for o in outs)
     assert eng.stats.preemptions >= 1
@@ -445,7 +445,7 @@ def test_generate_takes_one_sampling_params_per_prompt(tiny_model):
 
 
 def test_warmup_runs_at_the_asked_length_and_leaves_the_engine_as_new(tiny_model):
-    eng = LLMEngine(tiny_model, None, "tactic", cluster_size=8, kv_pages=40, page_size=16)
+    eng = LLMEngine(tiny_model, None, "tactic", cluster_size=8, kv_pages=40, kv_page_size=16)
     seen = []
     add = eng.scheduler.add
     eng.scheduler.add = lambda ids, *a, **k: seen.append(len(ids)) or add(ids, *a, **k)
@@ -461,7 +461,7 @@ def test_warmup_runs_at_the_asked_length_and_leaves_the_engine_as_new(tiny_model
     assert eng.scheduler.used_pages == 0 and not eng.has_unfinished
     eng.scheduler.add = add
     ps, params = prompts(3, seed=5), SamplingParams(max_new_tokens=6, ignore_eos=True)
-    fresh = LLMEngine(tiny_model, None, "tactic", cluster_size=8, kv_pages=40, page_size=16).generate(ps, params)
+    fresh = LLMEngine(tiny_model, None, "tactic", cluster_size=8, kv_pages=40, kv_page_size=16).generate(ps, params)
     assert [o.tokens for o in eng.generate(ps, params)] == [o.tokens for o in fresh]
 
 

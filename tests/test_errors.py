@@ -19,6 +19,8 @@ def qkv(B=1, Hq=4, Hkv=2, S=20, D=64):
     (lambda q, k, v: (q[..., :32], k[..., :32], v), "same shape"),
     (lambda q, k, v: (q[:, :3], k, v), r"query heads \(3\) must be a multiple of KV heads \(2\)"),
     (lambda q, k, v: (q, k[:, :, :0], v[:, :, :0]), "empty input"),
+    (lambda q, k, v: (q, k[:, :0], v[:, :0]), "empty input"),
+    (lambda q, k, v: (q[:, :0], k, v), "empty input"),
     (lambda q, k, v: ([1.0], k, v), "must be a torch.Tensor"),
 ])
 def test_bad_tensors(mutate, match):
@@ -73,3 +75,30 @@ def test_bad_options(method, opts, match):
 def test_make_method_unknown_name():
     with pytest.raises(ValueError, match="unknown method"):
         make_method("Tactic")
+
+
+def test_a_budget_past_the_context_reads_it_all_with_lists_of_the_context():
+    """A budget far above the context (10M tokens on 100) plans lists of the context's
+    bucket, not of the budget, and attends to every token."""
+    from kvsieve.methods.base import capacity_bucket
+
+    q, k, v = qkv(S=100)
+    for method in ("quest", "lserve", "tactic"):
+        res = sparse_decode(q, k, v, method=method, budget=10 ** 7)
+        assert res.mask.all(), method
+        dense = sparse_decode(q, k, v, method="dense").out
+        assert torch.allclose(res.out, dense, atol=1e-5), method
+    assert make_method("quest", budget=10 ** 7).plan_capacity(None, [100]) == capacity_bucket(100, least=4096)
+    assert make_method("quest", budget=10 ** 7).plan_capacity(None, [10 ** 5]) == capacity_bucket(10 ** 5)
+    assert make_method("quest", budget=1024).plan_capacity(None, [10 ** 5]) < 2048  # a budget below: unchanged
+
+
+def test_quest_pages_follow_the_page_size():
+    from kvsieve.methods import config_for
+
+    assert config_for("quest").physical_page_size == 16
+    assert config_for("quest", page_size=32).physical_page_size == 32
+    assert config_for("quest", page_size=8).physical_page_size == 8
+    with pytest.raises(ValueError, match=r"physical_page_size \(64\) must be a multiple of page_size \(128\).*--physical"):
+        config_for("lserve", page_size=128)
+    assert make_method("lserve", page_size=128, physical_page_size=256).dynamic.config.physical_page_size == 256

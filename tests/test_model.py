@@ -267,3 +267,24 @@ def test_unreadable_weights_exit_2_naming_the_file(embedded, tmp_path, capsys):
     rc, _, err = run_cli(capsys, "generate", "--model", str(d), "--prompt", "hi")
     assert rc == 2 and "could not read weights file" in err and "model.safetensors" in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_prompt_files_that_are_not_text_exit_2(tmp_path, capsys):
+    """A directory or a non-UTF-8 file is one clear error, never text decoded with
+    replacement characters."""
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("Café crème brûlée".encode("latin-1"))
+    for f, message in ((tmp_path, "is a directory"), (latin, "is not UTF-8 text")):
+        rc, _, err = run_cli(capsys, "generate", "--prompt-file", str(f))
+        assert rc == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_page_size_reaches_the_method_not_the_pool(embedded):
+    """--page-size is the method's page (quest's pages follow it); the KV pool's pages are
+    the engine's own (kv_page_size)."""
+    from kvsieve.engine import LLMEngine
+
+    model, tok, _ = embedded
+    eng = LLMEngine(model, tok, "quest", kv_pages=8, page_size=8, budget=64)
+    cfg = eng.runner.methods["default"].config
+    assert (cfg.page_size, cfg.physical_page_size, eng.scheduler.page_size) == (8, 8, 16)

@@ -167,7 +167,7 @@ def test_queue_limit():
 
 
 @pytest.mark.parametrize("field,value", [("max_new_tokens", 0), ("temperature", -1.0), ("top_p", 0.0),
-                                         ("top_k", -2), ("seed", 1.5)])
+                                         ("top_k", -2), ("seed", 1.5), ("seed", 2 ** 64), ("seed", -2 ** 63 - 1)])
 def test_sampling_params_validated(field, value):
     with pytest.raises(ValueError, match=field):
         S.SamplingParams(**{field: value})

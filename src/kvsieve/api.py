@@ -49,8 +49,8 @@ def check_decode_inputs(q: Tensor, k: Tensor, v: Tensor, lengths: Optional[Tenso
     Bk, Hkv, S, Dk = k.shape
     if B != Bk or D != Dk:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head_dim")
-    if S < 1 or B < 1 or D < 1:
-        raise ValueError(f"empty input: B={B}, S={S}, D={D}; every dimension must be >= 1")
+    if S < 1 or B < 1 or D < 1 or Hq < 1 or Hkv < 1:
+        raise ValueError(f"empty input: B={B}, Hq={Hq}, Hkv={Hkv}, S={S}, D={D}; every dimension must be >= 1")
     if Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
     if lengths is None:

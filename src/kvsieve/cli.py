@@ -27,6 +27,8 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, help="quest/lserve: token budget of selected pages; tactic: fixed "
                                               "per-KV-head token budget instead of the threshold (GPU fast path)")
     p.add_argument("--page-size", type=int, help="quest/lserve: logical page size in tokens")
+    p.add_argument("--physical-page-size", type=int, help="quest/lserve: physical page size in tokens, a multiple "
+                                                          "of the page size (quest: the page size; lserve: 64)")
     p.add_argument("--sink", type=int, help="streaming/lserve/hybrid: sink tokens")
     p.add_argument("--local", type=int, help="streaming/lserve/hybrid: local window tokens")
     p.add_argument("--streaming-heads", metavar="FILE", help="lserve/hybrid: streaming-heads pattern from `kvsieve "
@@ -41,7 +43,8 @@ def method_options(args: argparse.Namespace) -> dict:
     """The method options the user actually gave (unset ones keep the method's defaults)."""
     names = {"threshold": "threshold", "cluster_size": "cluster_size", "protect": "protect",
              "protect_bound": "protect_bound", "budget": "budget",
-             "page_size": "page_size", "sink": "sink", "local": "local", "prefill_local": "prefill_local",
+             "page_size": "page_size", "physical_page_size": "physical_page_size", "sink": "sink",
+             "local": "local", "prefill_local": "prefill_local",
              "sparse_prefill": "sparse_prefill"}
     opts = {dst: getattr(args, src) for src, dst in names.items() if getattr(args, src, None) is not None}
     if getattr(args, "dense_heads", None) is not None:

@@ -141,7 +141,8 @@ class PageSelectConfig(MethodConfig):
         if self.physical_page_size % self.page_size:
             raise ValueError(
                 f"physical_page_size ({self.physical_page_size}) must be a multiple of "
-                f"page_size ({self.page_size})"
+                f"page_size ({self.page_size}); give a page size that divides it, or a physical page "
+                "size that is a multiple of it (--physical-page-size)"
             )
         _positive_int("budget", self.budget)
         _non_negative_int("sink", self.sink)
@@ -167,11 +168,16 @@ class QuestConfig(PageSelectConfig):
     """
 
     page_size: int = 16
-    physical_page_size: int = 16
+    physical_page_size: Optional[int] = None  # one level: the logical page (16 by default)
     budget: int = 2048
     sink: int = 16
     local: int = 16
     reuse_steps: int = 1
+
+    def __post_init__(self):
+        if self.physical_page_size is None:
+            object.__setattr__(self, "physical_page_size", self.page_size)
+        super().__post_init__()
 
 
 @dataclass(frozen=True)

@@ -86,14 +86,14 @@ class EngineStats:
 class LLMEngine:
     """model: a kvsieve model (model.cfg, forward, logits); tokenizer: optional (for text);
     method + options: the default sparse method (validated like CLI options); requests may
-    name their own. kv_pages: pool size in pages of page_size tokens (default: room for
+    name their own. kv_pages: pool size in pages of kv_page_size tokens (default: room for
     max_num_seqs requests of the model's full length, capped by gpu_memory_fraction of the
     free GPU memory on CUDA). dense_below: prompts shorter than this many tokens attend
     densely, the others always plan (default on CUDA: the request's method's crossovers, see
     dense_below_for and dense_step_below_for; 0 on the CPU)."""
 
     def __init__(self, model, tokenizer=None, method: str = "dense", kv_pages: Optional[int] = None,
-                 page_size: int = 16, max_num_seqs: int = 64, step_tokens: int = 2048, max_waiting: Optional[int] = None,
+                 kv_page_size: int = 16, max_num_seqs: int = 64, step_tokens: int = 2048, max_waiting: Optional[int] = None,
                  dense_below: Optional[int] = None, prefill_chunk: Optional[int] = None, paged: Optional[bool] = None,
                  graphs: Optional[bool] = None, gpu_memory_fraction: float = 0.9, **method_options):
         self.model, self.tokenizer = model, tokenizer
@@ -110,10 +110,11 @@ class LLMEngine:
         self._dense_below_given = dense_below
         self.dense_fallback = cuda if dense_below is None else dense_below > 0
         if kv_pages is None:
-            kv_pages = self._default_pages(page_size, max_num_seqs, gpu_memory_fraction)
+            kv_pages = self._default_pages(kv_page_size, max_num_seqs, gpu_memory_fraction)
         if kv_pages < 1:
             raise ValueError(f"kv_pages must be >= 1, got {kv_pages}")
-        self.runner = ModelRunner(model, methods, kv_pages, page_size, prefill_chunk or step_tokens, paged, graphs)
+        self._check_pool_fits(kv_pages, kv_page_size)
+        self.runner = ModelRunner(model, methods, kv_pages, kv_page_size, prefill_chunk or step_tokens, paged, graphs)
         self.dense_below = self.dense_below_for("default")  # the default method's crossover, in tokens
         self.dense_step_below = self.dense_step_below_for("default")  # its batch-wide one (0: none)
         self.runner.step_dense_below["default"] = self.dense_step_below
@@ -122,7 +123,7 @@ class LLMEngine:
         # of its cache: a batch-wide method indexes no new request until one plans to its end
         self._reads_most: set = set()
         self._later: set = set()  # ids of requests the batch rule left dense: indexed once it pays
-        self.scheduler = Scheduler(kv_pages, page_size, max_num_seqs, step_tokens, cfg.max_positions, max_waiting)
+        self.scheduler = Scheduler(kv_pages, kv_page_size, max_num_seqs, step_tokens, cfg.max_positions, max_waiting)
         self.eos = tuple(cfg.eos_token_ids)
         self.stats = EngineStats()
         self._track: Dict[int, _Track] = {}
@@ -141,16 +142,29 @@ class LLMEngine:
         m, tok, _ = load_model(model, dtype=dt, device=device)
         return cls(m, tok, **kwargs)
 
-    def _default_pages(self, page_size: int, max_num_seqs: int, fraction: float) -> int:
+    def _page_bytes(self, page_size: int) -> int:
         cfg = self.model.cfg
-        want = max_num_seqs * -(-cfg.max_positions // page_size)
-        per_page = 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * self.model.dtype.itemsize
+        return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * self.model.dtype.itemsize
+
+    def _free_bytes(self) -> int:
+        if self.model.device.type != "cuda":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        return torch.cuda.mem_get_info(self.model.device)[0]
+
+    def _default_pages(self, page_size: int, max_num_seqs: int, fraction: float) -> int:
+        want = max_num_seqs * -(-self.model.cfg.max_positions // page_size)
+        per_page, free = self._page_bytes(page_size), self._free_bytes()
         if self.model.device.type != "cuda":  # at most half the free RAM
-            free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
             return max(1, min(want, free // 2 // per_page))
-        free, _ = torch.cuda.mem_get_info(self.model.device)
         # 30% of it left for method indexes (transiently twice when a batch is rebuilt) and graphs
         return max(1, min(want, int(free * fraction * 0.7) // per_page))
+
+    def _check_pool_fits(self, kv_pages: int, page_size: int) -> None:
+        need, free = kv_pages * self._page_bytes(page_size), self._free_bytes()
+        if need > free:
+            raise ValueError(f"kv_pages={kv_pages:,} pages of {page_size} tokens need {need / 2**30:,.1f} GiB of KV "
+                             f"cache, but {free / 2**30:,.1f} GiB of {self.model.device.type} memory is free; "
+                             "give fewer KV pages (--kv-pages)")
 
     # ------------------------------------------------------------------ requests
     def method_key(self, method: Optional[str], options: Optional[dict]) -> str:

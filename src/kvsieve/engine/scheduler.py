@@ -48,8 +48,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -2 ** 63 <= self.seed < 2 ** 63):
+            raise ValueError(f"seed must be an integer that fits in 64 bits, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 

@@ -6,7 +6,6 @@ import json
 import platform
 import sys
 import time
-from pathlib import Path
 
 from .harness import SUITE_SOURCES, TASKS, EvalPlan, quick_plan
 from .needles import VARIANTS
@@ -116,10 +115,9 @@ def read_text(path) -> str:
         from pydoc_data.topics import topics
 
         return "\n\n".join(topics[k] for k in sorted(topics))
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"--text-file {path!r} not found; pass an existing text file")
-    text = p.read_text(encoding="utf-8", errors="replace")
+    from ..model.cli import read_text_file
+
+    text = read_text_file(path, "--text-file", "text file")
     if not text.strip():
         raise ValueError(f"--text-file {path!r} is empty; give a long real text")
     return text

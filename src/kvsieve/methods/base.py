@@ -207,6 +207,14 @@ def capacity_bucket(n: int, least: int = 64) -> int:
     return 1 << (max(int(n), least) - 1).bit_length()
 
 
+def budget_capacity(cap: int, host_lengths: Optional[List[int]]) -> int:
+    """A fixed budget's list capacity `cap`, at most the longest context's bucket (a list
+    holds distinct tokens of its row), so a budget at or above the context reads all of it
+    without lists, and their compaction, of the budget's size; at least 4,096, so short
+    contexts keep one capacity (one captured step) as they grow."""
+    return cap if not host_lengths else min(cap, capacity_bucket(max(host_lengths), least=4096))
+
+
 def dense_plan(lengths: Tensor, num_kv_heads: int, host_lengths: List[int]) -> TokenPlan:
     """Every valid token of each row: the dense prefix [0, lengths[b]) for every KV head."""
     counts = lengths.to(torch.int32)[:, None].expand(lengths.shape[0], num_kv_heads).contiguous()

@@ -11,8 +11,8 @@ from ..config import PageSelectConfig
 from ..ops.paged import row_table
 from ..ops.pages import page_scores, page_summaries
 from ..ops.select import ChosenList
-from .base import (Selection, SparseMethod, TokenPlan, all_valid, budget_crossover, capacity_bucket, dense_head_flags,
-                   streaming_window)
+from .base import (Selection, SparseMethod, TokenPlan, all_valid, budget_capacity, budget_crossover, capacity_bucket,
+                   dense_head_flags, streaming_window)
 
 
 @dataclass
@@ -266,6 +266,7 @@ class PageSelect(SparseMethod):
         cfg = self.config
         pp = cfg.physical_page_size
         cap = max(1, cfg.budget // pp) * pp + -(-cfg.sink // pp) * pp + cfg.local + 2 * pp + cfg.reuse_steps
+        cap = budget_capacity(cap, host_lengths)
         if state is not None and state.dense is not None:
             cap = max(cap, capacity_bucket(max(host_lengths) + pp))
         return cap

@@ -18,8 +18,8 @@ from ..ops.select import (box_bounds, cluster_box, cluster_radius, key_dtype, qu
                           select_by_budget, sort_keys, summary_scores)
 from ..side_branch import SideBranch
 from . import fit_tables
-from .base import (DENSE_BELOW_KV_BYTES, Selection, SparseMethod, TokenPlan, budget_crossover, capacity_bucket,
-                   dense_head_flags, streaming_window)
+from .base import (DENSE_BELOW_KV_BYTES, Selection, SparseMethod, TokenPlan, budget_capacity, budget_crossover,
+                   capacity_bucket, dense_head_flags, streaming_window)
 from .cluster_index import ClusterIndex, concat_rows, csr_view, take_rows, widened
 
 
@@ -384,7 +384,8 @@ class Tactic(SparseMethod):
         cfg = self.config
         if cfg.budget is None:
             return capacity_bucket(max(host_lengths))
-        return max(cfg.budget, state.max_size) + cfg.sink + cfg.local + cfg.fold_every + 1
+        cap = max(cfg.budget, state.max_size) + cfg.sink + cfg.local + cfg.fold_every + 1
+        return budget_capacity(cap, host_lengths)
 
     def plan(self, q, state: ClusterIndex, lengths, host_lengths, keys: Optional[PagedKeys] = None,
              skip=None, window=None):

@@ -38,16 +38,28 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_generate)
 
 
+def read_text_file(f: str, flag: str, what: str = "prompt file") -> str:
+    """A UTF-8 text file's contents, or one clear error (missing, a directory, not UTF-8):
+    nothing is decoded with replacement characters."""
+    path = Path(f)
+    if path.is_dir():
+        raise ValueError(f"{flag} {f!r} is a directory; pass a text file")
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {f!r} not found; pass an existing text file to {flag}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {f!r} is not UTF-8 text ({e.reason} at byte {e.start}); convert it, "
+                         f"e.g. iconv -f latin1 -t utf-8") from None
+
+
 def read_prompts(args, tok) -> tuple[list[list[int]], bool]:
     """Token ids of each prompt, and whether the built-in document was used."""
     from ..prompts import document_prompt
 
     texts = list(args.prompt or [])
     for f in args.prompt_file or []:
-        path = Path(f)
-        if not path.is_file():
-            raise FileNotFoundError(f"prompt file {f!r} not found; pass an existing text file to --prompt-file")
-        texts.append(path.read_text(encoding="utf-8", errors="replace"))
+        texts.append(read_text_file(f, "--prompt-file"))
     if not texts:
         doc, _, _ = document_prompt(lambda s: len(tok.encode(s, add_special_tokens=False)), 4000)
         return [tok.encode(doc + DEFAULT_QUESTION, add_special_tokens=True)], True
@@ -102,7 +114,7 @@ def cmd_generate(args) -> int:
         "model": str(model_dir),
         "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "prompt_tokens": len(prompts[0]) if len(prompts) == 1 else [len(p) for p in prompts],
-        "generated_tokens": gen,
+        "generated_tokens": gen if len(res) == 1 else [len(o.tokens) for o in res],
         "prefill_s": round(st.prefill_s, 4),
         "decode_s": round(st.decode_s, 4),
         "decode_tokens_per_s": round(st.decode_tokens / st.decode_s, 3) if st.decode_s else 0.0,
