@@ -223,6 +223,7 @@ def test_generate_takes_the_shipped_dense_heads_in_threshold_mode_only(capsys, m
     (["--prompt", "hi", "--method", "tactic", "--budget", str(1 << 63)], "budget must be at most 16,777,216"),
     (["--prompt", "hi", "--method", "streaming", "--local", "99999999999"], "local must be at most 16,777,216"),
     (["--prompt", "hi", "--device", "meta"], "kvsieve runs on cpu or cuda devices"),
+    (["--prompt", "hi", "--kv-pages", "1000000000"], "give fewer KV pages (--kv-pages)"),
     (["--prompt", "hi", "--device", "mps"], "kvsieve runs on cpu or cuda devices"),
 ])
 def test_generate_bad_input_exits_2_with_one_line(capsys, argv, message):
