@@ -35,6 +35,7 @@ from .text import Detokenizer, StopMatcher
 
 log = logging.getLogger("kvsieve.server")
 MAX_STOPS = 4
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's /v1/completions default (chat's: the rest of the context)
 
 
 def _error(e: BadRequest, headers=None) -> JSONResponse:
@@ -81,27 +82,34 @@ class Server:
         if len(stops) > MAX_STOPS:
             raise BadRequest(f"stop takes at most {MAX_STOPS} strings, got {len(stops)}", "stop")
 
+    def too_long(self, message: str, param: str) -> BadRequest:
+        """A request past the context, worded and coded as OpenAI's (clients trim and retry on it)."""
+        return BadRequest(f"This model's maximum context length is {self.max_positions} tokens. {message}", param,
+                          code="context_length_exceeded")
+
     def sampling(self, req, prompt_len: int, chat: bool) -> SamplingParams:
         field, max_tokens = "max_tokens", req.max_tokens
-        if chat and req.max_completion_tokens is not None:
+        if req.max_completion_tokens is not None:
             field, max_tokens = "max_completion_tokens", req.max_completion_tokens
         sch = self.engine.scheduler
         room = min(self.max_positions, sch.num_pages * sch.page_size) - prompt_len
         if room < 1:
-            raise BadRequest(
-                f"the prompt has {prompt_len} tokens but this server allows at most "
+            raise self.too_long(
+                f"The prompt has {prompt_len} tokens but this server allows at most "
                 f"{min(self.max_positions, sch.num_pages * sch.page_size) - 1} (the model's {self.max_positions} "
                 f"positions, the KV pool's {sch.num_pages * sch.page_size} tokens, one new token); shorten the "
                 "prompt (kvsieve never truncates)", self.prompt_param(chat))
-        if max_tokens is None:
-            max_tokens = room
+        if max_tokens is None:  # OpenAI's defaults: the rest of the context for chat, 16 for completions
+            max_tokens = room if chat else min(room, COMPLETIONS_DEFAULT_MAX_TOKENS)
         elif max_tokens < 1:
             raise BadRequest(f"{field} must be an integer >= 1, got {max_tokens}; ask for at least one token", field)
         elif max_tokens > room:
-            raise BadRequest(
-                f"the prompt has {prompt_len} tokens and {field} is {max_tokens}, but at most {prompt_len + room} "
+            raise self.too_long(
+                f"The prompt has {prompt_len} tokens and {field} is {max_tokens}, but at most {prompt_len + room} "
                 f"positions fit (the model allows {self.max_positions}, the KV pool holds "
                 f"{sch.num_pages * sch.page_size}); set {field} <= {room} or shorten the prompt", field)
+        if req.temperature is not None and req.temperature > 2:
+            raise BadRequest(f"temperature must be a number in [0, 2], got {req.temperature}", "temperature")
         seed = req.seed
         if seed is not None and not -(1 << 63) <= seed < (1 << 63):
             raise BadRequest(f"seed must fit in 64 bits, got {seed}", "seed")
@@ -223,7 +231,10 @@ class Server:
         except ValueError as e:  # the engine's last word (e.g. bigger than the pool)
             self.metrics.rejected.labels("invalid").inc()
             msg = str(e).replace("max_new_tokens", "max_tokens")
-            return _error(BadRequest(msg, "max_tokens" if "fewer" in msg else self.prompt_param(chat)))
+            param = "max_tokens" if "fewer" in msg or "new tokens" in msg else self.prompt_param(chat)
+            if "positions" in msg:  # past the model's context
+                return _error(self.too_long(msg[:1].upper() + msg[1:], param))
+            return _error(BadRequest(msg, param))
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if req.stream:
@@ -374,10 +385,20 @@ def create_app(engine, model_name: str = "kvsieve", *, streaming_heads=None, max
     async def completions(request: Request):
         return await server.handle(request, chat=False)
 
+    def model_card() -> dict:
+        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "kvsieve",
+                "max_model_len": server.max_positions}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                            "owned_by": "kvsieve", "max_model_len": server.max_positions}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != server.model_name:
+            return _error(BadRequest(f"model {model_id!r} is not served here; use {server.model_name!r}", "model",
+                                     status=404, code="model_not_found"))
+        return model_card()
 
     @app.get("/health")
     async def health():

@@ -100,6 +100,7 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: Union[StrictStr, List[StrictStr], List[StrictInt]]
+    max_completion_tokens: Optional[StrictInt] = None  # chat's name of max_tokens, taken here too
     echo: Optional[StrictBool] = False
     suffix: Optional[StrictStr] = None
     best_of: Optional[StrictInt] = None
@@ -123,7 +124,7 @@ def _refused(r: _Common) -> List[tuple]:
 EXPECTED = {
     "model": "a string (the served model name, see GET /v1/models)",
     "max_tokens": "an integer >= 1", "max_completion_tokens": "an integer >= 1",
-    "temperature": "a number >= 0", "top_p": "a number in (0, 1]", "top_k": "an integer >= 0 (0 = off)",
+    "temperature": "a number in [0, 2]", "top_p": "a number in (0, 1]", "top_k": "an integer >= 0 (0 = off)",
     "seed": "an integer", "stop": "a string or a list of up to 4 strings", "n": "1 (the only value served)",
     "stream": "true or false", "stream_options": 'an object like {"include_usage": true}',
     "stream_options.include_usage": "true or false", "ignore_eos": "true or false",
