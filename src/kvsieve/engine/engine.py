@@ -160,10 +160,14 @@ class LLMEngine:
         return max(1, min(want, int(free * fraction * 0.7) // per_page))
 
     def _check_pool_fits(self, kv_pages: int, page_size: int) -> None:
-        need, free = kv_pages * self._page_bytes(page_size), self._free_bytes()
-        if need > free:
+        """Refuse a pool that cannot be allocated: past the free GPU memory, or past the
+        machine's RAM (free RAM undercounts what the OS would reclaim)."""
+        cpu = self.model.device.type != "cuda"
+        need = kv_pages * self._page_bytes(page_size)
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if cpu else self._free_bytes()
+        if need > have:
             raise ValueError(f"kv_pages={kv_pages:,} pages of {page_size} tokens need {need / 2**30:,.1f} GiB of KV "
-                             f"cache, but {free / 2**30:,.1f} GiB of {self.model.device.type} memory is free; "
+                             f"cache, but the {'machine has' if cpu else 'GPU has free'} {have / 2**30:,.1f} GiB; "
                              "give fewer KV pages (--kv-pages)")
 
     # ------------------------------------------------------------------ requests

@@ -271,10 +271,9 @@ def load_weights(d: Path, dtype=torch.float32, device="cpu") -> Model:
     weights = {}
     for f in sorted(d.glob("*.safetensors")):
         try:
-            weights.update(load_file(str(f), device="cpu"))
+            weights.update(load_file(str(f), device=str(device)))
         except SafetensorError as e:  # a truncated download, a file that is not safetensors
             raise ValueError(f"could not read weights file {f}: {e}; download or convert the model again") from e
-    weights = {k: v.to(device) for k, v in weights.items()}
     if raw.get("model_type") == "gemma3" and "text_config" in raw:
         weights = text_weights(weights)
     return build_model(cfg, {k: v.to(dtype) for k, v in weights.items()})
