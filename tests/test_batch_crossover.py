@@ -207,7 +207,7 @@ def test_preempted_requests_left_dense_are_judged_again_and_indexed_once(tiny_mo
     again, it is judged as new (too few tokens run beside it: dense). Every request finishes,
     no index is built twice in one life, and none is left waiting for one."""
     ps = prompts(3, lo=LEN, hi=LEN + 1, seed=9)
-    eng = tactic(tiny_model, 500, kv_pages=32, page_size=16)
+    eng = tactic(tiny_model, 500, kv_pages=32, kv_page_size=16)
     built = []
     index = eng.runner.index_request
     eng.runner.index_request = lambda req, n: built.append(

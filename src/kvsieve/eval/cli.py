@@ -117,7 +117,7 @@ def read_text(path) -> str:
         return "\n\n".join(topics[k] for k in sorted(topics))
     from ..model.cli import read_text_file
 
-    text = read_text_file(path, "--text-file", "text file")
+    text = read_text_file(path, "--text-file", "--text-file")
     if not text.strip():
         raise ValueError(f"--text-file {path!r} is empty; give a long real text")
     return text
