@@ -4,6 +4,8 @@ from __future__ import annotations
 import socket
 import sys
 
+SHUTDOWN_STEP_MARGIN_S = 60.0  # past --shutdown-timeout, for the engine step running at the deadline
+
 
 def register(sub) -> None:
     from ..cli import add_method_options
@@ -125,7 +127,10 @@ def cmd_serve(args) -> int:
     print(f"kvsieve serve: {name} ({args.method}) on {device} {str(dtype).replace('torch.', '')}, KV pool "
           f"{sch.num_pages} pages = {sch.num_pages * sch.page_size} tokens, max {sch.max_num_seqs} running, "
           f"{args.max_waiting} waiting; http://{host}:{port}/v1", file=sys.stderr)
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    # uvicorn cancels the streams still open past its own timeout: leave the driver time to
+    # finish the engine step it is in at the deadline (seconds on a CPU) and end them with "abort"
+    config = uvicorn.Config(app, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_STEP_MARGIN_S)
     try:
         _make_server(config, app, args.shutdown_timeout).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
