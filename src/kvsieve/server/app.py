@@ -68,8 +68,7 @@ class Server:
 
     def check_common(self, req) -> None:
         if req.model is not None and req.model != self.model_name:
-            raise BadRequest(f"model {req.model!r} is not served here; use {self.model_name!r} (GET /v1/models)",
-                             "model", status=404, code="model_not_found")
+            raise self.unknown_model(req.model)
         if req.n not in (None, 1):
             raise BadRequest(f"n must be 1, got {req.n}; send one request per completion (with different seeds)",
                              "n")
@@ -81,6 +80,10 @@ class Server:
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stops) > MAX_STOPS:
             raise BadRequest(f"stop takes at most {MAX_STOPS} strings, got {len(stops)}", "stop")
+
+    def unknown_model(self, name: str) -> BadRequest:
+        return BadRequest(f"model {name!r} is not served here; use {self.model_name!r} (GET /v1/models)", "model",
+                          status=404, code="model_not_found")
 
     def too_long(self, message: str, param: str) -> BadRequest:
         """A request past the context, worded and coded as OpenAI's (clients trim and retry on it)."""
@@ -110,13 +113,10 @@ class Server:
                 f"{sch.num_pages * sch.page_size}); set {field} <= {room} or shorten the prompt", field)
         if req.temperature is not None and req.temperature > 2:
             raise BadRequest(f"temperature must be a number in [0, 2], got {req.temperature}", "temperature")
-        seed = req.seed
-        if seed is not None and not -(1 << 63) <= seed < (1 << 63):
-            raise BadRequest(f"seed must fit in 64 bits, got {seed}", "seed")
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None
                                   else req.temperature, top_p=1.0 if req.top_p is None else req.top_p,
-                                  top_k=req.top_k or 0, seed=seed, ignore_eos=bool(req.ignore_eos))
+                                  top_k=req.top_k or 0, seed=req.seed, ignore_eos=bool(req.ignore_eos))
         except ValueError as e:
             msg = str(e).replace("max_new_tokens", field)
             return self._raise_sampling(msg, field)
@@ -396,8 +396,7 @@ def create_app(engine, model_name: str = "kvsieve", *, streaming_heads=None, max
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id != server.model_name:
-            return _error(BadRequest(f"model {model_id!r} is not served here; use {server.model_name!r}", "model",
-                                     status=404, code="model_not_found"))
+            return _error(server.unknown_model(model_id))
         return model_card()
 
     @app.get("/health")
