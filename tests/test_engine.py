@@ -317,7 +317,42 @@ def test_bad_requests_raise_one_clear_error(tiny_model):
         eng.add_request([1, 2], SamplingParams(), method="nope")
     with pytest.raises(ValueError, match="threshold"):
         eng.add_request([1, 2], SamplingParams(), method="tactic", method_options={"threshold": 1.5})
+    for bad, message in [([1, 300], "token id 300 is outside the model's vocabulary \\[0, 300\\)"),
+                         ([-1], "token id -1"), ([1.5, 2], "integer token ids"), (7, "integer token ids"),
+                         (torch.ones(1, 4, dtype=torch.long), "must be 1-D, got shape \\(1, 4\\)"),
+                         ("text", "needs a tokenizer")]:
+        with pytest.raises(ValueError, match=message):
+            eng.add_request(bad, SamplingParams())
+    with pytest.raises(ValueError, match="one str: wrap it in a list"):
+        eng.generate("text")
+    with pytest.raises(ValueError, match="one list of token ids: wrap it in a list"):
+        eng.generate([1, 2, 3])
     assert not eng.has_unfinished
+
+
+def test_prompts_as_text_or_any_integer_sequence(tiny_model):
+    """A str is encoded with the engine's tokenizer; a 1-D tensor or numpy array of ids is a
+    list of ids: the same tokens as the plain list."""
+    np = pytest.importorskip("numpy")
+
+    class Tok:
+        def encode(self, text):
+            return [ord(c) % 300 for c in text]
+
+    eng = LLMEngine(tiny_model, Tok(), "dense")
+    ids = Tok().encode("a prompt in text")
+    ref = eng.generate([ids], SamplingParams(max_new_tokens=5, ignore_eos=True))[0].tokens
+    outs = eng.generate(["a prompt in text", torch.tensor(ids), np.array(ids)],
+                        SamplingParams(max_new_tokens=5, ignore_eos=True))
+    assert [o.tokens for o in outs] == [ref] * 3 and [o.prompt_tokens for o in outs] == [len(ids)] * 3
+
+
+def test_default_cpu_pool_is_bounded(tiny_model):
+    """On the CPU the default pool (zero-filled RAM) takes at most cpu_kv_gib."""
+    per_page = 2 * 2 * 2 * 16 * 16 * 4  # layers, K and V, KV heads, page tokens, head dim, fp32
+    eng = LLMEngine(tiny_model, None, "dense", max_num_seqs=10_000, cpu_kv_gib=0.01)
+    assert eng.scheduler.num_pages == int(0.01 * (1 << 30)) // per_page
+    assert LLMEngine(tiny_model, None, "dense", max_num_seqs=2).scheduler.num_pages == 2 * 1024 // 16
 
 
 def test_dense_below_the_crossover_and_when_plans_read_most(tiny_model, monkeypatch):

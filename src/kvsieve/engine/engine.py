@@ -11,6 +11,7 @@ the engine records tokens, timings and the KV fraction each request read.
 """
 from __future__ import annotations
 
+import operator
 import os
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from .scheduler import Request, SamplingParams, Scheduler
 # A request whose plans read more than DENSE_ABOVE of its cache for DENSE_AFTER steps in a
 # row attends densely from then on (a sparse read of most of the cache is slower than dense).
 DENSE_ABOVE, DENSE_AFTER = 0.5, 4
+
+Prompt = Union[str, Sequence[int]]  # text (encoded with the engine's tokenizer) or token ids
 
 
 @dataclass
@@ -88,14 +91,16 @@ class LLMEngine:
     method + options: the default sparse method (validated like CLI options); requests may
     name their own. kv_pages: pool size in pages of kv_page_size tokens (default: room for
     max_num_seqs requests of the model's full length, capped by gpu_memory_fraction of the
-    free GPU memory on CUDA). dense_below: prompts shorter than this many tokens attend
-    densely, the others always plan (default on CUDA: the request's method's crossovers, see
-    dense_below_for and dense_step_below_for; 0 on the CPU)."""
+    free GPU memory on CUDA, by cpu_kv_gib GiB and half the free RAM on the CPU).
+    dense_below: prompts shorter than this many tokens attend densely, the others always
+    plan (default on CUDA: the request's method's crossovers, see dense_below_for and
+    dense_step_below_for; 0 on the CPU). Prompts are token ids or text (prompt_ids)."""
 
     def __init__(self, model, tokenizer=None, method: str = "dense", kv_pages: Optional[int] = None,
                  kv_page_size: int = 16, max_num_seqs: int = 64, step_tokens: int = 2048, max_waiting: Optional[int] = None,
                  dense_below: Optional[int] = None, prefill_chunk: Optional[int] = None, paged: Optional[bool] = None,
-                 graphs: Optional[bool] = None, gpu_memory_fraction: float = 0.9, **method_options):
+                 graphs: Optional[bool] = None, gpu_memory_fraction: float = 0.9, cpu_kv_gib: float = 2.0,
+                 **method_options):
         self.model, self.tokenizer = model, tokenizer
         cfg = model.cfg
         self.default_method = method
@@ -110,7 +115,7 @@ class LLMEngine:
         self._dense_below_given = dense_below
         self.dense_fallback = cuda if dense_below is None else dense_below > 0
         if kv_pages is None:
-            kv_pages = self._default_pages(kv_page_size, max_num_seqs, gpu_memory_fraction)
+            kv_pages = self._default_pages(kv_page_size, max_num_seqs, gpu_memory_fraction, cpu_kv_gib)
         if kv_pages < 1:
             raise ValueError(f"kv_pages must be >= 1, got {kv_pages}")
         self._check_pool_fits(kv_pages, kv_page_size)
@@ -151,11 +156,11 @@ class LLMEngine:
             return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
         return torch.cuda.mem_get_info(self.model.device)[0]
 
-    def _default_pages(self, page_size: int, max_num_seqs: int, fraction: float) -> int:
+    def _default_pages(self, page_size: int, max_num_seqs: int, fraction: float, cpu_kv_gib: float) -> int:
         want = max_num_seqs * -(-self.model.cfg.max_positions // page_size)
         per_page, free = self._page_bytes(page_size), self._free_bytes()
-        if self.model.device.type != "cuda":  # at most half the free RAM
-            return max(1, min(want, free // 2 // per_page))
+        if self.model.device.type != "cuda":  # the pool is zero-filled RAM: cpu_kv_gib, at most half the free RAM
+            return max(1, min(want, min(int(cpu_kv_gib * (1 << 30)), free // 2) // per_page))
         # 30% of it left for method indexes (transiently twice when a batch is rebuilt) and graphs
         return max(1, min(want, int(free * fraction * 0.7) // per_page))
 
@@ -211,11 +216,13 @@ class LLMEngine:
             return 0
         return self.runner.methods[key].dense_step_below_tokens(self._kv_token_bytes)
 
-    def add_request(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
+    def add_request(self, prompt: Prompt, params: SamplingParams = SamplingParams(),
                     method: Optional[str] = None, method_options: Optional[dict] = None) -> int:
-        """Queue one request (token ids); returns its id. Raises ValueError for input that can
-        never run (empty, longer than the model allows, bigger than the pool) and
-        SchedulerFullError past the waiting-queue limit."""
+        """Queue one request (token ids, or text: prompt_ids); returns its id. Raises
+        ValueError for input that can never run (not token ids of the model's vocabulary,
+        empty, longer than the model allows, bigger than the pool) and SchedulerFullError past
+        the waiting-queue limit."""
+        prompt = self.prompt_ids(prompt)
         key = self.method_key(method, method_options)
         requested = self._method_names[key]
         if "dense" in self.runner.methods and (
@@ -225,6 +232,28 @@ class LLMEngine:
         req = self.scheduler.add(prompt, params, key)
         self._track[req.id] = _Track(requested, time.perf_counter(), key=key)
         return req.id
+
+    def prompt_ids(self, prompt: Prompt) -> List[int]:
+        """A prompt as a list of token ids: a str is encoded with the engine's tokenizer as it
+        stands (no chat template); token ids (a list, or a 1-D integer tensor or array) must lie
+        in the model's vocabulary. Raises ValueError naming the first bad one."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer: build the engine with one, or pass token ids")
+            return list(self.tokenizer.encode(prompt))
+        if getattr(prompt, "ndim", 1) != 1:
+            raise ValueError(f"a prompt of token ids must be 1-D, got shape {tuple(prompt.shape)}; "
+                             "pass one request's ids (e.g. input_ids[0])")
+        vocab = self.model.cfg.vocab_size
+        try:
+            ids = [operator.index(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
+        except TypeError:
+            raise ValueError(f"a prompt must be text or a sequence of integer token ids, got {type(prompt).__name__} "
+                             f"{str(prompt)[:40]!r}") from None
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})")
+        return ids
 
     def abort(self, rid: int) -> None:
         """Cancel a request; its KV pages are free when this returns."""
@@ -402,13 +431,16 @@ class LLMEngine:
         return out
 
     # ------------------------------------------------------------------ conveniences
-    def generate(self, prompts: Sequence[Sequence[int]],
+    def generate(self, prompts: Sequence[Prompt],
                  params: Union[SamplingParams, Sequence[SamplingParams]] = SamplingParams(),
                  method: Optional[str] = None, method_options: Optional[dict] = None) -> List[RequestOutput]:
         """Run every prompt to completion (continuous batching); outputs in prompt order.
         params: one SamplingParams for all, or one per prompt."""
-        if not prompts:
-            raise ValueError("no prompt given; pass at least one prompt")
+        if not prompts or isinstance(prompts, str):
+            raise ValueError("generate() takes a list of prompts (each text or token ids); got "
+                             + ("one str: wrap it in a list" if prompts else "none"))
+        if isinstance(prompts[0], int):
+            raise ValueError("generate() takes a list of prompts; got one list of token ids: wrap it in a list")
         per = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per) != len(prompts):
             raise ValueError(f"got {len(per)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
@@ -464,7 +496,7 @@ class LLMEngine:
             runner.observe, runner.record_logprobs = saved
             self._forced, self._scored = {}, {}
 
-    def stream(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
+    def stream(self, prompt: Prompt, params: SamplingParams = SamplingParams(),
                method: Optional[str] = None, method_options: Optional[dict] = None) -> Iterator[RequestOutput]:
         """One request; yields an output each time it produces tokens (the last one finished)."""
         rid = self.add_request(prompt, params, method, method_options)

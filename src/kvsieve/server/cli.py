@@ -106,14 +106,9 @@ def cmd_serve(args) -> int:
     shipped = model_heads(model_dir, cfg.num_layers, cfg.num_kv_heads,
                           args.streaming_heads if args.method in STREAMING_METHODS else None,
                           opts.get("dense_heads") if args.method in DENSE_HEAD_METHODS else None)
-    pages = args.kv_pages
-    if pages is None and device.type != "cuda":  # the engine's default is sized for a GPU's free memory
-        per_page = 2 * cfg.num_layers * cfg.num_kv_heads * 16 * cfg.head_dim * model.dtype.itemsize
-        want = args.max_num_seqs * -(-cfg.max_positions // 16)
-        pages = max(1, min(want, int(args.cpu_kv_gib * (1 << 30)) // per_page))
-    eng = LLMEngine(model, tok, args.method, kv_pages=pages, max_num_seqs=args.max_num_seqs,
+    eng = LLMEngine(model, tok, args.method, kv_pages=args.kv_pages, max_num_seqs=args.max_num_seqs,
                     max_waiting=args.max_waiting, dense_below=args.dense_below,
-                    gpu_memory_fraction=args.gpu_memory_fraction, **opts)
+                    gpu_memory_fraction=args.gpu_memory_fraction, cpu_kv_gib=args.cpu_kv_gib, **opts)
     if device.type == "cuda" and not args.no_warmup:
         lengths = eng.warmup_lengths()  # requests of any length find their kernels compiled
         print(f"kvsieve serve: warm-up at {', '.join(map(str, lengths))} tokens: {eng.warmup(lengths):.1f} s",
