@@ -180,13 +180,13 @@ def _convert(gguf: Path, out: Path) -> None:
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {gguf.name}; kvsieve runs "
                          f"{', '.join(GGUF_ARCHITECTURES)}")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     print(f"kvsieve: converting {gguf.name} to safetensors in {out} (once, ~30 s)", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         try:
-            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            tok = load_tokenizer(gguf.parent, gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         except Exception as e:  # transformers raises many kinds; the user needs one line
             raise ValueError(f"could not read GGUF file {gguf}: {e.__class__.__name__}: {e}; "
@@ -205,12 +205,19 @@ def _convert(gguf: Path, out: Path) -> None:
 
 def load_model(model: Optional[str] = None, dtype=torch.float32, device="cpu") -> Tuple[Model, object, Path]:
     """-> (LlamaModel or Gemma3Model, tokenizer, directory)."""
-    from transformers import AutoTokenizer
-
     if model is not None and model.startswith(RANDOM_PREFIX):
         return random_model_and_tokenizer(model, dtype, device)
     d = resolve_model_dir(model)
-    return load_weights(d, dtype, device), AutoTokenizer.from_pretrained(d), d
+    return load_weights(d, dtype, device), load_tokenizer(d), d
+
+
+def load_tokenizer(path, **kwargs):
+    """transformers' tokenizer for `path`, clean_up_tokenization_spaces off: the models kvsieve
+    runs have BPE tokenizers, for which transformers ignores that setting (it would strip spaces
+    before punctuation) and warns at the first decode."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False, **kwargs)
 
 
 RANDOM_PREFIX = "random:"
@@ -222,8 +229,6 @@ def random_model_and_tokenizer(model: str, dtype, device):
     (speed does not depend on weight values; no 8B weights reach these machines). It
     reads text with the embedded model's tokenizer, so its vocabulary has that
     tokenizer's 49,152 entries instead of 128,256 (0.8 GB less to read per step)."""
-    from transformers import AutoTokenizer
-
     shape = model[len(RANDOM_PREFIX):]
     if shape not in RANDOM_SHAPES:
         raise ValueError(f"unknown random model {model!r}; choose one of: "
@@ -233,7 +238,7 @@ def random_model_and_tokenizer(model: str, dtype, device):
     from ..bench.e2e import LLAMA31_8B, random_model
 
     d = cache_root() / EMBEDDED_DIR  # the tokenizer alone will do (a GPU machine may lack the GGUF)
-    tok = AutoTokenizer.from_pretrained(d if (d / "tokenizer.json").is_file() else resolve_model_dir(None))
+    tok = load_tokenizer(d if (d / "tokenizer.json").is_file() else resolve_model_dir(None))
     return random_model({**LLAMA31_8B, "vocab_size": len(tok)}, dtype=dtype), tok, Path(model)
 
 
