@@ -169,3 +169,60 @@ def test_group_overlap_is_one_over_g_for_identical_heads_and_more_otherwise():
     same = q.view(1, 2, 4, 64)[:, :, :1].expand(1, 2, 4, 64).reshape(1, 8, 64)
     assert mod.group_overlap(same, index, m.config.head_fraction, S) == pytest.approx(0.25)
     assert 0.25 < mod.group_overlap(q, index, m.config.head_fraction, S) <= 1.0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--cluster-context", "-1"], "--cluster-context must be >= 0 (0: skip), got -1"),
+    (["--e2e-contexts", "131072"], "--e2e-contexts must be at most 131024"),
+    (["--prefill-e2e-contexts", "200000"], "--prefill-e2e-contexts must be at most 131072"),
+    (["--contexts", "256"], "--data calibrated needs --contexts of at least 520 tokens, got 256"),
+    (["--batches", ""], "--batches is empty; give at least one batch size, or --contexts '' to skip"),
+    (["--e2e-batches", ""], "--e2e-batches is empty"),
+])
+def test_bench_refuses_before_running_what_a_later_part_would_fail_on(capsys, argv, message):
+    """Checked before any GPU work (also on a CPU machine): past them a bench ran its kernel
+    table first and lost it (bench.json is written at the end) on an e2e context the engine
+    refuses, or crashed with a traceback (a negative --cluster-context)."""
+    from kvsieve.cli import main
+
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bench_defaults_pass_the_checks(capsys):
+    """The default e2e contexts fit the 8B shape's positions with the decoded tokens (131072
+    did not: the engine refused it after the whole kernel table)."""
+    from kvsieve.bench.cli import check_sizes, _ints
+    from kvsieve.cli import build_parser
+
+    args = build_parser().parse_args(["bench"])
+    check_sizes(args, _ints(args.contexts, "contexts"), _ints(args.batches, "batches"),
+                _ints(args.e2e_contexts, "e2e-contexts"), _ints(args.e2e_batches, "e2e-batches"),
+                _ints(args.prefill_e2e_contexts, "prefill-e2e-contexts"))
+
+
+def test_e2e_budget_is_one_page_at_least(monkeypatch):
+    """2.5% of a small e2e context rounded to 0 tokens: the budget's check stopped the bench.
+    Threshold rows carry a note (on random weights they read ~100% and look slower than dense)."""
+    from types import SimpleNamespace
+
+    from kvsieve.bench import e2e
+
+    seen = []
+    monkeypatch.setattr(e2e, "random_model", lambda: SimpleNamespace(cfg=SimpleNamespace(num_layers=2,
+                                                                                         num_kv_heads=2)))
+    monkeypatch.setattr(e2e, "decode_tokens_per_s", lambda model, method, S, B, **o: seen.append(o) or {})
+    rows = e2e.run([16, 1024], [1], log=lambda r: None)
+    budgets = [o["budget"] for o in seen if "budget" in o]
+    assert budgets and min(budgets) == 16 and 26 in budgets
+    # random weights attend diffusely: the threshold rows say why they read nearly everything
+    assert [("note" in r) for r in rows] == [("threshold" in o) for o in seen]
+
+
+def test_bench_table_without_kernel_rows_prints_no_kernel_header():
+    from kvsieve.bench.cli import format_table
+
+    text = format_table({"device": "GPU", "copy_bandwidth_gbs": 3000.0, "data": "calibrated", "rows": [],
+                         "matched": []})
+    assert text.startswith("device: GPU") and "step ms" not in text

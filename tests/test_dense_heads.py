@@ -63,6 +63,8 @@ def test_pattern_file_dense_heads_are_read_and_checked(tmp_path):
     with pytest.raises(FileNotFoundError, match="kvsieve calibrate"):
         load_dense_heads(tmp_path / "missing.json")
     assert parse_heads("none") == () and parse_heads(" 7:2, 1:0 ") == ((7, 2), (1, 0))
+    with pytest.raises(ValueError, match="--dense-heads is empty.*'none'"):
+        parse_heads(" ")
     assert parse_heads(str(_write(tmp_path, [[5, 1]]))) == ((5, 1),)
 
 

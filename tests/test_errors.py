@@ -102,3 +102,18 @@ def test_quest_pages_follow_the_page_size():
     with pytest.raises(ValueError, match=r"physical_page_size \(64\) must be a multiple of page_size \(128\).*--physical"):
         config_for("lserve", page_size=128)
     assert make_method("lserve", page_size=128, physical_page_size=256).dynamic.config.physical_page_size == 256
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--seed", str(10 ** 20)], "--seed must be an integer that fits in 64 bits, got 100000000000000000000"),
+    (["--seq-len", str(10 ** 9)], "--seq-len 1000000000 needs about"),
+    (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+])
+def test_demo_bad_input_is_one_line(capsys, argv, message):
+    """A seed past 64 bits said only 'Overflow when unpacking long long'; a context past the
+    machine's memory ended in an allocator traceback."""
+    from kvsieve.cli import main
+
+    assert main(["demo", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err

@@ -1,6 +1,7 @@
 """Streaming-head patterns: choice by Λ mass, file round trip, validation, calibration on a
 tiny model against the float64 oracle, and the CLI's errors."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,3 +142,119 @@ def test_local_layers_stream_by_construction_and_the_ratio_applies_to_global_lay
                                                                (False, True))
     # without it, layer 1's two heads use up two of the four places
     assert choose_streaming(scores, 0.5) == ((False, False), (True, True), (False, True), (False, True))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("method_ratios", [0.125], "'method_ratios' must map a method to a fraction"),
+    ("method_ratios", "hybrid=0.1", "'method_ratios' must map a method to a fraction"),
+    ("score", [["x", 0.1], [0.2, 0.3], [0.8, 0.7]], "'score' must hold numbers"),
+    ("score", [[None, 0.1], [0.2, 0.3], [0.8, 0.7]], "'score' must hold numbers"),
+    ("score", "0.5", "'score' must have one value per layer"),
+    ("window_layers", 1, r"'window_layers' must list layers in \[0, 3\), got 1"),
+    ("window_layers", [99], r"'window_layers' must list layers in \[0, 3\), got \[99\]"),
+    ("streaming", "10", "'streaming' must be a non-empty list of 0/1 strings"),
+])
+def test_malformed_pattern_fields_name_the_field(tmp_path, field, value, message):
+    """Each used to escape as a TypeError/AttributeError traceback, or (window_layers past the
+    model, 'streaming' as one string) to be read as something else."""
+    path = tmp_path / "p.json"
+    save_pattern(path, ((True, False), (False, False), (True, True)), {"score": [[0.9, 0.1], [0.2, 0.3], [0.8, 0.7]]},
+                 {"model": "m", "ratio": 0.5, "method_ratios": {"hybrid": 0.5}})
+    doc = json.loads(path.read_text())
+    doc[field] = value
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="malformed streaming-heads file .*" + message):
+        load_pattern(path, 3, 2, "hybrid")
+    path.write_text(json.dumps([doc]))
+    with pytest.raises(ValueError, match="malformed streaming-heads file .*one JSON object"):
+        load_pattern(path, 3, 2)
+
+
+def test_dense_heads_file_of_another_model_is_refused(tmp_path):
+    """A calibrate file of a 28 x 2 model whose dense heads happen to exist in a 30 x 3 model
+    was taken silently through --dense-heads FILE (only the pairs were range-checked)."""
+    from kvsieve.patterns import dense_heads_for, load_dense_heads
+
+    path = tmp_path / "other.json"
+    save_pattern(path, ((False, True),) * 28, {}, {"model": "other-model", "dense_heads": [[7, 1]]})
+    heads = load_dense_heads(path)  # as `--dense-heads FILE` reads it, before the model is known
+    assert heads == ((7, 1),)
+    with pytest.raises(ValueError, match=r"dense heads file .* are for a model with 28 layers x 2 KV heads "
+                                         r"\(model 'other-model'\), but this model has 30 x 3"):
+        dense_heads_for("tactic", {"dense_heads": heads}, tmp_path, 30, 3)
+    with pytest.raises(ValueError, match="are for a model with 28 layers x 2"):
+        load_dense_heads(path, 30, 3)
+    assert dense_heads_for("tactic", {"dense_heads": heads}, tmp_path, 28, 2) is None  # its own shape: fine
+    for bad in ([[7.5, 2]], "7:2", [[True, 2]], [[7]]):
+        path.write_text(json.dumps({"dense_heads": bad}))
+        with pytest.raises(ValueError, match=r"malformed 'dense_heads' .*list of \[layer, kv_head\] integer pairs"):
+            load_dense_heads(path)
+
+
+def test_calibrate_cli_refuses_more_bad_input_in_one_line(capsys, tmp_path):
+    """Past these: --length 0 ran the default length, --out DIR or an unwritable --out failed
+    with a traceback after the whole calibration, --device foo blamed the weights file, a bad
+    --method-ratios value was reported as --ratio, and --length near the model's limit
+    failed in the engine with its own wording."""
+    from kvsieve.cli import main
+
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("only a few words")
+    cases = [(["--length", "0"], "--length must exceed sink + local (384)"),
+             (["--length", "8190"], "(at most 8175), got 8190"),
+             (["--out", str(tmp_path)], "is a directory; give a file name"),
+             (["--device", "foo"], "--device 'foo' is not a device torch knows"),
+             (["--method-ratios", "hybrid=2"], "--method-ratios: hybrid's ratio must be a fraction of KV heads"),
+             (["--dense-lengths", ""], "give at least one"),
+             (["--sink", "0", "--local", "0"], "--sink and --local are both 0"),
+             (["--text-file", str(tiny), "--length", "512"], "the calibration text has 4 tokens but --length 512")]
+    if Path("/proc/self").is_dir():
+        cases.append((["--out", "/proc/kvsieve-calibrate.json"], "cannot write --out '/proc/kvsieve-calibrate.json'"))
+    for argv, msg in cases:
+        assert main(["calibrate", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert msg in err and len(error_lines(err)) == 1, err
+
+
+def test_calibrate_prompts_are_length_tokens_then_steps_forced(monkeypatch, tmp_path):
+    """--length tokens of prompt, then --steps teacher-forced steps (the windows used to be
+    length - steps tokens of prompt and 2 x steps steps)."""
+    from kvsieve.cli import main
+    from kvsieve.eval import calibrate
+
+    seen = []
+
+    def measure(model, prompts, continuations, sink, local):
+        seen.append((prompts, continuations))
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(calibrate, "measure_lambda_mass", measure)
+    assert main(["calibrate", "--length", "600", "--steps", "5", "--windows", "2", "--out",
+                 str(tmp_path / "p.json")]) == 2
+    (prompts, continuations), = seen
+    assert [len(p) for p in prompts] == [600, 600] and [len(c) for c in continuations] == [5, 5]
+
+
+def test_streaming_heads_empty_or_a_directory_is_refused(tmp_path):
+    """'' used to fall back to the shipped pattern silently; a directory was 'not found'."""
+    with pytest.raises(ValueError, match="--streaming-heads is empty; give a pattern file"):
+        pattern_for("lserve", "", tmp_path / "smollm2-135m-instruct", 30, 3)
+    with pytest.raises(ValueError, match="is a directory; give a pattern file"):
+        pattern_for("hybrid", str(tmp_path), tmp_path, 30, 3)
+
+
+def test_lambda_mass_is_the_same_scored_in_batches():
+    """calibrate scores its prompts a few at a time (--windows 2000 used to ask for one KV pool
+    of every window: 354 GiB, refused with advice about an option calibrate lacks)."""
+    from kvsieve.eval.calibrate import measure_lambda_mass
+    from kvsieve.model.loader import load_model
+
+    model, _, _ = load_model()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (40, 33, 51)]
+    continuations = [torch.randint(0, 1000, (3,), generator=g).tolist() for _ in prompts]
+    together = measure_lambda_mass(model, prompts, continuations, sink=4, local=8)
+    one_by_one = measure_lambda_mass(model, prompts, continuations, sink=4, local=8, batch=1)
+    for a, b in zip(together, one_by_one):
+        assert torch.allclose(a, b, atol=1e-5)
+    assert (together[0] < 1).any() and (together[0] > 0).all()

@@ -58,6 +58,9 @@ def parse_heads(text: str) -> tuple:
 
     if text.strip().lower() == "none":
         return ()
+    if not text.strip():
+        raise ValueError("--dense-heads is empty; give layer:kv_head pairs (e.g. 7:2,18:2), a pattern file, "
+                         "or 'none' for no dense head")
     if text.endswith(".json") or Path(text).is_file():
         from .patterns import load_dense_heads
 
@@ -80,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvsieve", description="Adaptive sparse attention for long-context decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="sparse_decode on synthetic clustered attention: KV read and error per method")
-    d.add_argument("--seq-len", type=int, default=8192)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seq-len", type=int, default=8192, help="cached tokens of the synthetic decode step (8192)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the synthetic q, k, v (0)")
     d.set_defaults(func=cmd_demo)
     for register in _extra_commands():
         register(sub)

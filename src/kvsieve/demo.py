@@ -29,9 +29,21 @@ def synthetic_decode_inputs(B=1, Hq=16, Hkv=4, S=8192, D=128, seed=0, dtype=torc
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+DEMO_BYTES_PER_TOKEN = 16 << 10  # peak host memory per context token (measured: 14 KiB at 64K-256K tokens)
+
+
 def run_demo(seq_len: int = 8192, seed: int = 0) -> None:
+    import os
+
     if seq_len < 1:
         raise ValueError(f"--seq-len must be >= 1, got {seq_len}")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if seq_len * DEMO_BYTES_PER_TOKEN > ram:
+        raise ValueError(f"--seq-len {seq_len} needs about {seq_len * DEMO_BYTES_PER_TOKEN / 2**30:,.0f} GiB of "
+                         f"memory but this machine has {ram / 2**30:,.0f} GiB; use --seq-len "
+                         f"{ram // DEMO_BYTES_PER_TOKEN} or less")
+    if not -2 ** 63 <= seed < 2 ** 63:
+        raise ValueError(f"--seed must be an integer that fits in 64 bits, got {seed}")
     q, k, v = synthetic_decode_inputs(S=seq_len, seed=seed)
     ref, _ = dense_attend(q.double(), k.double(), v.double())
     print(f"sparse_decode on synthetic clustered attention: S={seq_len}, 16 query / 4 KV heads, D=128")

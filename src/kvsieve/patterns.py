@@ -64,26 +64,43 @@ def load_pattern(path, num_layers: Optional[int] = None, num_kv_heads: Optional[
     """Read a pattern file; with the model's layer and KV-head counts, check it fits. With a
     method the file's `method_ratios` names, the heads are re-chosen at that ratio from `score`."""
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"streaming-heads file {str(path)!r} is a directory; give a pattern file from "
+                         "`kvsieve calibrate --out FILE`")
     if not p.is_file():
         raise FileNotFoundError(f"streaming-heads file {str(path)!r} not found; create one with "
                                 "`kvsieve calibrate --out FILE`")
     fix = "regenerate it with `kvsieve calibrate`"
     try:
         doc = json.loads(p.read_text())
+        if not isinstance(doc, dict):
+            raise ValueError("it must hold one JSON object")
         rows: List[str] = doc["streaming"]
         if doc.get("format") != FORMAT:
             raise ValueError(f"format is {doc.get('format')!r}, expected {FORMAT!r}")
-        if not rows or not all(isinstance(r, str) and r and set(r) <= {"0", "1"} for r in rows):
+        if not isinstance(rows, list) or not rows or \
+                not all(isinstance(r, str) and r and set(r) <= {"0", "1"} for r in rows):
             raise ValueError("'streaming' must be a non-empty list of 0/1 strings, one per layer")
         if len({len(r) for r in rows}) != 1:
             raise ValueError("every layer of 'streaming' must have the same number of KV heads")
-        ratio = (doc.get("method_ratios") or {}).get(method) if method else None
+        ratios = doc.get("method_ratios") or {}
+        if not isinstance(ratios, dict):
+            raise ValueError(f"'method_ratios' must map a method to a fraction, e.g. {{\"hybrid\": 0.125}}, "
+                             f"got {ratios!r}")
+        ratio = ratios.get(method) if method else None
         if ratio is not None:
             if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
                 raise ValueError(f"method_ratios[{method!r}] must be a fraction in [0, 1], got {ratio!r}")
             score = doc["score"]
-            if [len(r) for r in score] != [len(r) for r in rows]:
+            if not isinstance(score, list) or [len(r) if isinstance(r, list) else -1 for r in score] != \
+                    [len(r) for r in rows]:
                 raise ValueError("'score' must have one value per layer and KV head of 'streaming'")
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x == x for r in score for x in r):
+                raise ValueError("'score' must hold numbers")
+            window_layers = doc.get("window_layers") or []
+            if not isinstance(window_layers, list) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(rows) for i in window_layers):
+                raise ValueError(f"'window_layers' must list layers in [0, {len(rows)}), got {window_layers!r}")
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"malformed streaming-heads file {str(path)!r}: {e}; {fix}") from None
     if num_layers is not None and (len(rows), len(rows[0])) != (num_layers, num_kv_heads):
@@ -91,7 +108,7 @@ def load_pattern(path, num_layers: Optional[int] = None, num_kv_heads: Optional[
                          f"{len(rows[0])} KV heads (model {doc.get('model', '?')!r}), but this model has "
                          f"{num_layers} x {num_kv_heads}; calibrate this model with `kvsieve calibrate`")
     if ratio is not None:
-        return choose_streaming(score, ratio, doc.get("window_layers") or ())
+        return choose_streaming(score, ratio, window_layers)
     return tuple(tuple(c == "1" for c in r) for r in rows)
 
 
@@ -112,6 +129,8 @@ def pattern_for(method: str, path: Optional[str], model_dir, num_layers: int, nu
         return None
     if path is not None and path.lower() == "none":
         return None
+    if path is not None and not path.strip():
+        raise ValueError("--streaming-heads is empty; give a pattern file from `kvsieve calibrate`, or none")
     path = path or default_pattern(model_dir)
     return load_pattern(path, num_layers, num_kv_heads, method) if path else None
 
@@ -152,28 +171,54 @@ def budget_drops_dense_heads(method: str, options: Dict) -> bool:
     return method in THRESHOLD_DENSE_METHODS and options.get("budget") is not None
 
 
+class FileHeads(tuple):
+    """Dense heads read from a pattern file: (layer, KV head) pairs that remember the file and
+    the model shape it was calibrated for, so check_dense_heads refuses another model's file."""
+
+    source: str = ""
+    shape: Optional[Tuple[int, int]] = None
+    model: str = "?"
+
+
 def load_dense_heads(path, num_layers: Optional[int] = None, num_kv_heads: Optional[int] = None
                      ) -> Tuple[Tuple[int, int], ...]:
     """A pattern file's `dense_heads` as sorted (layer, KV head) pairs, () when it has none;
-    with the model's layer and KV-head counts, checked to name heads the model has."""
+    with the model's layer and KV-head counts, checked to be calibrated for this model's shape
+    and to name heads the model has (without them, when check_dense_heads gets the pairs)."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"dense-heads file {str(path)!r} not found; give layer:kv_head pairs (e.g. 7:2) "
                                 "or a file from `kvsieve calibrate --out FILE`")
     try:
-        pairs = json.loads(p.read_text()).get("dense_heads") or []
-        heads = tuple(sorted({(int(a), int(b)) for a, b in pairs}))
+        doc = json.loads(p.read_text())
+        if not isinstance(doc, dict):
+            raise ValueError("the file must hold one JSON object")
+        pairs = doc.get("dense_heads") or []
+        if not isinstance(pairs, list) or not all(
+                isinstance(h, list) and len(h) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in h)
+                for h in pairs):
+            raise ValueError(f"it must be a list of [layer, kv_head] integer pairs, e.g. [[7, 2]], got {pairs!r}")
+        heads = FileHeads(sorted({(a, b) for a, b in pairs}))
         if any(a < 0 or b < 0 for a, b in heads):
             raise ValueError("layers and KV heads must be >= 0")
+        shape = doc.get("num_layers"), doc.get("num_kv_heads")
     except (json.JSONDecodeError, AttributeError, TypeError, ValueError) as e:
         raise ValueError(f"malformed 'dense_heads' in {str(path)!r}: {e}; regenerate it with `kvsieve calibrate`"
                          ) from None
-    check_dense_heads(heads, num_layers, num_kv_heads, f"file {str(path)!r}")
+    heads.source, heads.model = f"file {str(path)!r}", str(doc.get("model", "?"))
+    heads.shape = shape if all(isinstance(x, int) for x in shape) else None
+    check_dense_heads(heads, num_layers, num_kv_heads, heads.source)
     return heads
 
 
 def check_dense_heads(heads, num_layers: Optional[int], num_kv_heads: Optional[int], source: str) -> None:
-    """Every (layer, KV head) pair names a head of a model with these counts."""
+    """Every (layer, KV head) pair names a head of a model with these counts; heads from a
+    file (load_dense_heads) also come from a file calibrated for this shape."""
+    shape = getattr(heads, "shape", None)
+    if num_layers is not None and shape is not None and shape != (num_layers, num_kv_heads):
+        raise ValueError(f"dense heads {heads.source} are for a model with {shape[0]} layers x {shape[1]} KV heads "
+                         f"(model {heads.model!r}), but this model has {num_layers} x {num_kv_heads}; calibrate "
+                         "this model with `kvsieve calibrate`")
     bad = [(a, b) for a, b in heads if num_layers is not None and (a >= num_layers or b >= num_kv_heads)]
     if bad:
         raise ValueError(f"dense heads of {source} name {bad[0][0]}:{bad[0][1]}, but this model has {num_layers} "
@@ -236,3 +281,16 @@ def model_heads(model_dir, num_layers: int, num_kv_heads: int, streaming_path: O
     dense = tuple(dense_heads) if dense_heads is not None else (shipped or ())
     heads["dense"] = {m: unstreamed(dense, heads.get(m)) for m in DENSE_HEAD_METHODS}
     return heads
+
+
+def head_defaults(method: str, options: Dict, model_dir, num_layers: int, num_kv_heads: int) -> Dict:
+    """What the CLI adds for a known model (model_head_options), less whatever `options`
+    names, for the Python entry points (LLMEngine.load, kvsieve.hf): the shipped streaming
+    heads (lserve, hybrid) and dense heads; an lserve or hybrid given its own streaming heads
+    drops the dense heads they stream."""
+    from .methods.hybrid import normalize_pattern
+
+    heads = model_head_options(method, options, model_dir, num_layers, num_kv_heads)
+    if options.get("streaming_heads") is not None and "dense_heads" in heads:
+        heads["dense_heads"] = unstreamed(heads["dense_heads"], normalize_pattern(options["streaming_heads"]))
+    return {k: v for k, v in heads.items() if k not in options}

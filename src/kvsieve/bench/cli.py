@@ -23,12 +23,14 @@ def register(sub) -> None:
                         "Gemma 3 270M's global layers (diffuse), or the clustered stress case (keys scattered in "
                         "position, queries aimed at two keys)")
     p.add_argument("--cluster-context", type=int, default=131072, help="context for clustering vs prefill (0: skip)")
-    p.add_argument("--e2e-contexts", default="32768,131072", help="end-to-end contexts ('' to skip)")
+    p.add_argument("--e2e-contexts", default="32768,131008",
+                   help="end-to-end contexts, at most 131024: 48 tokens are decoded within the 8B shape's 131072 "
+                        "positions ('' to skip)")
     p.add_argument("--e2e-batches", default="1,8")
     p.add_argument("--prefill-contexts", default="32768,65536,131072",
                    help="contexts for prefill attention, dense vs unified block-sparse ('' to skip)")
     p.add_argument("--prefill-e2e-contexts", default="32768,65536,131072",
-                   help="contexts for whole-model prefill, dense vs lserve ('' to skip)")
+                   help="contexts for whole-model prefill, dense vs lserve, at most 131072 ('' to skip)")
     p.add_argument("--out", default="bench-results", help="output directory")
     p.set_defaults(func=cmd_bench)
 
@@ -53,6 +55,30 @@ def _fractions(s, name):
     return vals
 
 
+def check_sizes(args, contexts, batches, e2e_contexts, e2e_batches, prefill_e2e) -> None:
+    """Refuse up front what a later part of the run would (its results would be lost)."""
+    from .attention_stats import LOCAL, SINK
+    from .e2e import LLAMA31_8B, MAX_CONTEXT, NEW_TOKENS
+
+    for name, sizes, part, wanted in (("batches", batches, "contexts", contexts),
+                                      ("e2e-batches", e2e_batches, "e2e-contexts", e2e_contexts)):
+        if wanted and not sizes:
+            raise ValueError(f"--{name} is empty; give at least one batch size, or --{part} '' to skip that part")
+    least = 2 * (SINK + LOCAL)
+    if args.data != "clustered" and any(c < least for c in contexts):
+        raise ValueError(f"--data {args.data} needs --contexts of at least {least} tokens, got {args.contexts} "
+                         "(--data clustered takes any multiple of 16)")
+    if args.cluster_context < 0:
+        raise ValueError(f"--cluster-context must be >= 0 (0: skip), got {args.cluster_context}")
+    if any(c > MAX_CONTEXT for c in e2e_contexts):
+        raise ValueError(f"--e2e-contexts must be at most {MAX_CONTEXT} (the 8B shape's "
+                         f"{LLAMA31_8B['max_position_embeddings']} positions less the {NEW_TOKENS} decoded tokens), "
+                         f"got {args.e2e_contexts}")
+    if any(c > LLAMA31_8B["max_position_embeddings"] for c in prefill_e2e):
+        raise ValueError(f"--prefill-e2e-contexts must be at most {LLAMA31_8B['max_position_embeddings']} (the 8B "
+                         f"shape's positions), got {args.prefill_e2e_contexts}")
+
+
 def cmd_bench(args) -> int:
     contexts, batches = _ints(args.contexts, "contexts"), _ints(args.batches, "batches")
     budgets, thresholds = _fractions(args.budgets, "budgets"), _fractions(args.thresholds, "thresholds")
@@ -62,6 +88,7 @@ def cmd_bench(args) -> int:
     prefill_e2e = _ints(args.prefill_e2e_contexts, "prefill-e2e-contexts") if args.prefill_e2e_contexts else []
     if any(c % 16 for c in contexts):
         raise ValueError(f"--contexts must be multiples of 16 (the page size), got {args.contexts}")
+    check_sizes(args, contexts, batches, e2e_contexts, e2e_batches, prefill_e2e)
     import torch
 
     if not torch.cuda.is_available():
@@ -89,7 +116,8 @@ def cmd_bench(args) -> int:
                          cluster_context=args.cluster_context or None, data=args.data)
     result["e2e"] = e2e.run(e2e_contexts, e2e_batches, log=log) if e2e_contexts else []
     result["prefill"] = prefill.run(prefill_contexts, prefill_e2e, log=log)
-    result.update({"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "seconds": time.time() - t0,
+    command = "kvsieve " + " ".join(getattr(args, "argv", sys.argv[1:]))
+    result.update({"date": time.strftime("%Y-%m-%d"), "command": command, "seconds": time.time() - t0,
                    "torch": torch.__version__, "triton": triton.__version__})
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
@@ -111,7 +139,7 @@ def format_table(result) -> str:
              f"data: {result.get('data', '-')}",
              f"{'ctx':>7} {'B':>3} {'method':<13} {'setting':<36} {'step ms':>8} {'sel ms':>7} {'attn ms':>8} "
              f"{'KV read':>8} {'attn GB/s':>9} {'%copy':>6} {'%c stk':>6} {'speedup':>8} {'clean L2':>8} {'err':>8} "
-             f"{'mass':>6} {'min':>6}"]
+             f"{'mass':>6} {'min':>6}"][:2 if result["rows"] else 1]  # no kernel header without its rows
     for r in result["rows"]:
         lines.append(f"{r['context']:>7} {r['batch']:>3} {r['method']:<13} {r['setting'][:36]:<36} "
                      f"{_f(r['step_ms'], '.4f'):>8} {_f(r['select_ms'], '.4f'):>7} {_f(r['attn_ms'], '.4f'):>8} "
@@ -131,7 +159,8 @@ def format_table(result) -> str:
         if "tokens_per_s" in r:
             lines.append(f"e2e ctx {r['context']:>7} B {r['batch']:>2} {r['method']:<7} {str(r['options']):<18} "
                          f"{r['tokens_per_s']:8.1f} tok/s  step {r['step_ms']:.2f} ms  KV read {r['kv_fraction']:.2%}"
-                         f"  (engine: prefill {r['prefill_s']:.1f} s, warm-up {r['warmup_s']:.1f} s)")
+                         f"  (engine: prefill {r['prefill_s']:.1f} s, warm-up {r['warmup_s']:.1f} s)"
+                         + (f"  {r['note']}" if r.get("note") else ""))
         else:
             lines.append(f"e2e ctx {r['context']:>7} B {r['batch']:>2} {r['method']:<7} {r.get('note', '')}")
     pre = result.get("prefill") or {}

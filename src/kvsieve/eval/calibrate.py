@@ -99,17 +99,22 @@ def choose_dense_heads(lost, count: int):
     return sorted((i, j) for x, i, j in flat[:count] if x < 0)
 
 
-def measure_lambda_mass(model, prompts, continuations, sink: int, local: int):
+SCORE_BATCH = 8  # prompts scored at once: bounds the KV cache whatever --windows and --retrieval ask
+
+
+def measure_lambda_mass(model, prompts, continuations, sink: int, local: int, batch: int = SCORE_BATCH):
     """prompts: token lists; continuations: token lists of one length N, teacher-forced after
-    them. Returns (mass, err), each [layers, kv_heads] float64, means over the N dense decode
-    steps of every prompt."""
+    them, `batch` prompts at a time. Returns (mass, err), each [layers, kv_heads] float64,
+    means over the N dense decode steps of every prompt."""
     from ..engine import LLMEngine
 
     cfg = model.cfg
     obs = LambdaMass(cfg.num_layers, cfg.num_kv_heads, sink, local)
-    engine = LLMEngine(model, None, "dense", max_num_seqs=len(prompts), paged=False,
-                       kv_pages=sum(-(-(len(p) + len(c) + 1) // 16) for p, c in zip(prompts, continuations)))
-    engine.score(prompts, continuations, observe=obs)
+    chunks = [range(i, min(i + batch, len(prompts))) for i in range(0, len(prompts), batch)]
+    pages = max(sum(-(-(len(prompts[j]) + len(continuations[j]) + 1) // 16) for j in c) for c in chunks)
+    engine = LLMEngine(model, None, "dense", max_num_seqs=len(chunks[0]), paged=False, kv_pages=pages)
+    for c in chunks:
+        engine.score([prompts[j] for j in c], [continuations[j] for j in c], observe=obs)
     return obs.means()
 
 
@@ -159,21 +164,25 @@ def parse_dense_lengths(text: Optional[str], length: int, limit: int) -> tuple:
     from .cli import default_lengths
 
     if text is None:
-        return tuple(sorted({length, default_lengths(limit)[-1]}))
-    try:
-        out = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"--dense-lengths takes comma-separated token counts, got {text!r}") from None
+        out = tuple(sorted({length, default_lengths(limit)[-1]}))
+    else:
+        try:
+            out = tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"--dense-lengths takes comma-separated token counts, got {text!r}") from None
+        if not out:
+            raise ValueError(f"--dense-lengths takes comma-separated token counts, got {text!r}; give at least one")
     bad = [n for n in out if not 64 <= n <= limit - 16]
-    if not out or bad:
+    if bad:
+        got = repr(text) if text is not None else f"{bad[0]} (by default --length is one of them)"
         raise ValueError(f"--dense-lengths must be in [64, {limit - 16}] (the model's {limit} positions less "
-                         f"room for the answer), got {text!r}")
+                         f"room for the answer), got {got}; give --dense-lengths")
     return out
 
 
 def parse_method_ratios(text: Optional[str]) -> Dict[str, float]:
     """"hybrid=0.125,lserve=0.25" -> {"hybrid": 0.125, "lserve": 0.25} (checked)."""
-    from ..patterns import STREAMING_METHODS, check_ratio
+    from ..patterns import STREAMING_METHODS
 
     out: Dict[str, float] = {}
     for item in filter(None, (text or "").split(",")):
@@ -186,7 +195,9 @@ def parse_method_ratios(text: Optional[str]) -> Dict[str, float]:
             out[name] = float(value)
         except ValueError:
             raise ValueError(f"--method-ratios: {value!r} is not a number (in {item!r})") from None
-        check_ratio(out[name])
+        if not 0 <= out[name] <= 1:
+            raise ValueError(f"--method-ratios: {name}'s ratio must be a fraction of KV heads in [0, 1], got "
+                             f"{value.strip()!r} (in {item!r})")
     return out
 
 
@@ -203,8 +214,9 @@ def register(sub) -> None:
     p.add_argument("--sink", type=int, default=HybridConfig.sink, help="Λ sink tokens (decode default 128)")
     p.add_argument("--local", type=int, default=HybridConfig.local, help="Λ local tokens (decode default 256)")
     p.add_argument("--text-file", help="calibration text (default: Python's pydoc_data.topics)")
-    p.add_argument("--length", type=int, help="tokens per calibration window (default min(4096, half the "
-                                                "model's positions))")
+    p.add_argument("--length", type=int, help="prompt tokens of each calibration window and retrieval prompt "
+                                                "(default min(4096, half the model's positions)); --steps more "
+                                                "tokens are teacher-forced after it")
     p.add_argument("--windows", type=int, default=2, help="calibration windows spread over the text (2)")
     p.add_argument("--steps", type=int, default=16, help="teacher-forced decode steps per window (16)")
     p.add_argument("--retrieval", type=int, help="retrieval prompts whose answer steps are measured too; 0: text "
@@ -217,21 +229,39 @@ def register(sub) -> None:
     p.add_argument("--method-ratios", help="a method's own validated ratio, e.g. hybrid=0.125: that method streams "
                                            "that share of heads (highest score) from this file")
     p.add_argument("--dense-heads", type=int, default=1,
-                   help="KV heads tactic and hybrid attend densely: those losing the most needle mass under "
-                        "tactic on --dense-cases suite cases of the calibration seed (1: on SmolLM2 the first, 7:2, "
-                        "loses 5x more than any other; the calibration's second, 8:0, found fewer suite cases than "
-                        "the copy head 18:2 the shipped file adds, docs/accuracy.md; validate more with kvsieve "
-                        "eval; 0: none)")
+                   help="KV heads tactic, hybrid, quest and lserve attend densely: those losing the most needle "
+                        "mass under tactic on --dense-cases suite cases of the calibration seed (1: on SmolLM2 the "
+                        "first, 7:2, loses 5x more than any other; the calibration's second, 8:0, found fewer suite "
+                        "cases than the copy head 18:2 the shipped file adds, docs/accuracy.md; validate more with "
+                        "kvsieve eval; 0: none)")
     p.add_argument("--dense-cases", type=int, default=24, help="suite cases per length measured for --dense-heads (24)")
     p.add_argument("--dense-lengths", help="comma-separated prompt lengths of those cases (default: --length and "
                                            "the longest `kvsieve eval` measures, 4096,7680 on SmolLM2: a copy head "
                                            "may lose its needle only in long contexts)")
     p.add_argument("--out", help="pattern file to write (default: <model name>.streaming.json)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda; the model runs in float32")
     p.set_defaults(func=cmd_calibrate)
 
 
+def check_out(path: Optional[str]) -> None:
+    """Refuse an --out that cannot be written before the calibration runs (it takes minutes)."""
+    if path is None:
+        return
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"--out {path!r} is a directory; give a file name, e.g. {str(out / 'model.streaming.json')!r}")
+    if not out.parent.is_dir():
+        raise ValueError(f"cannot write {path!r}: directory {str(out.parent)!r} does not exist")
+    probe = out.parent / f".{out.name}.write-test"
+    try:
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"cannot write --out {path!r}: {e.strerror}; choose a writable directory") from None
+
+
 def cmd_calibrate(args) -> int:
+    from ..engine.engine import resolve_device
     from ..model.loader import load_model
     from ..patterns import check_ratio, choose_streaming, save_pattern
     from .cli import read_text
@@ -242,6 +272,9 @@ def cmd_calibrate(args) -> int:
     for name in ("sink", "local"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if args.sink + args.local == 0:
+        raise ValueError("--sink and --local are both 0: the Λ window keeps no token, so every head scores 0; "
+                         "give the window streaming heads will see at decode (lserve's: --sink 128 --local 256)")
     if args.retrieval is None:
         args.retrieval = 24 if args.retrieval_data == "suite" else 5
     if args.dense_heads < 0 or args.dense_cases < 1:
@@ -250,22 +283,31 @@ def cmd_calibrate(args) -> int:
     if args.windows < 1 or args.steps < 1 or args.retrieval < 0:
         raise ValueError(f"--windows and --steps must be >= 1 and --retrieval >= 0, got {args.windows}, "
                          f"{args.steps}, {args.retrieval}")
-    if args.out and not Path(args.out).parent.is_dir():
-        raise ValueError(f"cannot write {args.out!r}: directory {str(Path(args.out).parent)!r} does not exist")
+    check_out(args.out)
+    device, _ = resolve_device(args.device, "float32")
     text = read_text(args.text_file)
     t0 = time.time()
-    model, tok, model_dir = load_model(args.model, device=args.device)
+    model, tok, model_dir = load_model(args.model, device=device)
     limit = model.cfg.max_positions
-    length = args.length or min(4096, limit // 2)
-    if not args.sink + args.local < length <= limit - args.steps:
+    length = args.length if args.length is not None else min(4096, limit // 2)
+    if not args.sink + args.local < length < limit - args.steps:
         raise ValueError(f"--length must exceed sink + local ({args.sink + args.local}) and leave room for "
-                         f"--steps within the model's {limit} positions, got {length}")
-    dense_lengths = parse_dense_lengths(args.dense_lengths, length, limit)
+                         f"--steps ({args.steps}) and one more token within the model's {limit} positions "
+                         f"(at most {limit - args.steps - 1}), got {length}")
+    dense_lengths = parse_dense_lengths(args.dense_lengths, length, limit) if args.dense_heads else ()
     out = Path(args.out or f"{model_dir.name}.streaming.json")
+    if args.out is None:
+        check_out(str(out))
     ids = tok.encode(text, add_special_tokens=False)
-    windows = text_windows(ids, length, args.steps, args.windows, special_prefix(tok))
-    L = length - args.steps
-    mass, err = measure_lambda_mass(model, [w[:L] for w in windows], [w[L:] for w in windows], args.sink, args.local)
+    prefix = special_prefix(tok)
+    if len(ids) < length - len(prefix) + args.steps:
+        raise ValueError(f"the calibration text has {len(ids)} tokens but --length {length} with --steps "
+                         f"{args.steps} needs {length - len(prefix) + args.steps}; use a shorter --length or a "
+                         "longer --text-file")
+    # each window: a prompt of `length` tokens, then --steps teacher-forced decode steps
+    windows = text_windows(ids, length, args.steps, args.windows, prefix)
+    mass, err = measure_lambda_mass(model, [w[:length] for w in windows], [w[length:] for w in windows],
+                                    args.sink, args.local)
     tables = {"lambda_mass_text": mass.tolist(), "lambda_err_text": err.tolist()}
     if args.retrieval:
         make = suite_retrieval_prompts if args.retrieval_data == "suite" else retrieval_prompts
@@ -308,8 +350,11 @@ def cmd_calibrate(args) -> int:
     for i, row in enumerate(pattern):
         flags = " ".join(f"{'S' if f else '.'}{m:.2f}" for f, m in zip(row, mass[i].tolist()))
         print(f"layer {i:>3}: {flags}")
-    if dense:
+    if dense and dense["dense_heads"]:
         print("tactic's dense heads (layer:KV head, needle mass lost): " + ", ".join(
             f"{i}:{j} {tables['tactic_needle_lost'][i][j]:.3f}" for i, j in dense["dense_heads"]))
+    elif dense:
+        print(f"tactic's dense heads: none (tactic's selection lost no needle mass at --dense-lengths "
+              f"{','.join(map(str, dense_lengths))}: there it reads every needle token)")
     print(f"wrote {out} ({time.time() - t0:.0f} s)", file=sys.stderr)
     return 0
