@@ -308,3 +308,144 @@ def test_cuda_decode_through_the_kernels_matches_the_twins(tiny_llama, method, o
     finally:
         khf.disable(model)
     assert torch.equal(full, sdpa) and state.kv_fraction == pytest.approx(1.0)
+
+
+def test_use_cache_false_generates_as_transformers(tiny_llama):
+    """use_cache=False feeds the whole sequence every step: no kvsieve cache is made (one
+    would be fed the sequence again each step), so every step is transformers' own SDPA."""
+    model, enc = tiny_llama
+    ref = greedy(model, {**enc, "use_cache": False}, 4)
+    state = khf.enable(model, "quest", dense_below=0, budget=16)
+    try:
+        out = greedy(model, {**enc, "use_cache": False}, 4)
+    finally:
+        khf.disable(model)
+    assert torch.equal(out, ref) and state.kv_read_steps == 0
+
+
+def test_cache_implementation_is_honoured(tiny_llama):
+    """cache_implementation="static" gets transformers' static cache (decoded densely, with the
+    warning); "dynamic" is what a kvsieve cache is, so it decodes with the method. Neither
+    meets transformers' "Passing both cache_implementation and cache" error."""
+    model, enc = tiny_llama
+    ref = greedy(model, enc, 4)
+    state = khf.enable(model, "quest", dense_below=0, budget=128)  # every page: transformers' tokens
+    try:
+        with pytest.warns(UserWarning, match="not a kvsieve cache"):
+            static = greedy(model, {**enc, "cache_implementation": "static"}, 4)
+        assert torch.equal(static, ref) and state.kv_read_steps == 0
+        assert torch.equal(greedy(model, {**enc, "cache_implementation": "dynamic"}, 4), ref)
+        assert state.kv_read_steps == 3 * 2
+    finally:
+        khf.disable(model)
+
+
+def test_models_it_cannot_decode_are_refused_at_enable():
+    """Attention kvsieve's decode does not compute (learned sinks, logit softcapping, latent
+    caches, encoder-decoder models) is refused by enable() with one error naming why, and the
+    model is left as it was (gpt-oss's sinks were silently dropped, changing its logits)."""
+    T = transformers
+    base = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    torch.manual_seed(0)
+    cases = [(T.GptOssForCausalLM(T.GptOssConfig(**base, num_local_experts=4, num_experts_per_tok=2)), "sinks"),
+             (T.Gemma2ForCausalLM(T.Gemma2Config(**base)), "softcaps"),
+             (T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+                 vocab_size=101, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                 qk_nope_head_dim=16, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                 first_k_dense_replace=1)), "latents"),
+             (T.BartForConditionalGeneration(T.BartConfig(
+                 vocab_size=101, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                 decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128)), "encoder-decoder"),
+             (T.Qwen2ForCausalLM(T.Qwen2Config(**base, layer_types=["full_attention", "linear_attention"])),
+              "linear_attention")]
+    for model, why in cases:
+        impl = model.config._attn_implementation
+        with pytest.raises(ValueError, match=f"cannot decode {type(model).__name__}: .*{why}"):
+            khf.enable(model, "quest")
+        assert model.config._attn_implementation == impl and getattr(model, "_kvsieve", None) is None
+
+
+def test_a_multimodal_model_decodes_its_language_model():
+    """A vision-language model (Llava: a CLIP tower and a Llama) reads its text config for the
+    heads and layers: its Llama layers decode through the method (every page: its logits)."""
+    T = transformers
+    text = T.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    vision = T.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=8)
+    torch.manual_seed(0)
+    model = T.LlavaForConditionalGeneration(T.LlavaConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                                          image_token_index=299)).eval()
+    ids = torch.randint(3, 290, (1, 40), generator=torch.Generator().manual_seed(1))
+
+    def run():
+        with torch.no_grad():
+            return model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True).logits
+    ref = run()
+    state = khf.enable(model, "quest", dense_below=0, budget=128)
+    try:
+        out = run()
+    finally:
+        khf.disable(model)
+    assert state.kv_read_steps == 3 * 2
+    for got, want in zip(out, ref):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_streaming_pattern_must_fit_the_model(tiny_llama):
+    """lserve's streaming_heads: one flag per KV head, one row or one per layer; another
+    model's pattern is refused at enable (more layers were silently cut to this model's, a
+    wrong head count failed deep inside the first generate())."""
+    model = tiny_llama[0]
+    for bad in ([[0, 1]] * 5, [0, 1, 1]):
+        with pytest.raises(ValueError, match="this model has 2 layers x 2 KV heads"):
+            khf.enable(model, "lserve", streaming_heads=bad)
+    khf.enable(model, "lserve", streaming_heads=[[0, 1], [1, 0]])
+    khf.disable(model)
+
+
+def test_a_failed_enable_leaves_the_previous_method_on(tiny_llama):
+    model, _ = tiny_llama
+    state = khf.enable(model, "quest", budget=16)
+    try:
+        with pytest.raises(ValueError, match="threshold"):
+            khf.enable(model, "tactic", threshold=1.5)
+        assert model._kvsieve is state and model.config._attn_implementation == khf.ATTN_NAME
+    finally:
+        khf.disable(model)
+
+
+def test_a_prompt_past_the_models_positions_is_refused(tiny_llama):
+    """Prompt + new tokens beyond max_position_embeddings (512): one error naming the numbers
+    and the fix before any forward, as the engine refuses it (transformers only logs)."""
+    model, _ = tiny_llama
+    ids = torch.randint(3, 101, (1, 600), generator=torch.Generator().manual_seed(1))
+    khf.enable(model, "tactic")
+    try:
+        with pytest.raises(ValueError, match="prompt has 600 tokens .* allows 512 positions.*shorten the prompt"):
+            greedy(model, {"input_ids": ids}, 4)
+        with pytest.raises(ValueError, match="prompt has 500 tokens .* 20 new .* at most 492 tokens"):
+            greedy(model, {"input_ids": ids[:, :500]}, 20)
+        with pytest.raises(ValueError, match="prompt has 500 tokens .* 100 new"), torch.no_grad():
+            model.generate(ids[:, :500], max_length=600, do_sample=False)
+    finally:
+        khf.disable(model)
+
+
+def test_statistics_cover_the_latest_generate_call(tiny_llama):
+    """kv_fraction and the counters start afresh with each generate(): a second call on the
+    same model reports its own steps, not the sum of both."""
+    model, enc = tiny_llama
+    state = khf.enable(model, "quest", dense_below=0, budget=16)
+    try:
+        first = greedy(model, enc, 4)
+        stats = (state.kv_fraction, state.kv_read_steps)
+        assert torch.equal(greedy(model, enc, 4), first)
+        assert (state.kv_fraction, state.kv_read_steps) == pytest.approx(stats) and stats[1] == 3 * 2
+        greedy(model, {k: v[:1] for k, v in enc.items()}, 2)
+        assert state.kv_read_steps == 1 * 2
+    finally:
+        khf.disable(model)

@@ -289,3 +289,23 @@ def test_page_size_reaches_the_method_not_the_pool(embedded):
     eng = LLMEngine(model, tok, "quest", kv_pages=8, page_size=8, budget=64)
     cfg = eng.runner.methods["default"].config
     assert (cfg.page_size, cfg.physical_page_size, eng.scheduler.page_size) == (8, 8, 16)
+
+
+def test_engine_load_gets_the_shipped_heads_as_the_cli(embedded, monkeypatch):
+    """LLMEngine.load gives the embedded model's methods the heads `kvsieve generate` gives
+    them (patterns.model_head_options), and options the caller names win."""
+    from kvsieve.engine import LLMEngine
+    from kvsieve.model import loader
+    from kvsieve.patterns import model_head_options
+
+    model, tok, path = embedded
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: (model, tok, path))
+    L, H = model.cfg.num_layers, model.cfg.num_kv_heads
+    for method in ("tactic", "lserve", "quest"):
+        cfg = LLMEngine.load(method=method, kv_pages=8).runner.methods["default"].config
+        cli = model_head_options(method, {}, path, L, H)
+        assert cli, method
+        for name, value in cli.items():  # (lserve's dense heads are its page selector's)
+            got = getattr(cfg, name) if hasattr(cfg, name) else getattr(cfg.dynamic_config, name)
+            assert got == value, (method, name)
+    assert LLMEngine.load(method="tactic", kv_pages=8, dense_heads=()).runner.methods["default"].config.dense_heads == ()

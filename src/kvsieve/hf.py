@@ -8,7 +8,8 @@ How it plugs in (transformers >= 5):
 - the mask function registered in AttentionMaskInterface (SDPA's boolean mask): without it
   transformers passes no mask to a custom implementation and padded batches silently break;
 - a cache layer (KvsieveLayer, a DynamicLayer) that keeps the method's per-layer index next
-  to its keys and values; generate() gets a KvsieveCache unless the caller passes a cache.
+  to its keys and values; generate() gets a KvsieveCache unless the caller passes a cache, a
+  cache_implementation other than "dynamic", or use_cache=False.
   Beam search's reorder (and batch repeat/select) moves the index's rows with the cache's;
   a forward of several tokens (prefill, assisted decoding's verification) rebuilds it.
 
@@ -48,7 +49,8 @@ _active = threading.local()  # the cache layer most recently updated: read by th
 class HFState:
     """dense_below: prompts (the batch's longest) shorter than this many tokens decode with
     SDPA (None: the method's crossovers on CUDA, see decodes_densely; 0 elsewhere);
-    attended_densely counts those layer prefills."""
+    attended_densely counts those layer prefills. The counters (and kv_fraction) cover the
+    latest generate() call: each call starts them afresh (model() calls of your own add up)."""
 
     method: SparseMethod
     dense_below: Optional[int] = None
@@ -164,8 +166,14 @@ def _valid_keys(attention_mask: Optional[Tensor], B: int, S: int, device) -> Ten
     m = attention_mask[:, 0, -1, :S]
     if m.dtype != torch.bool:  # float masks: 0 = attend, -inf = masked
         m = m == 0
+    return _left_padded(m)
+
+
+def _left_padded(m: Tensor) -> Tensor:
+    """m [B, S] bool, True at valid tokens -> [B] their number; refuses rows whose valid
+    tokens are not a suffix (left padding)."""
     n = m.sum(-1)
-    suffix = torch.arange(S, device=device)[None, :] >= (S - n)[:, None]
+    suffix = torch.arange(m.shape[1], device=m.device)[None, :] >= (m.shape[1] - n)[:, None]
     if not torch.equal(m, suffix):
         raise ValueError("kvsieve.hf needs left-padded batches (valid tokens at the end of each row); "
                          "set tokenizer.padding_side = 'left'")
@@ -184,9 +192,10 @@ def kvsieve_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
         # not ours to handle (no kvsieve cache in use): plain SDPA
         if state is not None and query.shape[2] == 1 and not state.warned_foreign_cache:
             state.warned_foreign_cache = True
-            warnings.warn("kvsieve.hf: this decode step's cache is not a kvsieve cache (generate() was given "
-                          "its own past_key_values/cache, or cache_implementation), so it attends densely "
-                          "with SDPA; pass no cache, or kvsieve.hf.make_cache()", stacklevel=2)
+            warnings.warn("kvsieve.hf: this decode step's cache is not a kvsieve cache (one passed to generate() "
+                          "or model(), one model() made itself, or a cache_implementation), so it attends "
+                          "densely with SDPA; pass generate() no cache, or pass kvsieve.hf.make_cache()",
+                          stacklevel=2)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
@@ -273,22 +282,86 @@ def _attention_modules(model):
     return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")]
 
 
+def _text_config(model):
+    """The decoder's config: model.config, or a multimodal model's text config."""
+    return model.config.get_text_config(decoder=True)
+
+
+def _unsupported(model, mods) -> Optional[str]:
+    """Why kvsieve cannot decode `model` (None: it can): its decode attends softmax(q k^T) v
+    over one cache of keys and values per layer, causal, as Llama does."""
+    if not mods:
+        return "it has no Llama-style attention modules (q_proj + layer_idx)"
+    cfg = _text_config(model)
+    if getattr(model.config, "is_encoder_decoder", False):
+        return "it is an encoder-decoder model"
+    other = sorted(set(getattr(cfg, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
+    if other:
+        return f"it has layers of type {', '.join(other)}"
+    if getattr(cfg, "attn_logit_softcapping", None):
+        return f"its attention softcaps logits (attn_logit_softcapping={cfg.attn_logit_softcapping})"
+    if getattr(cfg, "kv_lora_rank", None):
+        return f"it caches latents, not keys (multi-head latent attention, kv_lora_rank={cfg.kv_lora_rank})"
+    if any(getattr(m, "sinks", None) is not None for m in mods):
+        return "its attention has learned sinks"
+    return None
+
+
+def _check_streaming_heads(method: SparseMethod, layers: int, kv_heads: int) -> None:
+    """An lserve/hybrid pattern must be one row of `kv_heads` flags or one such row per layer."""
+    pat = getattr(method.config, "streaming_heads", None)
+    if pat is not None and (len(pat) not in (1, layers) or len(pat[0]) != kv_heads):
+        raise ValueError(f"streaming_heads is {len(pat)} layer(s) x {len(pat[0])} KV heads, but this model has "
+                         f"{layers} layers x {kv_heads} KV heads; give {kv_heads} flags (every layer) or "
+                         f"{layers} rows of {kv_heads}, e.g. a pattern `kvsieve calibrate` made for this model")
+
+
+def _prompt_tokens(args, kwargs) -> Optional[int]:
+    """generate()'s prompt length (input_ids/inputs [B, T] or inputs_embeds [B, T, E]), None if not given."""
+    x = args[0] if args else next((kwargs[k] for k in ("input_ids", "inputs", "inputs_embeds")
+                                   if kwargs.get(k) is not None), None)
+    return x.shape[1] if isinstance(x, Tensor) and x.dim() >= 2 else None
+
+
+def _check_length(model, prompt: Optional[int], new_tokens: Optional[int]) -> None:
+    """Refuses a generate() whose prompt plus new tokens pass the model's positions
+    (max_position_embeddings), as the engine does: kvsieve never truncates."""
+    limit = getattr(_text_config(model), "max_position_embeddings", None)
+    if prompt is None or not limit or prompt + (new_tokens or 0) <= limit:
+        return
+    room = limit - (new_tokens or 0)
+    fix = (f"shorten the prompt to at most {room} tokens or ask for fewer new tokens" if room > 0
+           else f"ask for at most {limit - prompt} new tokens" if prompt < limit else "shorten the prompt")
+    raise ValueError(f"kvsieve.hf: the prompt has {prompt} tokens and generate() asks for {new_tokens or 0} new "
+                     f"tokens, but the model allows {limit} positions (config.max_position_embeddings); {fix} "
+                     "(kvsieve never truncates)")
+
+
 def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **options) -> HFState:
     """Make model.generate() decode with kvsieve `method` (options as in sparse_decode; a
     known model's shipped heads are added as the CLI adds them, model_head_defaults).
     dense_below: batches whose longest prompt is shorter decode with SDPA (None: the
     method's measured crossovers on CUDA, HFState.decodes_densely, 0 on the CPU; 0 forces
-    the method everywhere).
+    the method everywhere). A model kvsieve cannot decode (_unsupported) or a bad option is
+    refused with ValueError, leaving the model as it was.
     Returns the state object, whose kv_fraction reports the fraction of KV read."""
     if dense_below is not None and (isinstance(dense_below, bool) or not isinstance(dense_below, int)
                                     or dense_below < 0):
         raise ValueError(f"dense_below must be an integer >= 0 (tokens), got {dense_below!r}")
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "generate"):
+        raise ValueError(f"kvsieve.hf.enable takes a transformers causal LM (AutoModelForCausalLM), got "
+                         f"{type(model).__name__}")
+    mods = _attention_modules(model)
+    why = _unsupported(model, mods)
+    if why:
+        raise ValueError(f"kvsieve.hf cannot decode {type(model).__name__}: {why}; it decodes Llama-style "
+                         "decoder-only models (Llama, Qwen2/3, Mistral, SmolLM2, Gemma 3, ...)")
+    cfg = _text_config(model)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    state = HFState(make_method(method, **{**model_head_defaults(model, method, options), **options}), dense_below)
+    _check_streaming_heads(state.method, cfg.num_hidden_layers, kv_heads)
     if getattr(model, "_kvsieve", None) is not None:
         disable(model)
-    mods = _attention_modules(model)
-    if not mods:
-        raise ValueError(f"{type(model).__name__} has no Llama-style attention modules (q_proj + layer_idx)")
-    state = HFState(make_method(method, **{**model_head_defaults(model, method, options), **options}), dense_below)
     _register()
     model._kvsieve = state
     model._kvsieve_prev_attn = model.config._attn_implementation
@@ -300,11 +373,25 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
+        config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or model.generation_config
+        impl = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
+        if impl == "dynamic":  # a kvsieve cache is a dynamic cache
+            kwargs["cache_implementation"] = impl = None
+        prompt = _prompt_tokens(args, kwargs)
+        new_tokens = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+        if new_tokens is None and kwargs.get("max_length") is not None and prompt is not None:
+            new_tokens = kwargs["max_length"] - prompt
+        _check_length(model, prompt, new_tokens)
+        ours = (kwargs.get("cache") is None and kwargs.get("past_key_values") is None and impl in (None, "hybrid")
+                and kwargs.get("use_cache", getattr(config, "use_cache", True)) is not False)
+        if ours:  # else: no cache, or the caller's (decoded densely, with a warning)
+            mask = kwargs.get("attention_mask")
+            if isinstance(mask, Tensor) and mask.dim() == 2:
+                _left_padded(mask.bool())
             kwargs.pop("cache", None), kwargs.pop("past_key_values", None)
             kwargs[cache_kw] = make_cache()
-        config = kwargs.get("generation_config") or model.generation_config
-        state.new_tokens = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+        state.new_tokens = new_tokens
+        state.kv_read_sum, state.kv_read_steps, state.attended_densely = 0.0, 0, 0
         return original(*args, **kwargs)
 
     model._kvsieve_generate = original
@@ -313,20 +400,16 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
 
 
 def model_head_defaults(model, method: str, options: dict) -> dict:
-    """What the CLI adds for a known model (patterns.model_head_options, by the directory name
-    in config.name_or_path): the embedded model's shipped streaming heads (lserve, hybrid) and
-    dense heads (tactic and hybrid in threshold mode, quest, lserve), less whatever `options`
-    names. An lserve or hybrid given its own streaming heads drops the dense heads they stream."""
-    from .methods.hybrid import normalize_pattern
-    from .patterns import model_head_options, unstreamed
+    """What the CLI adds for a known model, by the directory name in config.name_or_path
+    (patterns.head_defaults): the embedded model's shipped streaming heads (lserve, hybrid)
+    and dense heads (tactic and hybrid in threshold mode, quest, lserve), less whatever
+    `options` names."""
+    from .patterns import head_defaults
 
-    cfg = model.config
+    cfg = _text_config(model)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    model_dir = getattr(cfg, "name_or_path", "") or ""
-    heads = model_head_options(method, options, model_dir, cfg.num_hidden_layers, kv_heads)
-    if options.get("streaming_heads") is not None and "dense_heads" in heads:
-        heads["dense_heads"] = unstreamed(heads["dense_heads"], normalize_pattern(options["streaming_heads"]))
-    return {k: v for k, v in heads.items() if k not in options}
+    model_dir = getattr(model.config, "name_or_path", "") or ""
+    return head_defaults(method, options, model_dir, cfg.num_hidden_layers, kv_heads)
 
 
 def cache_kwarg(model) -> str:

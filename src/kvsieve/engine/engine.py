@@ -128,12 +128,16 @@ class LLMEngine(BatchCrossover):
     def load(cls, model: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None,
              **kwargs) -> "LLMEngine":
         """Load a model (None = the embedded default) and build an engine. device: default
-        CUDA when present; dtype: default bfloat16 on CUDA, float32 on the CPU."""
+        CUDA when present; dtype: default bfloat16 on CUDA, float32 on the CPU. A model that
+        ships head files (the embedded one) gets its dense and streaming heads unless kwargs
+        name them, as with `kvsieve generate`."""
         from ..model.loader import load_model
+        from ..patterns import head_defaults
 
         device, dt = resolve_device(device, dtype)
-        m, tok, _ = load_model(model, dtype=dt, device=device)
-        return cls(m, tok, **kwargs)
+        m, tok, model_dir = load_model(model, dtype=dt, device=device)
+        heads = head_defaults(kwargs.get("method", "dense"), kwargs, model_dir, m.cfg.num_layers, m.cfg.num_kv_heads)
+        return cls(m, tok, **kwargs, **heads)
 
     def _page_bytes(self, page_size: int) -> int:
         cfg = self.model.cfg
