@@ -1,6 +1,7 @@
 """The converted-model cache under concurrent first use: commands started together (a server and
 a generate, parallel eval jobs) convert a GGUF once, and none of them sees a half-written model
 (a GPU run of four processes at once crashed on the old shared staging directory)."""
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,7 @@ class FakeModel:
     hf_quantizer = None
 
     def __init__(self):
-        self.config = type("Config", (), {})()
+        self.config = type("Config", (), {"eos_token_id": [2, 5]})()
 
     def save_pretrained(self, d):
         time.sleep(0.2)
@@ -29,8 +30,13 @@ class FakeModel:
 
 
 class FakeTokenizer:
+    pad_token = None  # as transformers 5.17 reads SmolLM2's GGUF
+
+    def convert_ids_to_tokens(self, i):
+        return f"<{i}>"
+
     def save_pretrained(self, d):
-        (Path(d) / "tokenizer_config.json").write_text("{}")
+        (Path(d) / "tokenizer_config.json").write_text(json.dumps({"pad_token": self.pad_token}))
 
 
 @pytest.fixture
@@ -74,6 +80,8 @@ def test_concurrent_first_uses_convert_once(tmp_path, fake_gguf):
     assert (out / "model.safetensors").read_bytes() == b"weights"
     # converted: later calls read nothing and take no lock
     assert loader.convert_gguf(path, out) == out and reads == ["m.gguf"]
+    # a tokenizer read without a pad token gets the model's EOS (padded batches need one)
+    assert json.loads((out / "tokenizer_config.json").read_text())["pad_token"] == "<2>"
 
 
 def test_a_failed_conversion_leaves_no_entry(tmp_path, fake_gguf, monkeypatch):
