@@ -161,17 +161,9 @@ def parse_dense_lengths(text: Optional[str], length: int, limit: int) -> tuple:
     """--dense-lengths "4096,7680" -> (4096, 7680), checked against the model's `limit` positions
     (room for the 8 teacher-forced answer tokens); default: `length` and the longest length
     `kvsieve eval` measures."""
-    from .cli import default_lengths
+    from .cli import _list, default_lengths
 
-    if text is None:
-        out = tuple(sorted({length, default_lengths(limit)[-1]}))
-    else:
-        try:
-            out = tuple(int(x) for x in text.split(",") if x.strip())
-        except ValueError:
-            raise ValueError(f"--dense-lengths takes comma-separated token counts, got {text!r}") from None
-        if not out:
-            raise ValueError(f"--dense-lengths takes comma-separated token counts, got {text!r}; give at least one")
+    out = tuple(sorted({length, default_lengths(limit)[-1]})) if text is None else _list(text, "--dense-lengths", int)
     bad = [n for n in out if not 64 <= n <= limit - 16]
     if bad:
         got = repr(text) if text is not None else f"{bad[0]} (by default --length is one of them)"
