@@ -183,3 +183,11 @@ def test_last_token_and_token_slice_match_the_token_list():
         for a in range(len(toks) + 1):
             for b in range(a, len(toks) + 2):
                 assert r.token_slice(a, b) == toks[a:b], (prompt, output, a, b)
+
+
+def test_too_long_requests_say_how_to_fit():
+    sched = S.Scheduler(num_pages=100, page_size=16, max_num_seqs=4, step_tokens=64, max_model_len=100)
+    for prompt, new, fix in [(50, 60, "shorten the prompt to at most 40 tokens"), (50, 100, "at most 50 new tokens"),
+                             (120, 100, "shorten the prompt below 100 tokens")]:
+        with pytest.raises(ValueError, match=fix):
+            sched.add(list(range(prompt)), S.SamplingParams(max_new_tokens=new))

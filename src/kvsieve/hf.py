@@ -329,9 +329,9 @@ def _check_length(model, prompt: Optional[int], new_tokens: Optional[int]) -> No
     limit = getattr(_text_config(model), "max_position_embeddings", None)
     if prompt is None or not limit or prompt + (new_tokens or 0) <= limit:
         return
-    room = limit - (new_tokens or 0)
-    fix = (f"shorten the prompt to at most {room} tokens or ask for fewer new tokens" if room > 0
-           else f"ask for at most {limit - prompt} new tokens" if prompt < limit else "shorten the prompt")
+    from .engine.scheduler import too_long_fix
+
+    fix = too_long_fix(prompt, new_tokens or 0, limit)
     raise ValueError(f"kvsieve.hf: the prompt has {prompt} tokens and generate() asks for {new_tokens or 0} new "
                      f"tokens, but the model allows {limit} positions (config.max_position_embeddings); {fix} "
                      "(kvsieve never truncates)")

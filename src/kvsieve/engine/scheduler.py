@@ -21,6 +21,16 @@ from enum import Enum
 from typing import Callable, Deque, Dict, List, Optional, Sequence as Seq, Tuple
 
 
+def too_long_fix(prompt: int, new_tokens: int, limit: int) -> str:
+    """How to fit a request of `prompt` + `new_tokens` tokens into `limit` positions."""
+    room = limit - new_tokens
+    if room > 0:
+        return f"shorten the prompt to at most {room} tokens or ask for fewer new tokens"
+    if prompt < limit:
+        return f"ask for at most {limit - prompt} new tokens"
+    return f"shorten the prompt below {limit} tokens"
+
+
 class SchedulerFullError(RuntimeError):
     """The waiting queue is at its limit (a server answers 429/503 with Retry-After)."""
 
@@ -158,9 +168,7 @@ class Scheduler:
             raise ValueError("the prompt is empty; give at least one token")
         total = len(prompt) + params.max_new_tokens
         if total > self.max_model_len:
-            room = self.max_model_len - params.max_new_tokens
-            fix = (f"shorten the prompt to at most {room} tokens or ask for fewer new tokens" if room > 0
-                   else f"ask for at most {self.max_model_len - len(prompt)} new tokens")
+            fix = too_long_fix(len(prompt), params.max_new_tokens, self.max_model_len)
             raise ValueError(
                 f"the prompt has {len(prompt)} tokens and max_new_tokens is {params.max_new_tokens}, but the model "
                 f"allows {self.max_model_len} positions; {fix} (kvsieve never truncates)")
