@@ -30,13 +30,15 @@ class FakeModel:
 
 
 class FakeTokenizer:
-    pad_token = None  # as transformers 5.17 reads SmolLM2's GGUF
+    pad_token = None  # as transformers 5.17 reads SmolLM2's GGUF: no pad token, the wrong EOS
+    eos_token, eos_token_id = "<1>", 1
 
     def convert_ids_to_tokens(self, i):
         return f"<{i}>"
 
     def save_pretrained(self, d):
-        (Path(d) / "tokenizer_config.json").write_text(json.dumps({"pad_token": self.pad_token}))
+        (Path(d) / "tokenizer_config.json").write_text(json.dumps({"pad_token": self.pad_token,
+                                                                  "eos_token": self.eos_token}))
 
 
 @pytest.fixture
@@ -80,8 +82,10 @@ def test_concurrent_first_uses_convert_once(tmp_path, fake_gguf):
     assert (out / "model.safetensors").read_bytes() == b"weights"
     # converted: later calls read nothing and take no lock
     assert loader.convert_gguf(path, out) == out and reads == ["m.gguf"]
-    # a tokenizer read without a pad token gets the model's EOS (padded batches need one)
-    assert json.loads((out / "tokenizer_config.json").read_text())["pad_token"] == "<2>"
+    # a tokenizer read without a pad token gets the model's EOS (padded batches need one), and an
+    # EOS that is not the config's becomes the config's
+    saved = json.loads((out / "tokenizer_config.json").read_text())
+    assert saved["pad_token"] == "<2>" and saved["eos_token"] == "<2>"
 
 
 def test_a_failed_conversion_leaves_no_entry(tmp_path, fake_gguf, monkeypatch):
