@@ -258,3 +258,33 @@ def test_lambda_mass_is_the_same_scored_in_batches():
     for a, b in zip(together, one_by_one):
         assert torch.allclose(a, b, atol=1e-5)
     assert (together[0] < 1).any() and (together[0] > 0).all()
+
+
+def test_a_file_pattern_run_with_another_window_warns_once(capsys, tmp_path):
+    """A pattern file records the sink + local its heads were chosen for; streaming them with
+    another window warns (one `kvsieve: warning` line in the CLI), the same window does not."""
+    import warnings
+
+    from kvsieve.cli import main
+    from kvsieve.patterns import warn_window
+
+    path = tmp_path / "p.json"
+    save_pattern(path, ((True, False),) * 2, {"lambda_mass": [[1, 0]] * 2}, {"model": "m", "sink": 128, "local": 256})
+    pattern = load_pattern(path, 2, 2)
+    assert pattern.window == (128, 256) and pattern == ((True, False),) * 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_window(pattern, 128, 256)  # the file's own window: silent
+        warn_window(((True, False),), 4, 64)  # not from a file: nothing to compare
+        with pytest.raises(UserWarning, match=r"chosen for a sink 128 \+ local 256 window.*sink 4 \+ local 64.*"
+                                              r"kvsieve calibrate --sink 4 --local 64"):
+            warn_window(pattern, 4, 64)
+    save_pattern(path, ((True, False),) * 2, {"lambda_mass": [[1, 0]] * 2}, {"model": "m"})
+    assert load_pattern(path, 2, 2).window == (None, None)
+
+    assert main(["generate", "--method", "lserve", "--local", "64", "--prompt", "hi", "--max-new-tokens", "1"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    warned = [line for line in err if line.startswith("kvsieve: warning:")]
+    assert len(warned) == 1 and "sink 128 + local 64" in warned[0] and "UserWarning" not in "".join(err)
+    assert main(["generate", "--method", "lserve", "--prompt", "hi", "--max-new-tokens", "1"]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
+from pathlib import Path
 
 from .methods import METHOD_NAMES
 
@@ -54,7 +56,6 @@ def method_options(args: argparse.Namespace) -> dict:
 
 def parse_heads(text: str) -> tuple:
     """'7:2,18:2' -> ((7, 2), (18, 2)); 'none' -> (); a file's dense_heads (kvsieve calibrate)."""
-    from pathlib import Path
 
     if text.strip().lower() == "none":
         return ()
@@ -104,7 +105,27 @@ def _extra_commands():
     return found
 
 
+def _one_line_warnings(default):
+    """A warnings.showwarning that prints kvsieve's own warnings as one line (`kvsieve:
+    warning: ...`) and hands the others to `default`."""
+    package = Path(__file__).parent.resolve()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, UserWarning) and Path(filename).resolve().is_relative_to(package):
+            print(f"kvsieve: warning: {message}", file=sys.stderr if file is None else file)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    return show
+
+
 def main(argv=None) -> int:
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warnings(warnings.showwarning)
+        return _run(argv)
+
+
+def _run(argv) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

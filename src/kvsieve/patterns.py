@@ -23,6 +23,7 @@ lserve or hybrid drops those its pattern streams.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -31,6 +32,14 @@ DATA_DIR = Path(__file__).parent / "data"
 EMBEDDED_PATTERN = DATA_DIR / "smollm2-135m-instruct.streaming.json"
 
 Pattern = Tuple[Tuple[bool, ...], ...]
+
+
+class FilePattern(tuple):
+    """A pattern read from a file: its rows, plus the file and the decode window (sink, local)
+    its heads were calibrated for ((None, None) when the file does not say)."""
+
+    source: str = ""
+    window: Tuple[Optional[int], Optional[int]] = (None, None)
 
 
 def check_ratio(ratio: float) -> None:
@@ -107,9 +116,25 @@ def load_pattern(path, num_layers: Optional[int] = None, num_kv_heads: Optional[
         raise ValueError(f"streaming-heads file {str(path)!r} is for a model with {len(rows)} layers x "
                          f"{len(rows[0])} KV heads (model {doc.get('model', '?')!r}), but this model has "
                          f"{num_layers} x {num_kv_heads}; calibrate this model with `kvsieve calibrate`")
-    if ratio is not None:
-        return choose_streaming(score, ratio, window_layers)
-    return tuple(tuple(c == "1" for c in r) for r in rows)
+    out = FilePattern(choose_streaming(score, ratio, window_layers) if ratio is not None
+                      else tuple(tuple(c == "1" for c in r) for r in rows))
+    out.source = str(path)
+    out.window = tuple(x if isinstance(x, int) and not isinstance(x, bool) else None
+                       for x in (doc.get("sink"), doc.get("local")))
+    return out
+
+
+def warn_window(pattern, sink: int, local: int) -> None:
+    """Warn when a file's streaming heads stream with another window than the one they were
+    chosen for (the heads that keep their mass under sink 128 + local 256 need not under
+    another window)."""
+    window = getattr(pattern, "window", (None, None))
+    if None in window or tuple(window) == (sink, local):
+        return
+    warnings.warn(f"the streaming heads of {pattern.source!r} were chosen for a sink {window[0]} + local "
+                  f"{window[1]} window, and this run streams them with sink {sink} + local {local}; to choose "
+                  f"heads for this window, run `kvsieve calibrate --sink {sink} --local {local} --out FILE` "
+                  "and pass --streaming-heads FILE", stacklevel=3)
 
 
 def default_pattern(model_dir) -> Optional[Path]:
@@ -259,10 +284,13 @@ def model_head_options(method: str, options: Dict, model_dir, num_layers: int, n
     streaming_heads for lserve/hybrid (pattern_for), dense_heads for tactic, hybrid, quest
     and lserve (dense_heads_for; lserve's and hybrid's shipped ones less those their pattern
     streams)."""
+    from .methods.hybrid import HybridConfig
+
     out: Dict = {}
     heads = pattern_for(method, streaming_path, model_dir, num_layers, num_kv_heads)
     if heads is not None:
         out["streaming_heads"] = heads
+        warn_window(heads, options.get("sink", HybridConfig.sink), options.get("local", HybridConfig.local))
     dense = dense_heads_for(method, options, model_dir, num_layers, num_kv_heads)
     if dense is not None:
         out["dense_heads"] = unstreamed(dense, heads)
