@@ -449,3 +449,28 @@ def test_statistics_cover_the_latest_generate_call(tiny_llama):
         assert state.kv_read_steps == 1 * 2
     finally:
         khf.disable(model)
+
+
+def test_a_deep_copy_generates_with_its_own_weights_and_state(tiny_llama):
+    """copy.deepcopy of an enabled model: the copy's generate() runs the copy (its weights, its
+    statistics), and disabling one leaves the other on."""
+    import copy
+
+    model, enc = tiny_llama
+    state = khf.enable(model, "quest", dense_below=0, budget=16)
+    try:
+        first = greedy(model, enc, 4)
+        twin = copy.deepcopy(model)
+        assert twin._kvsieve is not state
+        with torch.no_grad():
+            twin.lm_head.weight.neg_()  # the copy now prefers other tokens
+        theirs = greedy(twin, enc, 4)
+        assert not torch.equal(theirs, first)
+        assert twin._kvsieve.kv_read_steps == 3 * 2 and state.kv_read_steps == 3 * 2
+        greedy(model, {k: v[:1] for k, v in enc.items()}, 2)
+        assert state.kv_read_steps == 1 * 2 and twin._kvsieve.kv_read_steps == 3 * 2
+        khf.disable(twin)
+        assert torch.equal(greedy(model, enc, 4), first) and model._kvsieve is state
+        assert twin._kvsieve is None and getattr(twin.generate, "__self__", None) is twin
+    finally:
+        khf.disable(model)

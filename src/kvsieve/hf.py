@@ -369,10 +369,24 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
     for m in mods:
         m._kvsieve = state
     original = model.generate
-    cache_kw = cache_kwarg(model)
+    generate = _Generate(model, original, state, cache_kwarg(model))
+    model._kvsieve_generate = original
+    model.generate = generate
+    return state
 
-    @functools.wraps(original)
-    def generate(*args, **kwargs):
+
+class _Generate:
+    """model.generate() while kvsieve is on: a kvsieve cache for each call, the length check and
+    fresh statistics, then transformers' own generate(). An object rather than a closure, so
+    that copy.deepcopy(model) gives the copy a generate() of its own model, state and original
+    (a closure would be shared and generate with the first model's weights)."""
+
+    def __init__(self, model, original, state: HFState, cache_kw: str):
+        self.model, self.original, self.state, self.cache_kw = model, original, state, cache_kw
+        functools.update_wrapper(self, original)
+
+    def __call__(self, *args, **kwargs):
+        model, state = self.model, self.state
         config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or model.generation_config
         impl = kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
         if impl == "dynamic":  # a kvsieve cache is a dynamic cache
@@ -389,14 +403,10 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
             if isinstance(mask, Tensor) and mask.dim() == 2:
                 _left_padded(mask.bool())
             kwargs.pop("cache", None), kwargs.pop("past_key_values", None)
-            kwargs[cache_kw] = make_cache()
+            kwargs[self.cache_kw] = make_cache()
         state.new_tokens = new_tokens
         state.kv_read_sum, state.kv_read_steps, state.attended_densely = 0.0, 0, 0
-        return original(*args, **kwargs)
-
-    model._kvsieve_generate = original
-    model.generate = generate
-    return state
+        return self.original(*args, **kwargs)
 
 
 def model_head_defaults(model, method: str, options: dict) -> dict:
