@@ -158,6 +158,47 @@ def test_models_health_and_openai_client(live, client):
     assert streamed == c.choices[0].text
 
 
+def test_n_choices_and_prompt_lists_equal_single_requests(live, client):
+    """n choices (choice j draws with seed + j) and a list of prompts (choices ordered prompt by
+    prompt, n each) answer as the single requests would, in one response or one stream."""
+    params = dict(model=NAME, max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True})
+    msgs = chat_msgs("Name a colour")
+    single = [client.chat.completions.create(messages=msgs, seed=7 + j, **params) for j in range(3)]
+    r = client.chat.completions.create(messages=msgs, n=3, seed=7, **params)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.message.content for c in r.choices] == [s.choices[0].message.content for s in single]
+    assert len({c.message.content for c in r.choices}) > 1  # the seeds differ, so do the samples
+    assert r.usage.prompt_tokens == single[0].usage.prompt_tokens and r.usage.completion_tokens == 18
+
+    parts, reasons, usage = {}, {}, None
+    for ch in client.chat.completions.create(messages=msgs, n=3, seed=7, stream=True,
+                                             stream_options={"include_usage": True}, **params):
+        usage = ch.usage or usage
+        for c in ch.choices:
+            parts[c.index] = parts.get(c.index, "") + (c.delta.content or "")
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+    assert [parts[i] for i in range(3)] == [c.message.content for c in r.choices]
+    assert reasons == {0: "length", 1: "length", 2: "length"} and usage.completion_tokens == 18
+
+    prompts = ["The capital of France is", "Two plus two is"]
+    greedy = dict(model=NAME, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, **greedy) for p in prompts]
+    both = client.completions.create(prompt=prompts, n=2, **greedy)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    ids = [live.app.state.server.tok.encode(p) for p in prompts]  # the same prompts as token-id lists
+    by_ids = client.completions.create(prompt=ids, **greedy)
+    assert [c.text for c in by_ids.choices] == [a.choices[0].text for a in alone]
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert both.usage.completion_tokens == 4 * 4
+    streamed = {}
+    for ch in client.completions.create(prompt=prompts, n=2, stream=True, **greedy):
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(4)] == [c.text for c in both.choices]
+    wait_for(lambda: live.metric("kvsieve_kv_pages_used") == 0, "every choice's pages to be freed")
+
+
 def test_stop_strings_cut_the_text_and_end_the_request(live, client):
     ref = client.completions.create(model=NAME, prompt="One, two, three,", max_tokens=8, temperature=0,
                                     extra_body={"ignore_eos": True})
@@ -199,9 +240,12 @@ def test_sixteen_concurrent_streams_equal_single_runs(live, engine, client):
     assert live.metric("kvsieve_decode_graph_captures_total") == runner.captures
 
 
-def test_closing_a_stream_cancels_it_and_frees_its_pages(live):
+@pytest.mark.parametrize("n", [1, 3])
+def test_closing_a_stream_cancels_it_and_frees_its_pages(live, n):
+    """Every choice of the stream is cancelled (n = 3: three requests in the engine)."""
     aborted = live.metric("kvsieve_requests_finished_total", '{reason="abort"}')
-    body = {"prompt": "Count to one thousand: 1, 2, 3,", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    body = {"prompt": "Count to one thousand: 1, 2, 3,", "max_tokens": 1000, "ignore_eos": True, "stream": True,
+            "n": n}
     with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
         assert r.status_code == 200
         lines = r.iter_lines()  # kept referenced: closing the iterator closes the connection
@@ -210,9 +254,9 @@ def test_closing_a_stream_cancels_it_and_frees_its_pages(live):
                 assert json.loads(line[6:])["choices"][0]["finish_reason"] is None
                 break
         time.sleep(0.5)
-        assert live.metric("kvsieve_kv_pages_used") > 0 and live.metric("kvsieve_requests_running") == 1
+        assert live.metric("kvsieve_kv_pages_used") > 0 and live.metric("kvsieve_requests_running") == n
     wait_for(lambda: live.metric("kvsieve_kv_pages_used") == 0 and live.metric(
-        "kvsieve_requests_finished_total", '{reason="abort"}') == aborted + 1, "the closed stream's pages to be freed")
+        "kvsieve_requests_finished_total", '{reason="abort"}') == aborted + n, "the closed stream's pages to be freed")
     assert live.metric("kvsieve_requests_running") == 0
 
 
@@ -226,7 +270,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3},
      "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 129}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 2.5}, "temperature"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
@@ -236,7 +281,12 @@ BAD = [
     ("/v1/completions", {"prompt": "hi " * 9000, "max_tokens": 4}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 8192}, "max_tokens"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", ""]}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [3, 10 ** 9]]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", [1, 2]]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a"] * 65, "n": 2}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": 12}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "kvsieve": {"method": "nope"}}, "kvsieve.method"),
     ("/v1/completions", {"prompt": "hi", "kvsieve": {"method": "tactic", "threshold": 1.5}}, "kvsieve.threshold"),

@@ -5,7 +5,9 @@
 
 Handlers parse and check the body (400 naming the field), tokenize on one tokenizer
 thread (transformers tokenizers are not safe to share across threads), and hand the
-request to the driver thread; the engine itself is only ever touched there. Stop strings
+request to the driver thread; the engine itself is only ever touched there. Each choice
+(n per prompt, a list of prompts in /v1/completions) is one engine request; a response
+gathers them and a stream interleaves their chunks by choice index. Stop strings
 are matched on the incrementally detokenized text: the request is aborted at the first
 match (finish_reason "stop") and the text cut before it. A streaming client that goes
 away cancels its request (its KV pages are freed at the driver's next turn).
@@ -13,6 +15,7 @@ away cancels its request (its KV pages are freed at the driver's next turn).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -35,6 +38,7 @@ from .text import Detokenizer, StopMatcher
 
 log = logging.getLogger("kvsieve.server")
 MAX_STOPS = 4
+MAX_CHOICES = 128  # completions per request (n x prompts), OpenAI's limit on n
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's /v1/completions default (chat's: the rest of the context)
 
 
@@ -69,9 +73,8 @@ class Server:
     def check_common(self, req) -> None:
         if req.model is not None and req.model != self.model_name:
             raise self.unknown_model(req.model)
-        if req.n not in (None, 1):
-            raise BadRequest(f"n must be 1, got {req.n}; send one request per completion (with different seeds)",
-                             "n")
+        if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+            raise BadRequest(f"n must be an integer in [1, {MAX_CHOICES}], got {req.n}", "n")
         for field, bad in req.refused():
             if bad:
                 raise BadRequest(f"{field} is not supported by this server; leave it out", field)
@@ -175,21 +178,47 @@ class Server:
             raise BadRequest(f"the model's chat template refused these messages ({e})", "messages") from None
         return self.tok.encode(text, add_special_tokens=False)
 
-    def completion_ids(self, req: CompletionRequest) -> List[int]:
+    def completion_prompts(self, req: CompletionRequest) -> List[List[int]]:
+        """The token ids of each prompt: a string, a list of strings, a list of token ids, or a
+        list of token-id lists (OpenAI's four forms)."""
         p = req.prompt
-        if isinstance(p, list) and p and isinstance(p[0], int):
-            bad = [t for t in p if not 0 <= t < self.vocab]
-            if bad:
-                raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab})", "prompt")
-            return list(p)
-        if isinstance(p, list):
-            if len(p) != 1:
-                raise BadRequest(f"prompt must be a single string (or a list of one), got a list of {len(p)}; "
-                                 "send one request per prompt", "prompt")
-            p = p[0]
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            p = [p]
         if not p:
-            return []
-        return self.tok.encode(p, add_special_tokens=True)  # raw text: the tokenizer's BOS, as generate does
+            raise BadRequest("prompt is an empty list; give a string, strings, or token ids", "prompt")
+        n = req.n or 1
+        if len(p) * n > MAX_CHOICES:
+            raise BadRequest(f"{len(p)} prompts x n = {n} ask for {len(p) * n} completions; at most {MAX_CHOICES} "
+                             "are served per request, send the rest in other requests", "prompt")
+        out = []
+        for i, one in enumerate(p):
+            where = "prompt" if len(p) == 1 else f"prompt {i}"
+            if isinstance(one, list):
+                bad = [t for t in one if not 0 <= t < self.vocab]
+                if bad:
+                    raise BadRequest(f"{where}: token id {bad[0]} is outside the vocabulary [0, {self.vocab})",
+                                     "prompt")
+                ids = list(one)
+            else:  # raw text: the tokenizer's BOS, as generate does
+                ids = self.tok.encode(one, add_special_tokens=True) if one else []
+            if not ids:
+                raise BadRequest(f"{where} is empty; give some text", "prompt")
+            out.append(ids)
+        return out
+
+    def chat_prompts(self, req: ChatCompletionRequest) -> List[List[int]]:
+        ids = self.chat_ids(req)
+        if not ids:
+            raise BadRequest("the messages render empty; give some text", "messages")
+        return [ids]
+
+    @staticmethod
+    def choice_params(params: SamplingParams, j: int) -> SamplingParams:
+        """Choice j of n: a given seed moves by j (wrapped to 64 bits), so the n choices differ
+        and each reproduces; without a seed each request draws its own."""
+        if params.seed is None or j == 0:
+            return params
+        return dataclasses.replace(params, seed=(params.seed + j + 2 ** 63) % 2 ** 64 - 2 ** 63)
 
     # ------------------------------------------------------------------ serving one request
     async def handle(self, request: Request, chat: bool):
@@ -200,51 +229,68 @@ class Server:
                                  "service_unavailable_error", "shutting_down")
             req = parse(ChatCompletionRequest if chat else CompletionRequest, raw)
             self.check_common(req)
-            ids = await self.on_tok(self.chat_ids if chat else self.completion_ids, req)
-            if not ids:
-                raise BadRequest(f"the {'messages render' if chat else 'prompt is'} empty; give some text",
-                                 self.prompt_param(chat))
-            params = self.sampling(req, len(ids), chat)
+            prompts = await self.on_tok(self.chat_prompts if chat else self.completion_prompts, req)
+            params = [self.sampling(req, len(ids), chat) for ids in prompts]
             method, options = self.method(req.kvsieve)
         except BadRequest as e:
             self.metrics.rejected.labels("shutting_down" if e.code == "shutting_down" else "invalid").inc()
             return _error(e)
+        n = req.n or 1
+        streams: List[RequestStream] = []
         try:
-            stream = self.driver.submit(ids, params, method, options)
+            for ids, sp in zip(prompts, params):  # choice index: prompt * n + j, as OpenAI orders them
+                streams += [self.driver.submit(ids, self.choice_params(sp, j), method, options) for j in range(n)]
+            refused = await self.admit(streams, chat)
         except DriverStopped as e:
-            self.metrics.rejected.labels("shutting_down").inc()
-            return _error(BadRequest(str(e), None, 503, "service_unavailable_error", "shutting_down"))
-        try:
-            await stream.admitted
+            refused = self.refuse(streams, BadRequest(str(e), None, 503, "service_unavailable_error", "shutting_down"),
+                                  "shutting_down")
         except asyncio.CancelledError:
-            self.driver.abort(stream)
+            for s in streams:
+                self.driver.abort(s)
             raise
+        if refused is not None:
+            return refused
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        n_prompt = sum(len(ids) for ids in prompts)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            gen = self.sse(streams, stops, chat, rid, include_usage, n_prompt)
+            # a client gone before the first chunk: the generator never starts, so its own
+            # cleanup never runs; abort when it is collected (a no-op once the request ended)
+            for s in streams:
+                weakref.finalize(gen, self.driver.abort, s)
+            return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await self.complete(request, streams, stops, chat, rid, n_prompt)
+
+    def refuse(self, streams: List[RequestStream], e: BadRequest, reason: Optional[str] = None, headers=None):
+        """Abort every stream of a request (its other choices too) and answer e."""
+        for s in streams:
+            self.driver.abort(s)
+        if reason:
+            self.metrics.rejected.labels(reason).inc()
+        return _error(e, headers)
+
+    async def admit(self, streams: List[RequestStream], chat: bool):
+        """Wait until the engine took every choice; None, or the error response (all aborted)."""
+        try:
+            for s in streams:
+                await s.admitted
         except SchedulerFullError as e:
-            self.metrics.rejected.labels("queue_full").inc()
-            return _error(BadRequest(f"the server is at capacity ({e}); retry after {self.retry_after_s} s", None,
-                                     503, "service_unavailable_error", "queue_full"),
-                          headers={"Retry-After": str(self.retry_after_s)})
+            full = BadRequest(f"the server is at capacity ({e}); retry after {self.retry_after_s} s", None, 503,
+                              "service_unavailable_error", "queue_full")
+            return self.refuse(streams, full, "queue_full", {"Retry-After": str(self.retry_after_s)})
         except DriverStopped as e:
-            return _error(BadRequest(str(e), None, 503, "service_unavailable_error", "shutting_down"))
+            return self.refuse(streams, BadRequest(str(e), None, 503, "service_unavailable_error", "shutting_down"))
         except EngineError as e:
-            return _error(BadRequest(str(e), None, 500, "server_error"))
+            return self.refuse(streams, BadRequest(str(e), None, 500, "server_error"))
         except ValueError as e:  # the engine's last word (e.g. bigger than the pool)
-            self.metrics.rejected.labels("invalid").inc()
             msg = str(e).replace("max_new_tokens", "max_tokens")
             param = "max_tokens" if "fewer" in msg or "new tokens" in msg else self.prompt_param(chat)
             if "positions" in msg:  # past the model's context
-                return _error(self.too_long(msg[:1].upper() + msg[1:], param))
-            return _error(BadRequest(msg, param))
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            gen = self.sse(stream, stops, chat, rid, include_usage, len(ids))
-            # a client gone before the first chunk: the generator never starts, so its own
-            # cleanup never runs; abort when it is collected (a no-op once the request ended)
-            weakref.finalize(gen, self.driver.abort, stream)
-            return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self.complete(request, stream, stops, chat, rid, len(ids))
+                return self.refuse(streams, self.too_long(msg[:1].upper() + msg[1:], param), "invalid")
+            return self.refuse(streams, BadRequest(msg, param), "invalid")
+        return None
 
     async def events(self, stream: RequestStream, stops: List[str]):
         """Yields (text delta, None, None) then (text, finish_reason, last output) once."""
@@ -266,81 +312,113 @@ class Server:
             if not stream.done:  # the client left, or a stop string: free its pages
                 self.driver.abort(stream)
 
-    def usage(self, prompt_tokens: int, out) -> dict:
-        n = len(out.tokens)
+    def usage(self, prompt_tokens: int, outs: list) -> dict:
+        """OpenAI's usage over a request's choices (prompts counted once each, completions
+        summed); kvsieve's: the method, the mean KV fraction of the choices, and whether any
+        attended densely."""
+        n = sum(len(o.tokens) for o in outs)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
-                "kvsieve": {"method": out.method, "kv_fraction": round(out.kv_fraction, 6),
-                            "attended_densely": out.attended_densely}}
+                "kvsieve": {"method": outs[0].method,
+                            "kv_fraction": round(sum(o.kv_fraction for o in outs) / len(outs), 6),
+                            "attended_densely": any(o.attended_densely for o in outs)}}
 
-    async def complete(self, request: Request, stream: RequestStream, stops, chat: bool, rid: str, n_prompt: int):
+    async def complete(self, request: Request, streams: List[RequestStream], stops, chat: bool, rid: str,
+                       n_prompt: int):
         async def watch():  # a non-streaming client that hangs up cancels its request too
             while not await request.is_disconnected():
                 await asyncio.sleep(0.5)
 
-        parts: List[str] = []
-
-        async def collect():
+        async def collect(stream: RequestStream):
+            parts: List[str] = []
             async for text, reason, out in self.events(stream, stops):
                 parts.append(text)
                 if reason is not None:
-                    return reason, out
+                    return "".join(parts), reason, out
 
-        task, watcher = asyncio.ensure_future(collect()), asyncio.ensure_future(watch())
+        task = asyncio.ensure_future(asyncio.gather(*(collect(s) for s in streams)))
+        watcher = asyncio.ensure_future(watch())
         try:
             await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
             if not task.done():
                 task.cancel()
-                self.driver.abort(stream)
+                for s in streams:
+                    self.driver.abort(s)
         if not task.done() or task.cancelled():
             return Response(status_code=499)
         try:
-            reason, out = task.result()
+            results = task.result()
         except EngineError as e:
             return _error(BadRequest(str(e), None, 500, "server_error"))
-        if reason == "abort":
+        if any(reason == "abort" for _, reason, _ in results):
             return _error(BadRequest("the request was aborted (the server is shutting down); retry it", None, 503,
                                      "service_unavailable_error", "aborted"))
-        text = "".join(parts)
-        choice = {"index": 0, "logprobs": None, "finish_reason": reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+        choices = []
+        for i, (text, reason, _) in enumerate(results):
+            choice = {"index": i, "logprobs": None, "finish_reason": reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": [choice], "usage": self.usage(n_prompt, out)}
+                "model": self.model_name, "choices": choices, "usage": self.usage(n_prompt, [o for *_, o in results])}
 
-    async def sse(self, stream: RequestStream, stops, chat: bool, rid: str, include_usage: bool, n_prompt: int):
+    async def sse(self, streams: List[RequestStream], stops, chat: bool, rid: str, include_usage: bool,
+                  n_prompt: int):
+        """Server-sent events of every choice as its tokens come (chunks carry their choice's
+        index), then the usage chunk if asked, then [DONE]."""
         created, obj = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: Optional[str], reason: Optional[str], first: bool = False) -> str:
+        def chunk(i: int, text: Optional[str], reason: Optional[str], first: bool = False) -> str:
             if chat:
                 delta = {} if text is None else {"role": "assistant", "content": text} if first else {"content": text}
-                c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+                c = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
             else:
-                c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+                c = {"index": i, "text": text or "", "logprobs": None, "finish_reason": reason}
             body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [c]}
             if include_usage:
                 body["usage"] = None
             return f"data: {json.dumps(body)}\n\n"
 
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream):
+            try:
+                async for item in self.events(stream, stops):
+                    await queue.put((i, item, None))
+            except EngineError as e:
+                await queue.put((i, None, e))
+
+        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
         try:
             if chat:
-                yield chunk("", None, first=True)
-            async for text, reason, out in self.events(stream, stops):
+                for i in range(len(streams)):
+                    yield chunk(i, "", None, first=True)
+            last: List = [None] * len(streams)
+            while any(o is None for o in last):
+                i, item, error = await queue.get()
+                if error is not None:
+                    yield f"data: {json.dumps(error_body(str(error), None, 'server_error'))}\n\n"
+                    break
+                text, reason, out = item
                 if text:
-                    yield chunk(text, None)
+                    yield chunk(i, text, None)
                 if reason is not None:
-                    yield chunk(None, reason)
-                    if include_usage:
-                        body = {"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                "choices": [], "usage": self.usage(n_prompt, out)}
-                        yield f"data: {json.dumps(body)}\n\n"
+                    last[i] = out
+                    yield chunk(i, None, reason)
+            else:
+                if include_usage:
+                    body = {"id": rid, "object": obj, "created": created, "model": self.model_name,
+                            "choices": [], "usage": self.usage(n_prompt, last)}
+                    yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
-        except EngineError as e:
-            yield f"data: {json.dumps(error_body(str(e), None, 'server_error'))}\n\n"
-            yield "data: [DONE]\n\n"
+        finally:
+            for p in pumps:
+                p.cancel()
+            for s in streams:  # (a no-op for a finished request)
+                self.driver.abort(s)
 
 
 def create_app(engine, model_name: str = "kvsieve", *, streaming_heads=None, max_method_configs: int = 32,

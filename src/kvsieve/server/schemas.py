@@ -99,7 +99,7 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[StrictStr, List[StrictStr], List[StrictInt]]
+    prompt: Union[StrictStr, List[StrictStr], List[StrictInt], List[List[StrictInt]]]
     max_completion_tokens: Optional[StrictInt] = None  # chat's name of max_tokens, taken here too
     echo: Optional[StrictBool] = False
     suffix: Optional[StrictStr] = None
@@ -110,7 +110,7 @@ class CompletionRequest(_Common):
         return _refused(self) + [
             ("echo", bool(self.echo)),
             ("suffix", bool(self.suffix)),
-            ("best_of", self.best_of not in (None, 1)),
+            ("best_of", self.best_of not in (None, 1, self.n)),  # best_of > n ranks by log-probability
             ("logprobs", self.logprobs is not None),
         ]
 
@@ -125,15 +125,15 @@ EXPECTED = {
     "model": "a string (the served model name, see GET /v1/models)",
     "max_tokens": "an integer >= 1", "max_completion_tokens": "an integer >= 1",
     "temperature": "a number in [0, 2]", "top_p": "a number in (0, 1]", "top_k": "an integer >= 0 (0 = off)",
-    "seed": "an integer", "stop": "a string or a list of up to 4 strings", "n": "1 (the only value served)",
+    "seed": "an integer", "stop": "a string or a list of up to 4 strings", "n": "an integer in [1, 128]",
     "stream": "true or false", "stream_options": 'an object like {"include_usage": true}',
     "stream_options.include_usage": "true or false", "ignore_eos": "true or false",
     "kvsieve": 'an object like {"method": "tactic", "threshold": 0.9}',
     "messages": 'a non-empty list of {"role": "user", "content": "..."} objects',
-    "prompt": "a string, a list of one string, or a list of token ids",
+    "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
     "frequency_penalty": "a number (only 0 is served)", "presence_penalty": "a number (only 0 is served)",
     "logit_bias": "an object (only {} is served)", "echo": "true or false", "suffix": "a string",
-    "best_of": "an integer (only 1 is served)",
+    "best_of": "an integer (only n is served)",
 }
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
 
