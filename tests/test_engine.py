@@ -291,6 +291,31 @@ def test_seeds_reproduce_and_differ(tiny_model):
     assert a == b and a != c
 
 
+@pytest.mark.parametrize("paged", [True, False])
+def test_logprobs_are_the_models_own_and_only_where_asked(tiny_model, paged):
+    """A request's logprobs (SamplingParams.logprobs = k) are, for every generated token, the
+    log-softmax of the model's logits there (teacher-forced score() of the same tokens) and
+    its k most likely tokens; sampled (temperature 1) or greedy, in a batch beside a request
+    that asks for none (None) or none of the alternatives (0)."""
+    eng = LLMEngine(tiny_model, None, "dense", paged=paged)
+    ps = prompts(3, seed=5)
+    params = [SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, ignore_eos=True, logprobs=4),
+              SamplingParams(max_new_tokens=6, ignore_eos=True),
+              SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=0)]
+    outs = eng.generate(ps, params)
+    assert outs[1].logprobs is None and [len(o.logprobs) for o in (outs[0], outs[2])] == [6, 5]
+    for p, o, k in ((ps[0], outs[0], 4), (ps[2], outs[2], 0)):
+        rows, _ = eng.score([p[:-1]], [[p[-1]] + o.tokens[:-1]])  # row j: the distribution of token j
+        for j, e in enumerate(o.logprobs):
+            want = rows[0][j].double()
+            top = want.topk(k)
+            assert e.token == o.tokens[j] and e.logprob == pytest.approx(want[e.token].item(), abs=1e-4)
+            assert [t for t, _ in e.top] == top.indices.tolist()
+            assert [v for _, v in e.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    with pytest.raises(ValueError, match=r"logprobs must be None or an integer in \[0, 20\]"):
+        SamplingParams(logprobs=21)
+
+
 def test_sampling_filters_and_greedy():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 3)
     f = filter_logits(logits, torch.tensor([2, 0, 0]), torch.tensor([1.0, 0.5, 1.0]))

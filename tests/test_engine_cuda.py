@@ -167,6 +167,38 @@ def test_seed_reproduces_on_graphs(tiny_cuda):
     assert eng.generate([ps[0]], p)[0].tokens == eng.generate(ps, p)[0].tokens
 
 
+def test_logprobs_on_graphs_equal_eager(tiny_cuda):
+    """Log-probabilities read from captured steps (a request asking for them joins a running
+    graph batch mid-flight) equal those of eager steps."""
+    model, _ = tiny_cuda
+    ps = prompts(3, lo=200, hi=300, seed=4)
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True),
+              SamplingParams(max_new_tokens=10, temperature=1.0, seed=2, ignore_eos=True, logprobs=5),
+              SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=0)]
+
+    def run(graphs):
+        eng = LLMEngine(model, None, "tactic", dense_below=0, cluster_size=8, graphs=graphs)
+        rids, done, step = [eng.add_request(ps[0], params[0])], {}, 0
+        while eng.has_unfinished or len(rids) < 3:
+            step += 1
+            if step in (3, 6):
+                rids.append(eng.add_request(ps[len(rids)], params[len(rids)]))
+            for o in eng.step():
+                if o.finished:
+                    done[o.id] = o
+        return eng, [done[r] for r in rids]
+
+    eng, on_graphs = run(None)
+    assert eng.runner.captures > 0
+    _, eager = run(False)
+    assert on_graphs[0].logprobs is None and [len(o.logprobs) for o in on_graphs[1:]] == [10, 8]
+    for g, e in zip(on_graphs[1:], eager[1:]):
+        assert g.tokens == e.tokens
+        for a, b in zip(g.logprobs, e.logprobs):
+            assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-3)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top] and len(a.top) in (0, 5)
+
+
 @pytest.fixture(scope="module")
 def tiny_gemma_cuda(tmp_path_factory):
     """A tiny random Gemma 3 (window 16, local and global layers) on CUDA in fp32, its dir."""

@@ -199,6 +199,44 @@ def test_n_choices_and_prompt_lists_equal_single_requests(live, client):
     wait_for(lambda: live.metric("kvsieve_kv_pages_used") == 0, "every choice's pages to be freed")
 
 
+def test_logprobs_of_the_returned_tokens_in_chat_and_completions(live, engine, client):
+    """logprobs: every returned token with its log-probability and top alternatives, equal to
+    the engine's own; the same in a stream; tokens past a stop string left out."""
+    from kvsieve.engine import SamplingParams
+
+    msgs = chat_msgs("Name three colours")
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=3, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == r.choices[0].message.content and len(content) == 6
+    tok = live.app.state.server.tok
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    want = engine.generate([tok.encode(ids, add_special_tokens=False)],
+                           SamplingParams(6, ignore_eos=True, logprobs=3))[0].logprobs
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in want], abs=1e-4)
+    for c, e in zip(content, want):
+        assert [t.token for t in c.top_logprobs] == [tok.decode([t]) for t, _ in e.top]
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob) and bytes(c.bytes).decode() == c.token
+
+    streamed = []
+    for ch in client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+                                             top_logprobs=3, stream=True, extra_body={"ignore_eos": True}):
+        for c in ch.choices:
+            streamed += c.logprobs.content if c.logprobs else []
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+
+    params = dict(model=NAME, prompt="One, two, three,", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(logprobs=2, **params).choices[0]
+    lp = full.logprobs
+    assert "".join(lp.tokens) == full.text and len(lp.token_logprobs) == 8 and all(len(d) == 2 for d in lp.top_logprobs)
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(8)]
+    stop = full.text[lp.text_offset[5]:][:1]  # a character of the sixth token
+    cut = client.completions.create(logprobs=2, stop=[stop], **params).choices[0]
+    joined = "".join(cut.logprobs.tokens)
+    assert cut.text == full.text[:full.text.index(stop)] and joined.startswith(cut.text)
+    assert cut.logprobs.text_offset[-1] < len(cut.text) or not cut.text  # no token starts past the text
+
+
 def test_stop_strings_cut_the_text_and_end_the_request(live, client):
     ref = client.completions.create(model=NAME, prompt="One, two, three,", max_tokens=8, temperature=0,
                                     extra_body={"ignore_eos": True})
@@ -277,7 +315,12 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": 3}, "stop"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "hi " * 9000, "max_tokens": 4}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 8192}, "max_tokens"),
     ("/v1/completions", {"prompt": ""}, "prompt"),

@@ -38,6 +38,7 @@ class DecodeBatch:
     sampling: Dict[str, Tensor]    # temperature, top_k, top_p, seeds: [B]
     greedy_only: bool
     filtered: bool
+    logprobs: bool                 # some row asks for log-probabilities (the step returns them)
     graphs: Dict[Any, Tuple[Any, Tensor]] = field(default_factory=dict)
     last_key: Any = None
     last_dense: Any = ()  # (method key, list capacity) of the groups that attended densely at the last step
@@ -127,6 +128,7 @@ class BatchRows:
         p = req.params
         bt.greedy_only &= p.temperature == 0
         bt.filtered |= p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)
+        bt.logprobs |= p.logprobs is not None
         self.row_joins += 1
         return True
 
@@ -189,7 +191,7 @@ class BatchRows:
             table.to(dev), [len(r.pages) if r is not None else 0 for r in rows], sampling,
             all(r.params.temperature == 0 for r in live),
             any(r.params.temperature > 0 and (r.params.top_k > 0 or r.params.top_p < 1) for r in live),
-            dead=dict(pad_host))
+            any(r.params.logprobs is not None for r in live), dead=dict(pad_host))
         self.batch.last_host = [pad_host[b] if r is None else r.num_cached + 1 for b, r in enumerate(rows)]
 
     def _sampling_rows(self, reqs: List[Request]) -> Dict[str, Tensor]:

@@ -24,6 +24,7 @@ from ..methods.base import DENSE_BELOW_KV_BYTES  # noqa: F401 (re-exported by kv
 from ..patterns import check_dense_heads
 from .crossover import DENSE_ABOVE, DENSE_AFTER, BatchCrossover
 from .runner import ModelRunner
+from .sampling import TokenLogprob
 from .scheduler import Request, SamplingParams, Scheduler
 
 Prompt = Union[str, Sequence[int]]  # text (encoded with the engine's tokenizer) or token ids
@@ -33,7 +34,8 @@ Prompt = Union[str, Sequence[int]]  # text (encoded with the engine's tokenizer)
 class RequestOutput:
     """What a step produced for one request: new_tokens since the last output; tokens:
     everything generated so far. kv_fraction: mean fraction of its KV cache read per
-    decode step (over layers and KV heads; 1.0 before any decode step)."""
+    decode step (over layers and KV heads; 1.0 before any decode step). logprobs: where
+    SamplingParams.logprobs asks, one TokenLogprob per entry of `tokens`, else None."""
 
     id: int
     new_tokens: List[int]
@@ -46,6 +48,7 @@ class RequestOutput:
     ttft_s: Optional[float] = None
     decode_s: float = 0.0
     attended_densely: bool = False  # below the crossover, or its plans read most of its cache
+    logprobs: Optional[List[TokenLogprob]] = None
 
 
 @dataclass
@@ -59,6 +62,7 @@ class _Track:
     sent: int = 0
     high: int = 0  # consecutive steps reading more than DENSE_ABOVE of the cache
     key: str = ""  # the method key it asked for (req.method_key may become "dense")
+    logprobs: List[TokenLogprob] = field(default_factory=list)  # per generated token, where asked
 
 
 @dataclass
@@ -274,7 +278,7 @@ class LLMEngine(BatchCrossover):
                 agg = self.stats.kv_fraction.setdefault(tr.method, [0.0, 0])
                 agg[0] += frac
                 agg[1] += 1
-                self._append(req, tok)
+                self._append(req, tok, self.runner.last_token_logprobs.get(req.id))
                 produced[req.id] = req
         if plan.chunks:
             t0 = time.perf_counter()
@@ -285,18 +289,20 @@ class LLMEngine(BatchCrossover):
                 self.scheduler.prefilled(req, end)
                 self.stats.prefill_tokens += end - start
                 if logits is not None and not req.output:
-                    self._append(req, self.runner.sample_one(logits, req, end))
+                    self._append(req, *self.runner.sample_one(logits, req, end))
                     produced[req.id] = req
             if sync:
                 torch.cuda.synchronize(self.model.device)
             self.stats.prefill_s += time.perf_counter() - t0
         return [self._output(r) for r in produced.values()]
 
-    def _append(self, req: Request, token: int) -> None:
+    def _append(self, req: Request, token: int, logprob: Optional[TokenLogprob] = None) -> None:
         forced = self._forced.get(req.id)
         if forced is not None and len(req.output) < len(forced):
             token = forced[len(req.output)]
         tr = self._track[req.id]
+        if logprob is not None:
+            tr.logprobs.append(logprob)
         now = time.perf_counter()
         tr.first = tr.first or now
         tr.last = now
@@ -314,7 +320,8 @@ class LLMEngine(BatchCrossover):
                             tr.frac_sum / tr.steps if tr.steps else 1.0, tr.method,
                             None if tr.first is None else tr.first - tr.arrival,
                             0.0 if tr.first is None else tr.last - tr.first,
-                            req.method_key == "dense" and tr.method != "dense")
+                            req.method_key == "dense" and tr.method != "dense",
+                            None if req.params.logprobs is None else list(tr.logprobs))
         if req.finished:
             self._track.pop(req.id, None)
             self._later.discard(req.id)

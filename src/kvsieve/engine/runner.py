@@ -30,7 +30,7 @@ from ..methods.streaming import sink_local_plan
 from ..ops.attention import attend as attend_masked
 from ..ops.paged import PagedKeys
 from .batch import BatchRows, DecodeBatch
-from .sampling import sample
+from .sampling import TokenLogprob, logprob_rows, read_logprob_rows, sample
 from .scheduler import Request
 
 # observe(layer, q [B, Hq, D], k, v [B, Hkv, S, D], selection, lengths [B], out [B, Hq, D])
@@ -102,6 +102,7 @@ class ModelRunner(BatchRows):
         # teacher-forced scoring (LLMEngine.score): eager steps keep each row's log-probabilities
         self.record_logprobs = False
         self.last_logprobs: List[Tensor] = []  # [vocab] float32 per request of the last decode()
+        self.last_token_logprobs: Dict[int, TokenLogprob] = {}  # request id -> its token's, last decode()
         self._step_logprobs: Optional[Tensor] = None
         # method key -> tokens (summed over its live rows) under which a decode step attends
         # densely for that method's rows (SparseMethod.dense_step_below_tokens; set by the engine)
@@ -206,11 +207,14 @@ class ModelRunner(BatchRows):
                                             n, layers)
         self.pending[req.id] = states
 
-    def sample_one(self, logits: Tensor, req: Request, position: int) -> int:
-        """Sample the first token of a request from its prefill logits [vocab]."""
+    def sample_one(self, logits: Tensor, req: Request, position: int) -> Tuple[int, Optional[TokenLogprob]]:
+        """Sample the first token of a request from its prefill logits [vocab]; with its
+        log-probabilities where the request asks for them."""
         t = sample(logits[None], *self._sampling_rows([req]).values(),
                    positions=torch.tensor([position], device=logits.device))
-        return int(t[0])
+        if req.params.logprobs is None:
+            return int(t[0]), None
+        return int(t[0]), read_logprob_rows([int(t[0])], logprob_rows(logits[None], t).cpu(), [req.params.logprobs])[0]
 
     def attend_densely(self, req: Request, key: str = "dense") -> None:
         """Move a decoding request to the dense method from its next step on (its sparse
@@ -257,7 +261,7 @@ class ModelRunner(BatchRows):
                 bt.table[b, bt.table_len[b]:len(r.pages)] = torch.tensor(r.pages[bt.table_len[b]:], dtype=torch.int32)
                 bt.table_len[b] = len(r.pages)
         dense_groups = self._dense_groups(rows, host_len)
-        key = [bt.greedy_only, bt.filtered]
+        key = [bt.greedy_only, bt.filtered, bt.logprobs]
         alt = []
         for g, a, b in bt.groups:
             m = self.methods[g]
@@ -303,6 +307,11 @@ class ModelRunner(BatchRows):
         tokens = res[0].long().tolist()
         frac = (res[1] / self.model.cfg.num_layers).tolist()
         row_of = {rid: b for b, rid in enumerate(bt.rows)}
+        self.last_token_logprobs = {}
+        if bt.logprobs:
+            asked = {r.id: r.params.logprobs for r in reqs}
+            per_row = read_logprob_rows(tokens, res[2:], [asked.get(rid) for rid in bt.rows])
+            self.last_token_logprobs = {rid: e for rid, e in zip(bt.rows, per_row) if e is not None}
         if self.record_logprobs:
             lp = self._step_logprobs.cpu()
             self.last_logprobs = [lp[row_of[r.id]] for r in reqs]
@@ -338,7 +347,8 @@ class ModelRunner(BatchRows):
 
     def _step(self, host_len: List[int], dense_groups: set = frozenset()) -> Tensor:
         """The decode step's device work (capturable): returns [2, B] float64 = (sampled
-        token, summed per-layer KV fraction) per row. The rows of methods in dense_groups
+        token, summed per-layer KV fraction) per row, and below them sampling.logprob_rows'
+        [41, B] while a row asks for log-probabilities. The rows of methods in dense_groups
         attend to every token (append_token still runs; decode() skipped their maintain)."""
         bt, cache, model = self.batch, self.cache, self.model
         lengths = bt.positions
@@ -399,7 +409,8 @@ class ModelRunner(BatchRows):
             self._step_logprobs = torch.log_softmax(logits.float(), -1)
         nxt = sample(logits, **bt.sampling, positions=new_len, greedy_only=bt.greedy_only, filtered=bt.filtered)
         frac = torch.cat([torch.stack(counts[g]).double().mean(-1).sum(0) / new_len[a:b] for g, a, b in bt.groups])
-        return torch.stack([nxt.double(), frac])
+        out = torch.stack([nxt.double(), frac])
+        return torch.cat([out, logprob_rows(logits, nxt)]) if bt.logprobs else out
 
     def _key_reader(self, layer: int, reqs: List[Optional[Request]]):
         def read_keys(b: int, start: int, end: int) -> Tensor:

@@ -8,8 +8,12 @@ replay), and nothing here synchronises with the host.
 """
 from __future__ import annotations
 
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
 import torch
 from torch import Tensor
+
+from .scheduler import MAX_TOP_LOGPROBS
 
 _M1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _M2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -64,3 +68,37 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, se
     g = -torch.log(-torch.log(uniform_noise(seeds, positions, logits.shape[-1])))
     drawn = (logits / t + g).argmax(-1)
     return torch.where(temperature > 0, drawn, greedy)
+
+
+class TokenLogprob(NamedTuple):
+    """A generated token, its log-probability under the model, and the most likely tokens'
+    (id, log-probability), most likely first (as many as the request asked for)."""
+
+    token: int
+    logprob: float
+    top: Tuple[Tuple[int, float], ...]
+
+
+def logprob_rows(logits: Tensor, tokens: Tensor) -> Tensor:
+    """[1 + 2K, B] float64 for logits [B, V] and the sampled tokens [B]: each token's
+    log-probability (log-softmax of the logits: before temperature and filtering), then the
+    K = min(20, V) most likely entries' log-probabilities, then their ids."""
+    lp = torch.log_softmax(logits.float(), -1)
+    top = lp.topk(min(MAX_TOP_LOGPROBS, lp.shape[-1]), -1)
+    return torch.cat([lp.gather(-1, tokens.long()[:, None]).T, top.values.T, top.indices.T.float()]).double()
+
+
+def read_logprob_rows(tokens: Sequence[int], rows: Tensor, ks: Sequence[Optional[int]]
+                      ) -> List[Optional[TokenLogprob]]:
+    """The host side of logprob_rows: for column b (token tokens[b], rows [1 + 2K, B] on the
+    CPU), a TokenLogprob with ks[b] alternatives, or None where ks[b] is None."""
+    K = (rows.shape[0] - 1) // 2
+    vals = rows.tolist()
+    out: List[Optional[TokenLogprob]] = []
+    for b, (t, k) in enumerate(zip(tokens, ks)):
+        if k is None:
+            out.append(None)
+            continue
+        top = tuple((int(vals[1 + K + i][b]), vals[1 + i][b]) for i in range(min(k, K)))
+        out.append(TokenLogprob(int(t), vals[0][b], top))
+    return out

@@ -31,6 +31,9 @@ def too_long_fix(prompt: int, new_tokens: int, limit: int) -> str:
     return f"shorten the prompt below {limit} tokens"
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs limit)
+
+
 class SchedulerFullError(RuntimeError):
     """The waiting queue is at its limit (a server answers 429/503 with Retry-After)."""
 
@@ -38,7 +41,10 @@ class SchedulerFullError(RuntimeError):
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings. temperature 0 = greedy; top_k 0 = off; top_p 1 = off;
-    seed None = derived from the request id (set it to reproduce a sampled answer)."""
+    seed None = derived from the request id (set it to reproduce a sampled answer).
+    logprobs None = off; k in [0, 20]: each generated token's log-probability under the model
+    (the log-softmax of its logits, before temperature and top-k/top-p) and the k most likely
+    tokens', in RequestOutput.logprobs."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -47,6 +53,7 @@ class SamplingParams:
     seed: Optional[int] = None
     stop_token_ids: Tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: Optional[int] = None
 
     def __post_init__(self):
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
@@ -61,6 +68,10 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -2 ** 63 <= self.seed < 2 ** 63):
             raise ValueError(f"seed must be an integer that fits in 64 bits, got {self.seed!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per "
+                             f"token), got {self.logprobs!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 

@@ -30,9 +30,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import SamplingParams, SchedulerFullError
+from ..engine.scheduler import MAX_TOP_LOGPROBS
 from ..methods import METHOD_NAMES, config_for, merge_options
 from ..patterns import STREAMING_METHODS, budget_drops_dense_heads, check_dense_heads, dense_heads_of, heads_for
 from .driver import DriverStopped, EngineDriver, EngineError, Metrics, RequestStream
+from .logprobs import ChoiceLogprobs, merge
 from .schemas import BadRequest, ChatCompletionRequest, CompletionRequest, error_body, parse
 from .text import Detokenizer, StopMatcher
 
@@ -116,13 +118,29 @@ class Server:
                 f"{sch.num_pages * sch.page_size}); set {field} <= {room} or shorten the prompt", field)
         if req.temperature is not None and req.temperature > 2:
             raise BadRequest(f"temperature must be a number in [0, 2], got {req.temperature}", "temperature")
+        logprobs = self.logprobs_asked(req, chat)
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None
                                   else req.temperature, top_p=1.0 if req.top_p is None else req.top_p,
-                                  top_k=req.top_k or 0, seed=req.seed, ignore_eos=bool(req.ignore_eos))
+                                  top_k=req.top_k or 0, seed=req.seed, ignore_eos=bool(req.ignore_eos),
+                                  logprobs=logprobs)
         except ValueError as e:
             msg = str(e).replace("max_new_tokens", field)
             return self._raise_sampling(msg, field)
+
+    @staticmethod
+    def logprobs_asked(req, chat: bool) -> Optional[int]:
+        """Alternatives per token the request asks for (None: no logprobs): chat's logprobs:
+        true with top_logprobs (default 0), completions' logprobs: k."""
+        if chat:
+            if req.top_logprobs is not None and not req.logprobs:
+                raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+            k, field = (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs"
+        else:
+            k, field = req.logprobs, "logprobs"
+        if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"{field} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {k}", field)
+        return k
 
     @staticmethod
     def _raise_sampling(msg: str, field: str):
@@ -292,25 +310,38 @@ class Server:
             return self.refuse(streams, BadRequest(msg, param), "invalid")
         return None
 
-    async def events(self, stream: RequestStream, stops: List[str]):
-        """Yields (text delta, None, None) then (text, finish_reason, last output) once."""
+    async def events(self, stream: RequestStream, stops: List[str], logprobs: Optional[ChoiceLogprobs] = None):
+        """Yields (text delta, None, None, logprobs) then (text, finish_reason, last output,
+        logprobs) once; logprobs: those of the tokens the text starts (with a ChoiceLogprobs)."""
         det, match = Detokenizer(self.tok), StopMatcher(stops)
         try:
             while True:
                 out = await stream.get()
                 text = await self.on_tok(det.add, out.new_tokens, out.finished) if out.new_tokens or out.finished \
                     else ""
+                if logprobs is not None and out.new_tokens:
+                    await self.on_tok(logprobs.add, out.logprobs[len(out.tokens) - len(out.new_tokens):])
                 emit, stopped = match.feed(text, out.finished)
                 if stopped and not out.finished:
                     self.driver.abort(stream, "stop")
+                lp = await self.on_tok(logprobs.take, emit) if logprobs is not None and emit else None
                 if stopped or out.finished:
-                    yield emit, "stop" if stopped else out.finish_reason, out
+                    yield emit, "stop" if stopped else out.finish_reason, out, lp
                     return
                 if emit:
-                    yield emit, None, None
+                    yield emit, None, None, lp
         finally:
             if not stream.done:  # the client left, or a stop string: free its pages
                 self.driver.abort(stream)
+
+    @staticmethod
+    def wants_logprobs(stream: RequestStream) -> bool:
+        return stream.params.logprobs is not None
+
+    def logprobs_of(self, stream: RequestStream, chat: bool) -> Optional[ChoiceLogprobs]:
+        """A choice's logprobs tracker, where its request asked for them."""
+        k = stream.params.logprobs
+        return None if k is None else ChoiceLogprobs(self.tok, k, chat)
 
     def usage(self, prompt_tokens: int, outs: list) -> dict:
         """OpenAI's usage over a request's choices (prompts counted once each, completions
@@ -330,10 +361,12 @@ class Server:
 
         async def collect(stream: RequestStream):
             parts: List[str] = []
-            async for text, reason, out in self.events(stream, stops):
+            pieces: List[Optional[dict]] = []
+            async for text, reason, out, lp in self.events(stream, stops, self.logprobs_of(stream, chat)):
                 parts.append(text)
+                pieces.append(lp)
                 if reason is not None:
-                    return "".join(parts), reason, out
+                    return "".join(parts), reason, out, merge(pieces, chat) if self.wants_logprobs(stream) else None
 
         task = asyncio.ensure_future(asyncio.gather(*(collect(s) for s in streams)))
         watcher = asyncio.ensure_future(watch())
@@ -351,19 +384,19 @@ class Server:
             results = task.result()
         except EngineError as e:
             return _error(BadRequest(str(e), None, 500, "server_error"))
-        if any(reason == "abort" for _, reason, _ in results):
+        if any(reason == "abort" for _, reason, _, _ in results):
             return _error(BadRequest("the request was aborted (the server is shutting down); retry it", None, 503,
                                      "service_unavailable_error", "aborted"))
         choices = []
-        for i, (text, reason, _) in enumerate(results):
-            choice = {"index": i, "logprobs": None, "finish_reason": reason}
+        for i, (text, reason, _, lp) in enumerate(results):
+            choice = {"index": i, "logprobs": lp, "finish_reason": reason}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
             choices.append(choice)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": self.usage(n_prompt, [o for *_, o in results])}
+                "model": self.model_name, "choices": choices, "usage": self.usage(n_prompt, [r[2] for r in results])}
 
     async def sse(self, streams: List[RequestStream], stops, chat: bool, rid: str, include_usage: bool,
                   n_prompt: int):
@@ -371,12 +404,12 @@ class Server:
         index), then the usage chunk if asked, then [DONE]."""
         created, obj = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(i: int, text: Optional[str], reason: Optional[str], first: bool = False) -> str:
+        def chunk(i: int, text: Optional[str], reason: Optional[str], first: bool = False, lp=None) -> str:
             if chat:
                 delta = {} if text is None else {"role": "assistant", "content": text} if first else {"content": text}
-                c = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
+                c = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
             else:
-                c = {"index": i, "text": text or "", "logprobs": None, "finish_reason": reason}
+                c = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": reason}
             body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [c]}
             if include_usage:
                 body["usage"] = None
@@ -386,7 +419,7 @@ class Server:
 
         async def pump(i: int, stream: RequestStream):
             try:
-                async for item in self.events(stream, stops):
+                async for item in self.events(stream, stops, self.logprobs_of(stream, chat)):
                     await queue.put((i, item, None))
             except EngineError as e:
                 await queue.put((i, None, e))
@@ -402,9 +435,9 @@ class Server:
                 if error is not None:
                     yield f"data: {json.dumps(error_body(str(error), None, 'server_error'))}\n\n"
                     break
-                text, reason, out = item
+                text, reason, out, lp = item
                 if text:
-                    yield chunk(i, text, None)
+                    yield chunk(i, text, None, lp=lp)
                 if reason is not None:
                     last[i] = out
                     yield chunk(i, None, reason)

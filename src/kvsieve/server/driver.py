@@ -94,6 +94,7 @@ class RequestStream:
         self.admitted: asyncio.Future = loop.create_future()
         self._queue: asyncio.Queue = asyncio.Queue()
         self.prompt_tokens, self.method = prompt_tokens, method
+        self.params: Optional[SamplingParams] = None  # what submit() was given
         self.rid: Optional[int] = None
         self.done = False
         self.last: Optional[RequestOutput] = None
@@ -153,6 +154,7 @@ class EngineDriver:
         if not self._accepting:
             raise DriverStopped("the server is shutting down and takes no new requests; retry on another server")
         stream = RequestStream(loop or asyncio.get_running_loop(), len(prompt), method or self.engine.default_method)
+        stream.params = params
         self._inbox.put(("add", stream, list(prompt), params, method, options))
         return stream
 

@@ -90,8 +90,6 @@ class ChatCompletionRequest(_Common):
 
     def refused(self) -> List[tuple]:
         return _refused(self) + [
-            ("logprobs", bool(self.logprobs)),
-            ("top_logprobs", bool(self.top_logprobs)),
             ("tools", bool(self.tools)),
             ("tool_choice", self.tool_choice not in (None, "none", "auto")),
             ("response_format", self.response_format not in (None, {"type": "text"})),
@@ -111,7 +109,6 @@ class CompletionRequest(_Common):
             ("echo", bool(self.echo)),
             ("suffix", bool(self.suffix)),
             ("best_of", self.best_of not in (None, 1, self.n)),  # best_of > n ranks by log-probability
-            ("logprobs", self.logprobs is not None),
         ]
 
 
@@ -134,6 +131,8 @@ EXPECTED = {
     "frequency_penalty": "a number (only 0 is served)", "presence_penalty": "a number (only 0 is served)",
     "logit_bias": "an object (only {} is served)", "echo": "true or false", "suffix": "a string",
     "best_of": "an integer (only n is served)",
+    "top_logprobs": "an integer in [0, 20]",
+    "logprobs": "true or false (chat), an integer in [0, 20] (completions)",
 }
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
 
