@@ -316,6 +316,31 @@ def test_logprobs_are_the_models_own_and_only_where_asked(tiny_model, paged):
         SamplingParams(logprobs=21)
 
 
+@pytest.mark.parametrize("paged", [True, False])
+def test_presence_and_frequency_penalties_lower_generated_tokens(tiny_model, paged):
+    """Greedy decoding with penalties picks, at every step, the argmax of the model's
+    log-probabilities (teacher-forced score()) less presence * [generated] + frequency *
+    count; a request without penalties beside it decodes as it would alone; a penalized
+    request joining a running batch rebuilds it with token counts."""
+    eng = LLMEngine(tiny_model, None, "dense", paged=paged)
+    ps = prompts(2, seed=9)
+    plain = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    pen = SamplingParams(max_new_tokens=12, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.7)
+    ref = eng.generate([ps[1]], plain)[0].tokens
+    done = mid_flight(eng, ps[::-1], [plain, pen], 1, {3})
+    assert done[0] == ref
+    out, p = done[1], ps[0]
+    rows, _ = eng.score([p[:-1]], [[p[-1]] + out[:-1]])
+    for j, t in enumerate(out):
+        counts = torch.bincount(torch.tensor(out[:j], dtype=torch.long), minlength=rows[0].shape[-1]).float()
+        want = rows[0][j] - 1.5 * (counts > 0) - 0.7 * counts
+        assert t == int(want.argmax()), j
+    assert out != eng.generate([p], plain)[0].tokens  # the penalties changed the answer
+    for bad in (2.5, -3, True):
+        with pytest.raises(ValueError, match=r"presence_penalty must be a number in \[-2, 2\]"):
+            SamplingParams(presence_penalty=bad)
+
+
 def test_sampling_filters_and_greedy():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 3)
     f = filter_logits(logits, torch.tensor([2, 0, 0]), torch.tensor([1.0, 0.5, 1.0]))

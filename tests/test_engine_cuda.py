@@ -199,6 +199,36 @@ def test_logprobs_on_graphs_equal_eager(tiny_cuda):
             assert [t for t, _ in a.top] == [t for t, _ in b.top] and len(a.top) in (0, 5)
 
 
+def test_penalties_on_graphs_equal_eager(tiny_cuda):
+    """Presence and frequency penalties on captured steps (the token counts updated inside the
+    graph; a penalized request joining a running graph batch, a plain one joining a penalized
+    batch in place) give the eager steps' tokens."""
+    model, _ = tiny_cuda
+    ps = prompts(3, lo=200, hi=300, seed=6)
+    params = [SamplingParams(max_new_tokens=14, ignore_eos=True),
+              SamplingParams(max_new_tokens=12, ignore_eos=True, presence_penalty=1.2, frequency_penalty=0.8),
+              SamplingParams(max_new_tokens=8, ignore_eos=True)]
+
+    def run(graphs):
+        eng = LLMEngine(model, None, "dense", graphs=graphs)
+        rids, done, step = [eng.add_request(ps[0], params[0])], {}, 0
+        while eng.has_unfinished or len(rids) < 3:
+            step += 1
+            if step in (3, 6):
+                rids.append(eng.add_request(ps[len(rids)], params[len(rids)]))
+            for o in eng.step():
+                if o.finished:
+                    done[o.id] = o.tokens
+        return eng, [done[r] for r in rids]
+
+    eng, on_graphs = run(None)
+    assert eng.runner.captures > 0
+    assert on_graphs == run(False)[1]
+    alone = LLMEngine(model, None, "dense").generate([ps[1]], params[1])[0].tokens
+    assert on_graphs[1] == alone and alone != LLMEngine(model, None, "dense").generate(
+        [ps[1]], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].tokens
+
+
 @pytest.fixture(scope="module")
 def tiny_gemma_cuda(tmp_path_factory):
     """A tiny random Gemma 3 (window 16, local and global layers) on CUDA in fp32, its dir."""

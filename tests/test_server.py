@@ -237,6 +237,19 @@ def test_logprobs_of_the_returned_tokens_in_chat_and_completions(live, engine, c
     assert cut.logprobs.text_offset[-1] < len(cut.text) or not cut.text  # no token starts past the text
 
 
+def test_presence_and_frequency_penalties_are_the_engines(live, engine, client):
+    from kvsieve.engine import SamplingParams
+
+    tok = live.app.state.server.tok
+    prompt = "Repeat after me: the the the the the"
+    body = dict(model=NAME, prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**body).choices[0].text
+    pen = client.completions.create(presence_penalty=1.5, frequency_penalty=1.0, **body).choices[0].text
+    want = engine.generate([tok.encode(prompt)], SamplingParams(8, ignore_eos=True, presence_penalty=1.5,
+                                                                frequency_penalty=1.0))[0].tokens
+    assert pen == tok.decode(want, skip_special_tokens=True) and pen != plain
+
+
 def test_stop_strings_cut_the_text_and_end_the_request(live, client):
     ref = client.completions.create(model=NAME, prompt="One, two, three,", max_tokens=8, temperature=0,
                                     extra_body={"ignore_eos": True})
@@ -321,6 +334,9 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": "high"}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi " * 9000, "max_tokens": 4}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 8192}, "max_tokens"),
     ("/v1/completions", {"prompt": ""}, "prompt"),

@@ -39,6 +39,9 @@ class DecodeBatch:
     greedy_only: bool
     filtered: bool
     logprobs: bool                 # some row asks for log-probabilities (the step returns them)
+    counts: Optional[Tensor] = None  # [B, vocab] float32: each row's generated tokens, counted (where
+                                     # some row has a presence or frequency penalty); the step adds its token
+    penalty: Optional[Tensor] = None  # [2, B] float32: presence and frequency penalty per row (with counts)
     graphs: Dict[Any, Tuple[Any, Tensor]] = field(default_factory=dict)
     last_key: Any = None
     last_dense: Any = ()  # (method key, list capacity) of the groups that attended densely at the last step
@@ -113,6 +116,8 @@ class BatchRows:
     def _write_row(self, b: int, req: Request) -> bool:
         """Make dead row b of the batch hold req (index, page table, sampling), in place."""
         bt = self.batch
+        if req.params.penalized and bt.counts is None:
+            return False  # a batch without token counts: rebuilt with them
         m = self.methods[req.method_key]
         g0 = next(a for g, a, _ in bt.groups if g == req.method_key)
         new = self.pending[req.id]
@@ -125,6 +130,9 @@ class BatchRows:
         bt.last_host[b] = req.num_cached + 1
         for k, v in self._sampling_rows([req]).items():
             bt.sampling[k][b] = v[0]
+        if bt.counts is not None:
+            bt.counts[b] = self._token_counts([req])[0]
+            bt.penalty[:, b] = self._penalties([req])[:, 0]
         p = req.params
         bt.greedy_only &= p.temperature == 0
         bt.filtered |= p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)
@@ -191,8 +199,23 @@ class BatchRows:
             table.to(dev), [len(r.pages) if r is not None else 0 for r in rows], sampling,
             all(r.params.temperature == 0 for r in live),
             any(r.params.temperature > 0 and (r.params.top_k > 0 or r.params.top_p < 1) for r in live),
-            any(r.params.logprobs is not None for r in live), dead=dict(pad_host))
+            any(r.params.logprobs is not None for r in live),
+            dead=dict(pad_host))
+        if any(r.params.penalized for r in live):
+            filled = [r if r is not None else live[0] for r in rows]
+            self.batch.counts, self.batch.penalty = self._token_counts(filled), self._penalties(filled)
         self.batch.last_host = [pad_host[b] if r is None else r.num_cached + 1 for b, r in enumerate(rows)]
+
+    def _token_counts(self, reqs: List[Request]) -> Tensor:
+        """[len(reqs), vocab] float32: how often each request has generated each token."""
+        V = self.model.cfg.vocab_size
+        rows = [torch.bincount(torch.tensor(r.output, dtype=torch.long), minlength=V)[:V] for r in reqs]
+        return torch.stack(rows).float().to(self.model.device)
+
+    def _penalties(self, reqs: List[Request]) -> Tensor:
+        """[2, len(reqs)] float32: presence and frequency penalties."""
+        return torch.tensor([[float(r.params.presence_penalty) for r in reqs],
+                             [float(r.params.frequency_penalty) for r in reqs]], device=self.model.device)
 
     def _sampling_rows(self, reqs: List[Request]) -> Dict[str, Tensor]:
         dev = self.model.device

@@ -261,7 +261,7 @@ class ModelRunner(BatchRows):
                 bt.table[b, bt.table_len[b]:len(r.pages)] = torch.tensor(r.pages[bt.table_len[b]:], dtype=torch.int32)
                 bt.table_len[b] = len(r.pages)
         dense_groups = self._dense_groups(rows, host_len)
-        key = [bt.greedy_only, bt.filtered, bt.logprobs]
+        key = [bt.greedy_only, bt.filtered, bt.logprobs, bt.counts is not None]
         alt = []
         for g, a, b in bt.groups:
             m = self.methods[g]
@@ -407,7 +407,12 @@ class ModelRunner(BatchRows):
         logits = model.logits(hidden)
         if self.record_logprobs:
             self._step_logprobs = torch.log_softmax(logits.float(), -1)
-        nxt = sample(logits, **bt.sampling, positions=new_len, greedy_only=bt.greedy_only, filtered=bt.filtered)
+        shaped = logits
+        if bt.counts is not None:  # OpenAI's presence and frequency penalties on the tokens generated so far
+            shaped = logits.float() - bt.penalty[0][:, None] * (bt.counts > 0) - bt.penalty[1][:, None] * bt.counts
+        nxt = sample(shaped, **bt.sampling, positions=new_len, greedy_only=bt.greedy_only, filtered=bt.filtered)
+        if bt.counts is not None:
+            bt.counts.scatter_add_(1, nxt[:, None], torch.ones_like(bt.counts[:, :1]))
         frac = torch.cat([torch.stack(counts[g]).double().mean(-1).sum(0) / new_len[a:b] for g, a, b in bt.groups])
         out = torch.stack([nxt.double(), frac])
         return torch.cat([out, logprob_rows(logits, nxt)]) if bt.logprobs else out

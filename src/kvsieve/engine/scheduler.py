@@ -43,8 +43,10 @@ class SamplingParams:
     """Per-request decoding settings. temperature 0 = greedy; top_k 0 = off; top_p 1 = off;
     seed None = derived from the request id (set it to reproduce a sampled answer).
     logprobs None = off; k in [0, 20]: each generated token's log-probability under the model
-    (the log-softmax of its logits, before temperature and top-k/top-p) and the k most likely
-    tokens', in RequestOutput.logprobs."""
+    (the log-softmax of its logits, before penalties, temperature and top-k/top-p) and the k
+    most likely tokens', in RequestOutput.logprobs. presence_penalty, frequency_penalty in
+    [-2, 2] (OpenAI's): each vocabulary entry's logit is lowered by presence_penalty if the
+    request has generated it, plus frequency_penalty times the times it has."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -54,6 +56,12 @@ class SamplingParams:
     stop_token_ids: Tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def __post_init__(self):
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
@@ -72,6 +80,10 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per "
                              f"token), got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 

@@ -123,7 +123,8 @@ class Server:
             return SamplingParams(max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None
                                   else req.temperature, top_p=1.0 if req.top_p is None else req.top_p,
                                   top_k=req.top_k or 0, seed=req.seed, ignore_eos=bool(req.ignore_eos),
-                                  logprobs=logprobs)
+                                  logprobs=logprobs, presence_penalty=req.presence_penalty or 0.0,
+                                  frequency_penalty=req.frequency_penalty or 0.0)
         except ValueError as e:
             msg = str(e).replace("max_new_tokens", field)
             return self._raise_sampling(msg, field)
@@ -145,7 +146,8 @@ class Server:
     @staticmethod
     def _raise_sampling(msg: str, field: str):
         name = msg.split(" ", 1)[0]
-        raise BadRequest(msg, name if name in ("temperature", "top_p", "top_k", "seed") else field)
+        raise BadRequest(msg, name if name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
+                                               "frequency_penalty") else field)
 
     def method(self, kv: Optional[dict]) -> Tuple[Optional[str], Optional[dict]]:
         """The request's (method, options) from the `kvsieve` extra body, validated."""

@@ -73,9 +73,9 @@ class _Common(BaseModel):
     top_k: Optional[StrictInt] = None
     ignore_eos: Optional[StrictBool] = False
     kvsieve: Optional[Dict[str, Any]] = None
-    # not implemented: refused unless neutral
     frequency_penalty: Optional[Number] = None
     presence_penalty: Optional[Number] = None
+    # not implemented: refused unless neutral
     logit_bias: Optional[Dict[str, Any]] = None
 
 
@@ -113,8 +113,7 @@ class CompletionRequest(_Common):
 
 
 def _refused(r: _Common) -> List[tuple]:
-    return [("frequency_penalty", bool(r.frequency_penalty)), ("presence_penalty", bool(r.presence_penalty)),
-            ("logit_bias", bool(r.logit_bias))]
+    return [("logit_bias", bool(r.logit_bias))]
 
 
 # what each field must be, for wrong-type messages
@@ -128,7 +127,7 @@ EXPECTED = {
     "kvsieve": 'an object like {"method": "tactic", "threshold": 0.9}',
     "messages": 'a non-empty list of {"role": "user", "content": "..."} objects',
     "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
-    "frequency_penalty": "a number (only 0 is served)", "presence_penalty": "a number (only 0 is served)",
+    "frequency_penalty": "a number in [-2, 2]", "presence_penalty": "a number in [-2, 2]",
     "logit_bias": "an object (only {} is served)", "echo": "true or false", "suffix": "a string",
     "best_of": "an integer (only n is served)",
     "top_logprobs": "an integer in [0, 20]",
