@@ -85,7 +85,7 @@ def logprob_rows(logits: Tensor, tokens: Tensor) -> Tensor:
     K = min(20, V) most likely entries' log-probabilities, then their ids."""
     lp = torch.log_softmax(logits.float(), -1)
     top = lp.topk(min(MAX_TOP_LOGPROBS, lp.shape[-1]), -1)
-    return torch.cat([lp.gather(-1, tokens.long()[:, None]).T, top.values.T, top.indices.T.float()]).double()
+    return torch.cat([lp.gather(-1, tokens.long()[:, None]).T.double(), top.values.T.double(), top.indices.T.double()])
 
 
 def read_logprob_rows(tokens: Sequence[int], rows: Tensor, ks: Sequence[Optional[int]]

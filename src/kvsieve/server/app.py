@@ -336,10 +336,6 @@ class Server:
             if not stream.done:  # the client left, or a stop string: free its pages
                 self.driver.abort(stream)
 
-    @staticmethod
-    def wants_logprobs(stream: RequestStream) -> bool:
-        return stream.params.logprobs is not None
-
     def logprobs_of(self, stream: RequestStream, chat: bool) -> Optional[ChoiceLogprobs]:
         """A choice's logprobs tracker, where its request asked for them."""
         k = stream.params.logprobs
@@ -364,11 +360,12 @@ class Server:
         async def collect(stream: RequestStream):
             parts: List[str] = []
             pieces: List[Optional[dict]] = []
-            async for text, reason, out, lp in self.events(stream, stops, self.logprobs_of(stream, chat)):
+            track = self.logprobs_of(stream, chat)
+            async for text, reason, out, lp in self.events(stream, stops, track):
                 parts.append(text)
                 pieces.append(lp)
                 if reason is not None:
-                    return "".join(parts), reason, out, merge(pieces, chat) if self.wants_logprobs(stream) else None
+                    return "".join(parts), reason, out, None if track is None else merge(pieces, chat)
 
         task = asyncio.ensure_future(asyncio.gather(*(collect(s) for s in streams)))
         watcher = asyncio.ensure_future(watch())
