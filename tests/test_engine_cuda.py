@@ -167,6 +167,19 @@ def test_seed_reproduces_on_graphs(tiny_cuda):
     assert eng.generate([ps[0]], p)[0].tokens == eng.generate(ps, p)[0].tokens
 
 
+def joining(eng, ps, params, at=(3, 6)):
+    """The first request at once, one more at each step in `at`; (eng, final outputs in order)."""
+    rids, done, step = [eng.add_request(ps[0], params[0])], {}, 0
+    while eng.has_unfinished or len(rids) < len(ps):
+        step += 1
+        if step in at:
+            rids.append(eng.add_request(ps[len(rids)], params[len(rids)]))
+        for o in eng.step():
+            if o.finished:
+                done[o.id] = o
+    return eng, [done[r] for r in rids]
+
+
 def test_logprobs_on_graphs_equal_eager(tiny_cuda):
     """Log-probabilities read from captured steps (a request asking for them joins a running
     graph batch mid-flight) equal those of eager steps."""
@@ -177,16 +190,7 @@ def test_logprobs_on_graphs_equal_eager(tiny_cuda):
               SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=0)]
 
     def run(graphs):
-        eng = LLMEngine(model, None, "tactic", dense_below=0, cluster_size=8, graphs=graphs)
-        rids, done, step = [eng.add_request(ps[0], params[0])], {}, 0
-        while eng.has_unfinished or len(rids) < 3:
-            step += 1
-            if step in (3, 6):
-                rids.append(eng.add_request(ps[len(rids)], params[len(rids)]))
-            for o in eng.step():
-                if o.finished:
-                    done[o.id] = o
-        return eng, [done[r] for r in rids]
+        return joining(LLMEngine(model, None, "tactic", dense_below=0, cluster_size=8, graphs=graphs), ps, params)
 
     eng, on_graphs = run(None)
     assert eng.runner.captures > 0
@@ -210,16 +214,8 @@ def test_penalties_on_graphs_equal_eager(tiny_cuda):
               SamplingParams(max_new_tokens=8, ignore_eos=True)]
 
     def run(graphs):
-        eng = LLMEngine(model, None, "dense", graphs=graphs)
-        rids, done, step = [eng.add_request(ps[0], params[0])], {}, 0
-        while eng.has_unfinished or len(rids) < 3:
-            step += 1
-            if step in (3, 6):
-                rids.append(eng.add_request(ps[len(rids)], params[len(rids)]))
-            for o in eng.step():
-                if o.finished:
-                    done[o.id] = o.tokens
-        return eng, [done[r] for r in rids]
+        eng, outs = joining(LLMEngine(model, None, "dense", graphs=graphs), ps, params)
+        return eng, [o.tokens for o in outs]
 
     eng, on_graphs = run(None)
     assert eng.runner.captures > 0
