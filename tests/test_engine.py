@@ -341,6 +341,30 @@ def test_presence_and_frequency_penalties_lower_generated_tokens(tiny_model, pag
             SamplingParams(presence_penalty=bad)
 
 
+@pytest.mark.parametrize("paged", [True, False])
+def test_logit_bias_bans_and_forces_tokens_from_the_first(tiny_model, paged):
+    """logit_bias is added to the logits of every step, the prefill's first token included:
+    -100 on every token greedy decoding chose keeps all of them out, +100 on one token makes
+    it every token; a request joining with a bias and one without it in the same batch each
+    decode as alone; a token outside the vocabulary is refused."""
+    eng = LLMEngine(tiny_model, None, "dense", paged=paged)
+    ps = prompts(2, seed=11)
+    plain = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    ref = eng.generate([ps[0]], plain)[0].tokens
+    banned = SamplingParams(max_new_tokens=10, ignore_eos=True, logit_bias={t: -100 for t in set(ref)})
+    forced = SamplingParams(max_new_tokens=10, ignore_eos=True, logit_bias={7: 100})
+    out_banned = eng.generate([ps[0]], banned)[0].tokens
+    assert not set(out_banned) & set(ref)
+    done = mid_flight(eng, [ps[1], ps[0], ps[0]], [forced, plain, banned], 1, {2, 4})
+    assert done[0] == [7] * 10 and done[1] == ref and done[2] == out_banned
+    with pytest.raises(ValueError, match=r"logit_bias names token 300, outside the vocabulary \[0, 300\)"):
+        eng.add_request(ps[0], SamplingParams(logit_bias={300: 1}))
+    for bad, msg in (({5: 101}, "values must be numbers in"), ({-1: 1}, "keys must be token ids"),
+                     ({"5": 1}, "keys must be token ids"), ("x", "must map token ids")):
+        with pytest.raises(ValueError, match=msg):
+            SamplingParams(logit_bias=bad)
+
+
 def test_sampling_filters_and_greedy():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 3)
     f = filter_logits(logits, torch.tensor([2, 0, 0]), torch.tensor([1.0, 0.5, 1.0]))

@@ -203,14 +203,15 @@ def test_logprobs_on_graphs_equal_eager(tiny_cuda):
             assert [t for t, _ in a.top] == [t for t, _ in b.top] and len(a.top) in (0, 5)
 
 
-def test_penalties_on_graphs_equal_eager(tiny_cuda):
-    """Presence and frequency penalties on captured steps (the token counts updated inside the
-    graph; a penalized request joining a running graph batch, a plain one joining a penalized
-    batch in place) give the eager steps' tokens."""
+def test_penalties_and_logit_bias_on_graphs_equal_eager(tiny_cuda):
+    """Presence and frequency penalties and logit_bias on captured steps (the token counts
+    updated inside the graph; a penalized and biased request joining a running graph batch, a
+    plain one joining that batch in place) give the eager steps' tokens."""
     model, _ = tiny_cuda
     ps = prompts(3, lo=200, hi=300, seed=6)
     params = [SamplingParams(max_new_tokens=14, ignore_eos=True),
-              SamplingParams(max_new_tokens=12, ignore_eos=True, presence_penalty=1.2, frequency_penalty=0.8),
+              SamplingParams(max_new_tokens=12, ignore_eos=True, presence_penalty=1.2, frequency_penalty=0.8,
+                             logit_bias={5: 3.0, 6: -100}),
               SamplingParams(max_new_tokens=8, ignore_eos=True)]
 
     def run(graphs):
@@ -221,7 +222,7 @@ def test_penalties_on_graphs_equal_eager(tiny_cuda):
     assert eng.runner.captures > 0
     assert on_graphs == run(False)[1]
     alone = LLMEngine(model, None, "dense").generate([ps[1]], params[1])[0].tokens
-    assert on_graphs[1] == alone and alone != LLMEngine(model, None, "dense").generate(
+    assert on_graphs[1] == alone and 6 not in alone and alone != LLMEngine(model, None, "dense").generate(
         [ps[1]], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].tokens
 
 

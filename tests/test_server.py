@@ -237,7 +237,7 @@ def test_logprobs_of_the_returned_tokens_in_chat_and_completions(live, engine, c
     assert cut.logprobs.text_offset[-1] < len(cut.text) or not cut.text  # no token starts past the text
 
 
-def test_presence_and_frequency_penalties_are_the_engines(live, engine, client):
+def test_penalties_and_logit_bias_are_the_engines(live, engine, client):
     from kvsieve.engine import SamplingParams
 
     tok = live.app.state.server.tok
@@ -248,6 +248,10 @@ def test_presence_and_frequency_penalties_are_the_engines(live, engine, client):
     want = engine.generate([tok.encode(prompt)], SamplingParams(8, ignore_eos=True, presence_penalty=1.5,
                                                                 frequency_penalty=1.0))[0].tokens
     assert pen == tok.decode(want, skip_special_tokens=True) and pen != plain
+    first = engine.generate([tok.encode(prompt)], SamplingParams(8, ignore_eos=True))[0].tokens[0]
+    biased = client.completions.create(logit_bias={str(first): -100}, **body).choices[0].text
+    want = engine.generate([tok.encode(prompt)], SamplingParams(8, ignore_eos=True, logit_bias={first: -100}))[0]
+    assert want.tokens[0] != first and biased == tok.decode(want.tokens, skip_special_tokens=True) != plain
 
 
 def test_stop_strings_cut_the_text_and_end_the_request(live, client):
@@ -336,7 +340,10 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": "high"}, "frequency_penalty"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"token": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": "x"}}, "logit_bias.5"),
     ("/v1/completions", {"prompt": "hi " * 9000, "max_tokens": 4}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 8192}, "max_tokens"),
     ("/v1/completions", {"prompt": ""}, "prompt"),

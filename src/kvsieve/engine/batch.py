@@ -42,6 +42,7 @@ class DecodeBatch:
     counts: Optional[Tensor] = None  # [B, vocab] float32: each row's generated tokens, counted (where
                                      # some row has a presence or frequency penalty); the step adds its token
     penalty: Optional[Tensor] = None  # [2, B] float32: presence and frequency penalty per row (with counts)
+    bias: Optional[Tensor] = None  # [B, vocab] float32: each row's logit_bias (where some row has one)
     graphs: Dict[Any, Tuple[Any, Tensor]] = field(default_factory=dict)
     last_key: Any = None
     last_dense: Any = ()  # (method key, list capacity) of the groups that attended densely at the last step
@@ -116,8 +117,8 @@ class BatchRows:
     def _write_row(self, b: int, req: Request) -> bool:
         """Make dead row b of the batch hold req (index, page table, sampling), in place."""
         bt = self.batch
-        if req.params.penalized and bt.counts is None:
-            return False  # a batch without token counts: rebuilt with them
+        if (req.params.penalized and bt.counts is None) or (req.params.logit_bias and bt.bias is None):
+            return False  # a batch without token counts or biases: rebuilt with them
         m = self.methods[req.method_key]
         g0 = next(a for g, a, _ in bt.groups if g == req.method_key)
         new = self.pending[req.id]
@@ -133,6 +134,8 @@ class BatchRows:
         if bt.counts is not None:
             bt.counts[b] = self._token_counts([req])[0]
             bt.penalty[:, b] = self._penalties([req])[:, 0]
+        if bt.bias is not None:
+            bt.bias[b] = self.logit_biases([req])[0]
         p = req.params
         bt.greedy_only &= p.temperature == 0
         bt.filtered |= p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)
@@ -201,9 +204,11 @@ class BatchRows:
             any(r.params.temperature > 0 and (r.params.top_k > 0 or r.params.top_p < 1) for r in live),
             any(r.params.logprobs is not None for r in live),
             dead=dict(pad_host))
+        filled = [r if r is not None else live[0] for r in rows]
         if any(r.params.penalized for r in live):
-            filled = [r if r is not None else live[0] for r in rows]
             self.batch.counts, self.batch.penalty = self._token_counts(filled), self._penalties(filled)
+        if any(r.params.logit_bias for r in live):
+            self.batch.bias = self.logit_biases(filled)
         self.batch.last_host = [pad_host[b] if r is None else r.num_cached + 1 for b, r in enumerate(rows)]
 
     def _token_counts(self, reqs: List[Request]) -> Tensor:
@@ -211,6 +216,14 @@ class BatchRows:
         V = self.model.cfg.vocab_size
         rows = [torch.bincount(torch.tensor(r.output, dtype=torch.long), minlength=V)[:V] for r in reqs]
         return torch.stack(rows).float().to(self.model.device)
+
+    def logit_biases(self, reqs: List[Request]) -> Tensor:
+        """[len(reqs), vocab] float32: each request's logit_bias."""
+        out = torch.zeros(len(reqs), self.model.cfg.vocab_size)
+        for i, r in enumerate(reqs):
+            for t, b in r.params.logit_bias:
+                out[i, t] = b
+        return out.to(self.model.device)
 
     def _penalties(self, reqs: List[Request]) -> Tensor:
         """[2, len(reqs)] float32: presence and frequency penalties."""

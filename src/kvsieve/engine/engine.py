@@ -201,6 +201,10 @@ class LLMEngine(BatchCrossover):
         empty, longer than the model allows, bigger than the pool) and SchedulerFullError past
         the waiting-queue limit."""
         prompt = self.prompt_ids(prompt)
+        vocab = self.model.cfg.vocab_size
+        outside = [t for t, _ in params.logit_bias if t >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias names token {outside[0]}, outside the vocabulary [0, {vocab})")
         key = self.method_key(method, method_options)
         requested = self._method_names[key]
         if "dense" in self.runner.methods and (

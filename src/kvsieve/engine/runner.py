@@ -210,8 +210,8 @@ class ModelRunner(BatchRows):
     def sample_one(self, logits: Tensor, req: Request, position: int) -> Tuple[int, Optional[TokenLogprob]]:
         """Sample the first token of a request from its prefill logits [vocab]; with its
         log-probabilities where the request asks for them."""
-        t = sample(logits[None], *self._sampling_rows([req]).values(),
-                   positions=torch.tensor([position], device=logits.device))
+        shaped = logits[None] if not req.params.logit_bias else logits[None].float() + self.logit_biases([req])
+        t = sample(shaped, *self._sampling_rows([req]).values(), positions=torch.tensor([position], device=logits.device))
         if req.params.logprobs is None:
             return int(t[0]), None
         return int(t[0]), read_logprob_rows([int(t[0])], logprob_rows(logits[None], t).cpu(), [req.params.logprobs])[0]
@@ -261,7 +261,7 @@ class ModelRunner(BatchRows):
                 bt.table[b, bt.table_len[b]:len(r.pages)] = torch.tensor(r.pages[bt.table_len[b]:], dtype=torch.int32)
                 bt.table_len[b] = len(r.pages)
         dense_groups = self._dense_groups(rows, host_len)
-        key = [bt.greedy_only, bt.filtered, bt.logprobs, bt.counts is not None]
+        key = [bt.greedy_only, bt.filtered, bt.logprobs, bt.counts is not None, bt.bias is not None]
         alt = []
         for g, a, b in bt.groups:
             m = self.methods[g]
@@ -407,9 +407,9 @@ class ModelRunner(BatchRows):
         logits = model.logits(hidden)
         if self.record_logprobs:
             self._step_logprobs = torch.log_softmax(logits.float(), -1)
-        shaped = logits
+        shaped = logits if bt.bias is None else logits.float() + bt.bias
         if bt.counts is not None:  # OpenAI's presence and frequency penalties on the tokens generated so far
-            shaped = logits.float() - bt.penalty[0][:, None] * (bt.counts > 0) - bt.penalty[1][:, None] * bt.counts
+            shaped = shaped.float() - bt.penalty[0][:, None] * (bt.counts > 0) - bt.penalty[1][:, None] * bt.counts
         nxt = sample(shaped, **bt.sampling, positions=new_len, greedy_only=bt.greedy_only, filtered=bt.filtered)
         if bt.counts is not None:
             bt.counts.scatter_add_(1, nxt[:, None], torch.ones_like(bt.counts[:, :1]))

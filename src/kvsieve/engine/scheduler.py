@@ -46,7 +46,9 @@ class SamplingParams:
     (the log-softmax of its logits, before penalties, temperature and top-k/top-p) and the k
     most likely tokens', in RequestOutput.logprobs. presence_penalty, frequency_penalty in
     [-2, 2] (OpenAI's): each vocabulary entry's logit is lowered by presence_penalty if the
-    request has generated it, plus frequency_penalty times the times it has."""
+    request has generated it, plus frequency_penalty times the times it has. logit_bias:
+    {token id: bias in [-100, 100]} added to those logits at every step (OpenAI's; -100 bans a
+    token, 100 all but forces it); kept as sorted (token, bias) pairs."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -58,6 +60,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: Tuple[Tuple[int, float], ...] = ()
 
     @property
     def penalized(self) -> bool:
@@ -84,6 +87,17 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple(sorted((t, b) for t, b in bias))
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+        for t, b in bias:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
+        object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 

@@ -119,12 +119,17 @@ class Server:
         if req.temperature is not None and req.temperature > 2:
             raise BadRequest(f"temperature must be a number in [0, 2], got {req.temperature}", "temperature")
         logprobs = self.logprobs_asked(req, chat)
+        bias = {}
+        for key, value in (req.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= self.vocab:
+                raise BadRequest(f"logit_bias key {key!r} is not a token id in [0, {self.vocab})", "logit_bias")
+            bias[int(key)] = value
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None
                                   else req.temperature, top_p=1.0 if req.top_p is None else req.top_p,
                                   top_k=req.top_k or 0, seed=req.seed, ignore_eos=bool(req.ignore_eos),
                                   logprobs=logprobs, presence_penalty=req.presence_penalty or 0.0,
-                                  frequency_penalty=req.frequency_penalty or 0.0)
+                                  frequency_penalty=req.frequency_penalty or 0.0, logit_bias=bias)
         except ValueError as e:
             msg = str(e).replace("max_new_tokens", field)
             return self._raise_sampling(msg, field)
@@ -147,7 +152,7 @@ class Server:
     def _raise_sampling(msg: str, field: str):
         name = msg.split(" ", 1)[0]
         raise BadRequest(msg, name if name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
-                                               "frequency_penalty") else field)
+                                               "frequency_penalty", "logit_bias") else field)
 
     def method(self, kv: Optional[dict]) -> Tuple[Optional[str], Optional[dict]]:
         """The request's (method, options) from the `kvsieve` extra body, validated."""

@@ -75,8 +75,7 @@ class _Common(BaseModel):
     kvsieve: Optional[Dict[str, Any]] = None
     frequency_penalty: Optional[Number] = None
     presence_penalty: Optional[Number] = None
-    # not implemented: refused unless neutral
-    logit_bias: Optional[Dict[str, Any]] = None
+    logit_bias: Optional[Dict[str, Number]] = None
 
 
 class ChatCompletionRequest(_Common):
@@ -113,7 +112,7 @@ class CompletionRequest(_Common):
 
 
 def _refused(r: _Common) -> List[tuple]:
-    return [("logit_bias", bool(r.logit_bias))]
+    return []
 
 
 # what each field must be, for wrong-type messages
@@ -128,7 +127,7 @@ EXPECTED = {
     "messages": 'a non-empty list of {"role": "user", "content": "..."} objects',
     "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
     "frequency_penalty": "a number in [-2, 2]", "presence_penalty": "a number in [-2, 2]",
-    "logit_bias": "an object (only {} is served)", "echo": "true or false", "suffix": "a string",
+    "logit_bias": 'an object mapping token ids to numbers in [-100, 100], e.g. {"50256": -100}', "echo": "true or false", "suffix": "a string",
     "best_of": "an integer (only n is served)",
     "top_logprobs": "an integer in [0, 20]",
     "logprobs": "true or false (chat), an integer in [0, 20] (completions)",
