@@ -135,7 +135,7 @@ class BatchRows:
             bt.counts[b] = self._token_counts([req])[0]
             bt.penalty[:, b] = self._penalties([req])[:, 0]
         if bt.bias is not None:
-            bt.bias[b] = self.logit_biases([req])[0]
+            bt.bias[b] = self._logit_biases([req])[0]
         p = req.params
         bt.greedy_only &= p.temperature == 0
         bt.filtered |= p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)
@@ -208,7 +208,7 @@ class BatchRows:
         if any(r.params.penalized for r in live):
             self.batch.counts, self.batch.penalty = self._token_counts(filled), self._penalties(filled)
         if any(r.params.logit_bias for r in live):
-            self.batch.bias = self.logit_biases(filled)
+            self.batch.bias = self._logit_biases(filled)
         self.batch.last_host = [pad_host[b] if r is None else r.num_cached + 1 for b, r in enumerate(rows)]
 
     def _token_counts(self, reqs: List[Request]) -> Tensor:
@@ -217,7 +217,7 @@ class BatchRows:
         rows = [torch.bincount(torch.tensor(r.output, dtype=torch.long), minlength=V)[:V] for r in reqs]
         return torch.stack(rows).float().to(self.model.device)
 
-    def logit_biases(self, reqs: List[Request]) -> Tensor:
+    def _logit_biases(self, reqs: List[Request]) -> Tensor:
         """[len(reqs), vocab] float32: each request's logit_bias."""
         out = torch.zeros(len(reqs), self.model.cfg.vocab_size)
         for i, r in enumerate(reqs):

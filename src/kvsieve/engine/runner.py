@@ -210,7 +210,7 @@ class ModelRunner(BatchRows):
     def sample_one(self, logits: Tensor, req: Request, position: int) -> Tuple[int, Optional[TokenLogprob]]:
         """Sample the first token of a request from its prefill logits [vocab]; with its
         log-probabilities where the request asks for them."""
-        shaped = logits[None] if not req.params.logit_bias else logits[None].float() + self.logit_biases([req])
+        shaped = logits[None] if not req.params.logit_bias else logits[None].float() + self._logit_biases([req])
         t = sample(shaped, *self._sampling_rows([req]).values(), positions=torch.tensor([position], device=logits.device))
         if req.params.logprobs is None:
             return int(t[0]), None
