@@ -195,10 +195,12 @@ def _convert(gguf: Path, out: Path) -> None:
         eos = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
         # transformers 5.17 reads SmolLM2's GGUF with eos_token <|im_start|> and no pad token;
         # the config's EOS (what the engine stops on) is the GGUF's own, so the tokenizer follows it
-        if eos and getattr(tok, "eos_token_id", None) not in eos:
-            tok.eos_token = tok.convert_ids_to_tokens(eos[0])
-        if tok.pad_token is None and eos:  # padded batches (the HF drop-in) need one: EOS, as the original's
-            tok.pad_token = tok.convert_ids_to_tokens(eos[0])
+        if eos:
+            name = tok.convert_ids_to_tokens(eos[0])
+            if getattr(tok, "eos_token_id", None) not in eos:
+                tok.eos_token = name
+            if tok.pad_token is None:  # padded batches (the HF drop-in) need one: EOS, as the original's
+                tok.pad_token = name
         # the weights are de-quantised float32 now; drop the GGUF marker so they save as plain safetensors
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
