@@ -316,6 +316,63 @@ def test_logprobs_are_the_models_own_and_only_where_asked(tiny_model, paged):
         SamplingParams(logprobs=21)
 
 
+def causal_logprobs(model, ids):
+    """[len(ids), vocab] float64 log-probabilities of one plain causal forward over ids."""
+    import torch.nn.functional as F
+
+    def attend(layer, q, k, v):
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           is_causal=True, enable_gqa=True)
+        return o[0].transpose(0, 1)
+
+    with torch.no_grad():
+        return torch.log_softmax(model.logits(model.forward(torch.tensor(ids), torch.arange(len(ids)), attend)).double(),
+                                 -1)
+
+
+@pytest.mark.parametrize("method,opts", [("dense", {}), ("tactic", {"cluster_size": 8})])
+def test_prompt_logprobs_score_every_prompt_token_across_chunks(tiny_model, method, opts):
+    """prompt_logprobs = k: every prompt token after the first gets its log-probability given
+    the tokens before it and the k most likely tokens (a plain causal forward's), for prompts
+    of 1, 54 and 97 tokens prefilled together in pieces of 40 tokens over several steps, beside
+    a request that asks for none; max_new_tokens 0 scores the prompt, generates nothing and
+    frees its pages at once; the generated tokens are those of a request that asks for none."""
+    ps = [prompts(1, 1, 2)[0], *prompts(2, 54, 55, seed=3)[:1], *prompts(1, 97, 98, seed=4)]
+    eng = LLMEngine(tiny_model, None, method, step_tokens=64, prefill_chunk=40, **opts)
+    params = [SamplingParams(4, ignore_eos=True, prompt_logprobs=3), SamplingParams(0, prompt_logprobs=0),
+              SamplingParams(4, ignore_eos=True, prompt_logprobs=5), SamplingParams(4, ignore_eos=True)]
+    outs = eng.generate(ps + [ps[2]], params)
+    assert outs[3].prompt_logprobs is None and outs[1].tokens == [] and outs[1].finish_reason == "length"
+    assert outs[2].tokens == outs[3].tokens and not eng.runner.pending and eng.scheduler.used_pages == 0
+    for p, o, k in zip(ps, outs, (3, 0, 5)):
+        assert len(o.prompt_logprobs) == len(p) and o.prompt_logprobs[0] is None
+        want = causal_logprobs(tiny_model, p)
+        for i, e in enumerate(o.prompt_logprobs[1:], 1):
+            top = want[i - 1].topk(k)
+            assert e.token == p[i] and e.logprob == pytest.approx(want[i - 1, p[i]].item(), abs=1e-4)
+            assert [t for t, _ in e.top] == top.indices.tolist()
+            assert [v for _, v in e.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    with pytest.raises(ValueError, match=r"max_new_tokens must be an integer >= 1 \(0 only to score the prompt"):
+        SamplingParams(0)
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be None or an integer in \[0, 20\]"):
+        SamplingParams(prompt_logprobs=21)
+
+
+def test_prompt_logprobs_survive_preemption_once(tiny_model):
+    """A request preempted and recomputed keeps one log-probability per prompt token, the
+    same as when it runs alone."""
+    ps = prompts(6, lo=40, hi=60, seed=5)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True, prompt_logprobs=1)
+    eng = LLMEngine(tiny_model, None, "dense", kv_pages=14, kv_page_size=16)
+    outs = eng.generate(ps, params)
+    assert eng.stats.preemptions >= 1
+    for p, o in zip(ps, outs):
+        ref = LLMEngine(tiny_model, None, "dense").generate([p], SamplingParams(0, prompt_logprobs=1))[0]
+        assert len(o.prompt_logprobs) == len(p)
+        assert [e.logprob for e in o.prompt_logprobs[1:]] == pytest.approx([e.logprob for e in ref.prompt_logprobs[1:]],
+                                                                          abs=1e-5)
+
+
 @pytest.mark.parametrize("paged", [True, False])
 def test_presence_and_frequency_penalties_lower_generated_tokens(tiny_model, paged):
     """Greedy decoding with penalties picks, at every step, the argmax of the model's

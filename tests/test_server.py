@@ -237,6 +237,65 @@ def test_logprobs_of_the_returned_tokens_in_chat_and_completions(live, engine, c
     assert cut.logprobs.text_offset[-1] < len(cut.text) or not cut.text  # no token starts past the text
 
 
+def test_echo_returns_the_prompt_with_its_log_probabilities(live, engine, client):
+    """echo (lm-evaluation-harness's loglikelihood requests: token-id prompts, echo, logprobs,
+    max_tokens 1 or 0): the prompt's text and tokens come first, every prompt token after the
+    first with its log-probability given the ones before (the model's, checked against a
+    teacher-forced forward), the completion after them; in a stream too."""
+    import torch
+
+    tok = live.app.state.server.tok
+    ctx, cont = tok.encode("The capital of France is"), tok.encode(" Paris, and the capital of Italy is Rome")
+    ids = ctx + cont
+    r = client.completions.create(model=NAME, prompt=[ids, ctx], echo=True, logprobs=1, max_tokens=1, temperature=0)
+    full, short = sorted(r.choices, key=lambda c: c.index)
+    lp = full.logprobs
+    assert full.text.startswith(tok.decode(ids)) and len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.tokens[:len(ids)] == [tok.decode([t]) for t in ids]
+    with torch.no_grad():  # the model's own log-probabilities of the prompt, one forward
+        logits = engine.runner.model.logits(_hidden_states(engine, ids))
+    want = torch.log_softmax(logits.float(), -1)[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(want.tolist(), abs=2e-3)
+    greedy = [max(d.values()) == v for d, v in zip(lp.top_logprobs[1:len(ids)], lp.token_logprobs[1:len(ids)])]
+    assert greedy == (logits[:-1].argmax(-1) == torch.tensor(ids[1:])).tolist()  # lm-eval's is_greedy
+    assert lp.text_offset[:len(ids)] == [len(tok.decode(ids[:i])) for i in range(len(ids))]
+    assert lp.text_offset[-1] == len(tok.decode(ids))  # the completion's token follows the prompt
+    assert short.text.startswith(tok.decode(ctx)) and short.logprobs.token_logprobs[:len(ctx)] == \
+        pytest.approx(lp.token_logprobs[:len(ctx)], abs=1e-4)
+    assert r.usage.prompt_tokens == len(ids) + len(ctx) and r.usage.completion_tokens == 2
+
+    text = "One, two, three, four"
+    only = client.completions.create(model=NAME, prompt=text, echo=True, logprobs=0, max_tokens=0)
+    c = only.choices[0]
+    assert c.text == text and c.finish_reason == "length" and only.usage.completion_tokens == 0
+    assert len(c.logprobs.tokens) == len(tok.encode(text)) and all(d == {} for d in c.logprobs.top_logprobs[1:])
+    assert client.completions.create(model=NAME, prompt=text, echo=True, max_tokens=0).choices[0].text == text
+
+    chunks = list(client.completions.create(model=NAME, prompt=text, echo=True, logprobs=0, max_tokens=3,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    whole = client.completions.create(model=NAME, prompt=text, echo=True, logprobs=0, max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    assert chunks[0].choices[0].text == text and "".join(ch.choices[0].text for ch in chunks) == whole.text
+    streamed = [v for ch in chunks if ch.choices[0].logprobs for v in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == whole.logprobs.token_logprobs and whole.logprobs.token_logprobs[0] is None
+
+
+def _hidden_states(engine, ids):
+    """The model's last hidden states [len(ids), hidden] of one causal forward over ids."""
+    import torch
+    import torch.nn.functional as F
+
+    model = engine.runner.model
+
+    def attend(layer, q, k, v):
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           is_causal=True, enable_gqa=True)
+        return o[0].transpose(0, 1)
+
+    return model.forward(torch.tensor(ids), torch.arange(len(ids)), attend)
+
+
 def test_penalties_and_logit_bias_are_the_engines(live, engine, client):
     from kvsieve.engine import SamplingParams
 
@@ -337,7 +396,8 @@ BAD = [
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "echo": "yes"}, "echo"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": "high"}, "frequency_penalty"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),

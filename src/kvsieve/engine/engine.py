@@ -35,7 +35,9 @@ class RequestOutput:
     """What a step produced for one request: new_tokens since the last output; tokens:
     everything generated so far. kv_fraction: mean fraction of its KV cache read per
     decode step (over layers and KV heads; 1.0 before any decode step). logprobs: where
-    SamplingParams.logprobs asks, one TokenLogprob per entry of `tokens`, else None."""
+    SamplingParams.logprobs asks, one TokenLogprob per entry of `tokens`, else None.
+    prompt_logprobs: where SamplingParams.prompt_logprobs asks, one per prompt token once the
+    prompt is prefilled: None for the first, a TokenLogprob for each later one; else None."""
 
     id: int
     new_tokens: List[int]
@@ -49,6 +51,7 @@ class RequestOutput:
     decode_s: float = 0.0
     attended_densely: bool = False  # below the crossover, or its plans read most of its cache
     logprobs: Optional[List[TokenLogprob]] = None
+    prompt_logprobs: Optional[List[Optional[TokenLogprob]]] = None
 
 
 @dataclass
@@ -63,6 +66,7 @@ class _Track:
     high: int = 0  # consecutive steps reading more than DENSE_ABOVE of the cache
     key: str = ""  # the method key it asked for (req.method_key may become "dense")
     logprobs: List[TokenLogprob] = field(default_factory=list)  # per generated token, where asked
+    prompt_logprobs: List[Optional[TokenLogprob]] = field(default_factory=lambda: [None])  # per prompt token
 
 
 @dataclass
@@ -292,13 +296,27 @@ class LLMEngine(BatchCrossover):
             for (req, start, end), logits in zip(plan.chunks, self.runner.prefill(plan.chunks)):
                 self.scheduler.prefilled(req, end)
                 self.stats.prefill_tokens += end - start
+                self._add_prompt_logprobs(req)
                 if logits is not None and not req.output:
-                    self._append(req, *self.runner.sample_one(logits, req, end))
+                    if req.params.max_new_tokens == 0:  # the prompt scored, nothing to generate
+                        self.scheduler.finish_scored(req)
+                        self.runner.release(req.id)
+                        self.stats.finished += 1
+                    else:
+                        self._append(req, *self.runner.sample_one(logits, req, end))
                     produced[req.id] = req
             if sync:
                 torch.cuda.synchronize(self.model.device)
             self.stats.prefill_s += time.perf_counter() - t0
         return [self._output(r) for r in produced.values()]
+
+    def _add_prompt_logprobs(self, req: Request) -> None:
+        """Keep the prompt positions the last prefill scored for req that it has not got yet
+        (a recomputed prefill after a preemption scores them again)."""
+        have = self._track[req.id].prompt_logprobs
+        for first, entries in self.runner.last_prompt_logprobs.pop(req.id, ()):
+            if first + 1 <= len(have):  # entry i is prompt token first + 1 + i
+                have += entries[len(have) - first - 1:]
 
     def _append(self, req: Request, token: int, logprob: Optional[TokenLogprob] = None) -> None:
         forced = self._forced.get(req.id)
@@ -325,7 +343,8 @@ class LLMEngine(BatchCrossover):
                             None if tr.first is None else tr.first - tr.arrival,
                             0.0 if tr.first is None else tr.last - tr.first,
                             req.method_key == "dense" and tr.method != "dense",
-                            None if req.params.logprobs is None else list(tr.logprobs))
+                            None if req.params.logprobs is None else list(tr.logprobs),
+                            None if req.params.prompt_logprobs is None else tr.prompt_logprobs)
         if req.finished:
             self._track.pop(req.id, None)
             self._later.discard(req.id)

@@ -30,7 +30,7 @@ from ..methods.streaming import sink_local_plan
 from ..ops.attention import attend as attend_masked
 from ..ops.paged import PagedKeys
 from .batch import BatchRows, DecodeBatch
-from .sampling import TokenLogprob, logprob_rows, read_logprob_rows, sample
+from .sampling import TokenLogprob, logprob_rows, read_logprob_rows, sample, score_positions
 from .scheduler import Request
 
 # observe(layer, q [B, Hq, D], k, v [B, Hkv, S, D], selection, lengths [B], out [B, Hq, D])
@@ -104,6 +104,8 @@ class ModelRunner(BatchRows):
         self.last_logprobs: List[Tensor] = []  # [vocab] float32 per request of the last decode()
         self.last_token_logprobs: Dict[int, TokenLogprob] = {}  # request id -> its token's, last decode()
         self._step_logprobs: Optional[Tensor] = None
+        # request id -> [(first prompt position, TokenLogprobs of the tokens after it on)] of the last prefill()
+        self.last_prompt_logprobs: Dict[int, List[Tuple[int, List[TokenLogprob]]]] = {}
         # method key -> tokens (summed over its live rows) under which a decode step attends
         # densely for that method's rows (SparseMethod.dense_step_below_tokens; set by the engine)
         self.step_dense_below: Dict[str, int] = {}
@@ -117,27 +119,40 @@ class ModelRunner(BatchRows):
         several requests share one forward of at most prefill_chunk tokens (a longer chunk is
         cut into pieces, run in order). A request whose cache then holds its whole prefill
         target is indexed for its method. Returns per chunk the logits [vocab] (float32) of
-        its last position when the request's prefill is complete, else None."""
+        its last position when the request's prefill is complete, else None. Requests asking
+        for prompt_logprobs get their prompt positions scored (last_prompt_logprobs)."""
         for req, _, _ in chunks:
             self.cache.tables[req.id] = req.pages
             self.cache.lengths.setdefault(req.id, 0)
         pieces = [(req, a, min(end, a + self.prefill_chunk))
                   for req, start, end in chunks for a in range(start, end, self.prefill_chunk)]
         last: Dict[int, Tensor] = {}  # request id -> hidden state [hidden] of its latest token
+        self.last_prompt_logprobs = {}
         with sdpa_kernel(PREFILL_SDPA):
             for group in _packs(pieces, self.prefill_chunk):
                 h, off = self._prefill_forward(group), 0
                 for req, a, b in group:
                     off += b - a
                     last[req.id] = h[off - 1]
+                    self._score_prompt(req, a, b, h[off - (b - a):off])
         out: List[Optional[Tensor]] = []
         for req, _, end in chunks:
             if end < req.prefill_target:
                 out.append(None)
                 continue
-            self.index_request(req, end)
+            if req.params.max_new_tokens:  # (a request that only scores its prompt never decodes)
+                self.index_request(req, end)
             out.append(self.model.logits(last[req.id][None])[0])
         return out
+
+    def _score_prompt(self, req: Request, start: int, end: int, hidden: Tensor) -> None:
+        """Where req asks for prompt_logprobs: the prompt tokens after positions [start, end)
+        (hidden [end - start, hidden]), scored into last_prompt_logprobs."""
+        k, stop = req.params.prompt_logprobs, min(end, len(req.prompt) - 1)
+        if k is None or stop <= start:
+            return
+        entries = score_positions(hidden[:stop - start], req.prompt[start + 1:stop + 1], k, self.model.logits)
+        self.last_prompt_logprobs.setdefault(req.id, []).append((start, entries))
 
     def _prefill_forward(self, pieces: List[Tuple[Request, int, int]]) -> Tensor:
         """One forward over the tokens of pieces [(request, start, end)], concatenated in

@@ -102,3 +102,17 @@ def read_logprob_rows(tokens: Sequence[int], rows: Tensor, ks: Sequence[Optional
         top = tuple((int(vals[1 + K + i][b]), vals[1 + i][b]) for i in range(min(k, K)))
         out.append(TokenLogprob(int(t), vals[0][b], top))
     return out
+
+
+def score_positions(hidden: Tensor, targets: Sequence[int], k: int, logits_of, rows_per_call: int = 256
+                    ) -> List[TokenLogprob]:
+    """Teacher-forced log-probabilities along a prompt: hidden [T, hidden] the states of T
+    consecutive positions, targets the T tokens that follow them; returns one TokenLogprob
+    (target, its log-probability, the k most likely entries) per position. logits_of maps
+    states [t, hidden] to logits [t, vocab]; at most rows_per_call rows of logits live at once."""
+    out: List[TokenLogprob] = []
+    for a in range(0, len(targets), rows_per_call):
+        t = targets[a:a + rows_per_call]
+        rows = logprob_rows(logits_of(hidden[a:a + len(t)]), torch.tensor(t, device=hidden.device))
+        out += read_logprob_rows(t, rows.cpu(), [k] * len(t))
+    return out

@@ -48,7 +48,10 @@ class SamplingParams:
     [-2, 2] (OpenAI's): each vocabulary entry's logit is lowered by presence_penalty if the
     request has generated it, plus frequency_penalty times the times it has. logit_bias:
     {token id: bias in [-100, 100]} added to those logits at every step (OpenAI's; -100 bans a
-    token, 100 all but forces it); kept as sorted (token, bias) pairs."""
+    token, 100 all but forces it); kept as sorted (token, bias) pairs. prompt_logprobs None =
+    off; k in [0, 20]: each prompt token's log-probability given the tokens before it (from
+    the prefill's logits) and the k most likely tokens', in RequestOutput.prompt_logprobs.
+    max_new_tokens 0 (with prompt_logprobs only) scores the prompt and generates nothing."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -61,6 +64,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Tuple[Tuple[int, float], ...] = ()
+    prompt_logprobs: Optional[int] = None
 
     @property
     def penalized(self) -> bool:
@@ -68,8 +72,9 @@ class SamplingParams:
 
     def __post_init__(self):
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
-                or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+                or self.max_new_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_new_tokens must be an integer >= 1 (0 only to score the prompt, with "
+                             f"prompt_logprobs), got {self.max_new_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
@@ -79,10 +84,11 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -2 ** 63 <= self.seed < 2 ** 63):
             raise ValueError(f"seed must be an integer that fits in 64 bits, got {self.seed!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per "
-                             f"token), got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per "
+                                 f"token), got {k!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
@@ -341,6 +347,11 @@ class Scheduler:
                 break
             out.append(r)
         return out
+
+    def finish_scored(self, req: Request) -> None:
+        """A request that asked for no new tokens (max_new_tokens 0) has its prompt scored: it
+        finishes with "length" and its pages are freed."""
+        self._finish(req, "length")
 
     def prefilled(self, req: Request, end: int) -> None:
         """A prefill chunk ran: the cache now holds `end` tokens of req."""

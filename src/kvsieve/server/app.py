@@ -91,6 +91,7 @@ class Server(Responses):
 
     def sampling(self, req, prompt_len: int, chat: bool) -> SamplingParams:
         field, max_tokens = "max_tokens", req.max_tokens
+        echo = not chat and bool(req.echo)
         if req.max_completion_tokens is not None:
             field, max_tokens = "max_completion_tokens", req.max_completion_tokens
         sch = self.engine.scheduler
@@ -103,8 +104,9 @@ class Server(Responses):
                 "prompt (kvsieve never truncates)", self.prompt_param(chat))
         if max_tokens is None:  # OpenAI's defaults: the rest of the context for chat, 16 for completions
             max_tokens = room if chat else min(room, COMPLETIONS_DEFAULT_MAX_TOKENS)
-        elif max_tokens < 1:
-            raise BadRequest(f"{field} must be an integer >= 1, got {max_tokens}; ask for at least one token", field)
+        elif max_tokens < (0 if echo else 1):
+            raise BadRequest(f"{field} must be an integer >= 1 (0 only with echo), got {max_tokens}; ask for at "
+                             "least one token", field)
         elif max_tokens > room:
             raise self.too_long(
                 f"The prompt has {prompt_len} tokens and {field} is {max_tokens}, but at most {prompt_len + room} "
@@ -123,7 +125,9 @@ class Server(Responses):
                                   else req.temperature, top_p=1.0 if req.top_p is None else req.top_p,
                                   top_k=req.top_k or 0, seed=req.seed, ignore_eos=bool(req.ignore_eos),
                                   logprobs=logprobs, presence_penalty=req.presence_penalty or 0.0,
-                                  frequency_penalty=req.frequency_penalty or 0.0, logit_bias=bias)
+                                  frequency_penalty=req.frequency_penalty or 0.0, logit_bias=bias,
+                                  prompt_logprobs=(logprobs or 0) if echo and (logprobs is not None or not max_tokens)
+                                  else None)
         except ValueError as e:
             msg = str(e).replace("max_new_tokens", field)
             return self._raise_sampling(msg, field)
@@ -225,6 +229,13 @@ class Server(Responses):
             out.append(ids)
         return out
 
+    def echo_texts(self, req: CompletionRequest, prompts: List[List[int]]) -> List[Tuple[str, List[int]]]:
+        """Per prompt, what echo returns before the completion: the text as sent (token ids
+        decoded), and its token ids."""
+        p = req.prompt
+        sent = [p] if isinstance(p, str) or isinstance(p[0], int) else p
+        return [(one if isinstance(one, str) else self.tok.decode(ids), ids) for one, ids in zip(sent, prompts)]
+
     def chat_prompts(self, req: ChatCompletionRequest) -> List[List[int]]:
         ids = self.chat_ids(req)
         if not ids:
@@ -250,12 +261,14 @@ class Server(Responses):
             self.check_common(req)
             prompts = await self.on_tok(self.chat_prompts if chat else self.completion_prompts, req)
             params = [self.sampling(req, len(ids), chat) for ids in prompts]
+            echoes = await self.on_tok(self.echo_texts, req, prompts) if not chat and req.echo else None
             method, options = self.method(req.kvsieve)
         except BadRequest as e:
             self.metrics.rejected.labels("shutting_down" if e.code == "shutting_down" else "invalid").inc()
             return _error(e)
         n = req.n or 1
         streams: List[RequestStream] = []
+        echo = [e for e in echoes for _ in range(n)] if echoes else None  # per choice: (text, ids) or none
         try:
             for ids, sp in zip(prompts, params):  # choice index: prompt * n + j, as OpenAI orders them
                 streams += [self.driver.submit(ids, self.choice_params(sp, j), method, options) for j in range(n)]
@@ -274,13 +287,13 @@ class Server(Responses):
         n_prompt = sum(len(ids) for ids in prompts)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            gen = self.sse(streams, stops, chat, rid, include_usage, n_prompt)
+            gen = self.sse(streams, stops, chat, rid, include_usage, n_prompt, echo)
             # a client gone before the first chunk: the generator never starts, so its own
             # cleanup never runs; abort when it is collected (a no-op once the request ended)
             for s in streams:
                 weakref.finalize(gen, self.driver.abort, s)
             return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self.complete(request, streams, stops, chat, rid, n_prompt)
+        return await self.complete(request, streams, stops, chat, rid, n_prompt, echo)
 
     def refuse(self, streams: List[RequestStream], e: BadRequest, reason: Optional[str] = None, headers=None):
         """Abort every stream of a request (its other choices too) and answer e."""

@@ -36,6 +36,21 @@ class ChoiceLogprobs:
         self.pending = self.pending[len(now):]
         return self.format(now) if now else None
 
+    def echo(self, text: str, ids: Sequence[int], entries: Sequence[Optional[TokenLogprob]]) -> dict:
+        """The completions logprobs object of an echoed prompt: ids, the engine's
+        prompt_logprobs (None for the first token) and the prompt's text; the completion's
+        offsets then start after that text."""
+        items, offset = [], 0
+        for token, e in zip(ids, entries):
+            items.append((offset, token, e))
+            offset += len(self.tok.decode([token], skip_special_tokens=True))
+        self.end = self.sent = len(text)
+        return {"tokens": [self.shown(t) for _, t, _ in items],
+                "token_logprobs": [None if e is None else e.logprob for _, _, e in items],
+                "top_logprobs": [None if e is None else {self.shown(t): v for t, v in e.top[:self.k]}
+                                 for _, _, e in items],
+                "text_offset": [offset for offset, _, _ in items]}
+
     def shown(self, token: int) -> str:
         return self.tok.decode([token])
 

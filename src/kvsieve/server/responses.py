@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -24,13 +24,21 @@ class Responses:
     """Server's answering half (a mixin): needs self.tok, self.on_tok, self.driver and
     self.model_name."""
 
-    async def events(self, stream: RequestStream, stops: List[str], logprobs: Optional[ChoiceLogprobs] = None):
+    async def events(self, stream: RequestStream, stops: List[str], logprobs: Optional[ChoiceLogprobs] = None,
+                     echo: Optional[Tuple[str, List[int]]] = None):
         """Yields (text delta, None, None, logprobs) then (text, finish_reason, last output,
-        logprobs) once; logprobs: those of the tokens the text starts (with a ChoiceLogprobs)."""
+        logprobs) once; logprobs: those of the tokens the text starts (with a ChoiceLogprobs).
+        echo (text, token ids): the prompt comes first, as a delta of its own (its tokens'
+        log-probabilities from the engine's prompt_logprobs)."""
         det, match = Detokenizer(self.tok), StopMatcher(stops)
         try:
             while True:
                 out = await stream.get()
+                if echo is not None:
+                    text, ids = echo
+                    echo = None
+                    yield text, None, None, None if logprobs is None else \
+                        await self.on_tok(logprobs.echo, text, ids, out.prompt_logprobs)
                 text = await self.on_tok(det.add, out.new_tokens, out.finished) if out.new_tokens or out.finished \
                     else ""
                 if logprobs is not None and out.new_tokens:
@@ -64,22 +72,22 @@ class Responses:
                             "attended_densely": any(o.attended_densely for o in outs)}}
 
     async def complete(self, request: Request, streams: List[RequestStream], stops, chat: bool, rid: str,
-                       n_prompt: int):
+                       n_prompt: int, echo: Optional[list] = None):
         async def watch():  # a non-streaming client that hangs up cancels its request too
             while not await request.is_disconnected():
                 await asyncio.sleep(0.5)
 
-        async def collect(stream: RequestStream):
+        async def collect(stream: RequestStream, echo_text):
             parts: List[str] = []
             pieces: List[Optional[dict]] = []
             track = self.logprobs_of(stream, chat)
-            async for text, reason, out, lp in self.events(stream, stops, track):
+            async for text, reason, out, lp in self.events(stream, stops, track, echo_text):
                 parts.append(text)
                 pieces.append(lp)
                 if reason is not None:
                     return "".join(parts), reason, out, None if track is None else merge(pieces, chat)
 
-        task = asyncio.ensure_future(asyncio.gather(*(collect(s) for s in streams)))
+        task = asyncio.ensure_future(asyncio.gather(*(collect(s, e) for s, e in zip(streams, echo or [None] * len(streams)))))
         watcher = asyncio.ensure_future(watch())
         try:
             await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
@@ -110,7 +118,7 @@ class Responses:
                 "model": self.model_name, "choices": choices, "usage": self.usage(n_prompt, [r[2] for r in results])}
 
     async def sse(self, streams: List[RequestStream], stops, chat: bool, rid: str, include_usage: bool,
-                  n_prompt: int):
+                  n_prompt: int, echo: Optional[list] = None):
         """Server-sent events of every choice as its tokens come (chunks carry their choice's
         index), then the usage chunk if asked, then [DONE]."""
         created, obj = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
@@ -130,7 +138,7 @@ class Responses:
 
         async def pump(i: int, stream: RequestStream):
             try:
-                async for item in self.events(stream, stops, self.logprobs_of(stream, chat)):
+                async for item in self.events(stream, stops, self.logprobs_of(stream, chat), echo and echo[i]):
                     await queue.put((i, item, None))
             except EngineError as e:
                 await queue.put((i, None, e))

@@ -105,7 +105,6 @@ class CompletionRequest(_Common):
 
     def refused(self) -> List[tuple]:
         return _refused(self) + [
-            ("echo", bool(self.echo)),
             ("suffix", bool(self.suffix)),
             ("best_of", self.best_of not in (None, 1, self.n)),  # best_of > n ranks by log-probability
         ]
@@ -118,7 +117,7 @@ def _refused(r: _Common) -> List[tuple]:
 # what each field must be, for wrong-type messages
 EXPECTED = {
     "model": "a string (the served model name, see GET /v1/models)",
-    "max_tokens": "an integer >= 1", "max_completion_tokens": "an integer >= 1",
+    "max_tokens": "an integer >= 1 (0 with echo: score the prompt only)", "max_completion_tokens": "an integer >= 1",
     "temperature": "a number in [0, 2]", "top_p": "a number in (0, 1]", "top_k": "an integer >= 0 (0 = off)",
     "seed": "an integer", "stop": "a string or a list of up to 4 strings", "n": "an integer in [1, 128]",
     "stream": "true or false", "stream_options": 'an object like {"include_usage": true}',
