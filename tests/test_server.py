@@ -324,6 +324,10 @@ def test_stop_strings_cut_the_text_and_end_the_request(live, client):
     r = client.completions.create(model=NAME, prompt="One, two, three,", max_tokens=8, temperature=0,
                                   stop=[stop], extra_body={"ignore_eos": True})
     assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    many = ["Question:", "</s>", "<|im_end|>", "\n\n\n", "zzz", stop]  # an evaluation harness's list: past OpenAI's 4
+    r = client.completions.create(model=NAME, prompt="One, two, three,", max_tokens=8, temperature=0,
+                                  stop=many, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
     streamed = "".join(ch.choices[0].text for ch in client.completions.create(
         model=NAME, prompt="One, two, three,", max_tokens=8, temperature=0, stop=stop, stream=True,
         extra_body={"ignore_eos": True}) if ch.choices)
@@ -397,6 +401,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "stop": [str(i) for i in range(17)]}, "stop"),
     ("/v1/completions", {"prompt": "hi", "echo": "yes"}, "echo"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": "high"}, "frequency_penalty"),

@@ -37,7 +37,7 @@ from .responses import Responses, _error
 from .schemas import BadRequest, ChatCompletionRequest, CompletionRequest, error_body, parse
 
 log = logging.getLogger("kvsieve.server")
-MAX_STOPS = 4
+MAX_STOPS = 16  # OpenAI allows 4; evaluation harnesses send more (their stop words and the EOS)
 MAX_CHOICES = 128  # completions per request (n x prompts), OpenAI's limit on n
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's /v1/completions default (chat's: the rest of the context)
 

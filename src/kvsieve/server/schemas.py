@@ -119,7 +119,7 @@ EXPECTED = {
     "model": "a string (the served model name, see GET /v1/models)",
     "max_tokens": "an integer >= 1 (0 with echo: score the prompt only)", "max_completion_tokens": "an integer >= 1",
     "temperature": "a number in [0, 2]", "top_p": "a number in (0, 1]", "top_k": "an integer >= 0 (0 = off)",
-    "seed": "an integer", "stop": "a string or a list of up to 4 strings", "n": "an integer in [1, 128]",
+    "seed": "an integer", "stop": "a string or a list of up to 16 strings", "n": "an integer in [1, 128]",
     "stream": "true or false", "stream_options": 'an object like {"include_usage": true}',
     "stream_options.include_usage": "true or false", "ignore_eos": "true or false",
     "kvsieve": 'an object like {"method": "tactic", "threshold": 0.9}',
