@@ -326,8 +326,8 @@ def causal_logprobs(model, ids):
         return o[0].transpose(0, 1)
 
     with torch.no_grad():
-        return torch.log_softmax(model.logits(model.forward(torch.tensor(ids), torch.arange(len(ids)), attend)).double(),
-                                 -1)
+        h = model.forward(torch.tensor(ids, device=model.device), torch.arange(len(ids), device=model.device), attend)
+        return torch.log_softmax(model.logits(h).double(), -1).cpu()
 
 
 @pytest.mark.parametrize("method,opts", [("dense", {}), ("tactic", {"cluster_size": 8})])

@@ -203,6 +203,28 @@ def test_logprobs_on_graphs_equal_eager(tiny_cuda):
             assert [t for t, _ in a.top] == [t for t, _ in b.top] and len(a.top) in (0, 5)
 
 
+def test_prompt_logprobs_on_cuda_beside_a_graph_batch(tiny_cuda):
+    """Prompt log-probabilities on CUDA (a scoring-only request and one that also decodes,
+    joining a running graph batch) are a plain causal forward's; the batch's tokens are the
+    same as without them."""
+    from test_engine import causal_logprobs
+
+    model, _ = tiny_cuda
+    ps = prompts(3, lo=200, hi=300, seed=8)
+    plain = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 10, 8)]
+    params = [plain[0], SamplingParams(0, prompt_logprobs=2), SamplingParams(8, ignore_eos=True, prompt_logprobs=0)]
+    eng, outs = joining(LLMEngine(model, None, "tactic", dense_below=0, cluster_size=8), ps, params)
+    _, ref = joining(LLMEngine(model, None, "tactic", dense_below=0, cluster_size=8), ps, plain)
+    assert eng.runner.captures > 0 and eng.scheduler.used_pages == 0
+    assert outs[0].tokens == ref[0].tokens and outs[2].tokens == ref[2].tokens and outs[1].tokens == []
+    for p, o, k in zip(ps[1:], outs[1:], (2, 0)):
+        want = causal_logprobs(model, p)
+        assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(p)
+        got = [e.logprob for e in o.prompt_logprobs[1:]]
+        assert got == pytest.approx(want[:-1].gather(-1, torch.tensor(p[1:])[:, None])[:, 0].tolist(), abs=2e-3)
+        assert all([t for t, _ in e.top] == want[i].topk(k).indices.tolist() for i, e in enumerate(o.prompt_logprobs[1:]))
+
+
 def test_penalties_and_logit_bias_on_graphs_equal_eager(tiny_cuda):
     """Presence and frequency penalties and logit_bias on captured steps (the token counts
     updated inside the graph; a penalized and biased request joining a running graph batch, a
