@@ -53,6 +53,21 @@ def test_continuous_batching_equals_each_request_alone(tiny_model, method, opts,
     assert eng.scheduler.used_pages == 0
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("method,opts", METHODS + [("hybrid", {"cluster_size": 8, "local": 8, "sink": 4}),
+                                                   ("streaming", {"sink": 4, "local": 8})])
+def test_prompts_shorter_than_the_sinks_decode_as_dense(tiny_model, method, opts, paged):
+    """Prompts of 1-5 tokens (fewer than or as many as the 4 sinks), decoded while the whole
+    context fits sinks + local window (12 tokens): every method attends every token once,
+    so its tokens are dense's and it reads no more than the whole cache."""
+    ps = [prompts(1, n, n + 1, seed=n)[0] for n in range(1, 6)]
+    params = [SamplingParams(max_new_tokens=12 - len(p), ignore_eos=True) for p in ps]
+    outs = LLMEngine(tiny_model, None, method, paged=paged, **opts).generate(ps, params)
+    dense = LLMEngine(tiny_model, None, "dense", paged=paged).generate(ps, params)
+    for o, d in zip(outs, dense):
+        assert o.tokens == d.tokens and o.kv_fraction <= 1.0 + 1e-6, (len(o.tokens), o.kv_fraction)
+
+
 @pytest.mark.parametrize("method,opts", METHODS)
 @pytest.mark.parametrize("chunk", [None, 40])
 def test_one_forward_prefills_the_chunks_of_several_requests(tiny_model, method, opts, chunk):

@@ -91,10 +91,13 @@ class Tactic(SparseMethod):
         indexed_end = torch.maximum((lengths - cfg.local).clamp(min=sink), torch.zeros_like(lengths) + sink)
         host = indexed_end.tolist()
         if S == sink:  # nothing to cluster: every token is a sink
+            # the unindexed tail starts after the sinks, where the sinks' columns end: tokens
+            # [S, cfg.sink) still to come are sinks, attended once
+            indexed = lengths.clamp(min=cfg.sink)
             return [ClusterIndex(k.new_zeros(B, Hkv, 1, D, dtype=torch.float32),
                                  torch.zeros(B, Hkv, 1, dtype=torch.long, device=k.device),
                                  torch.full((B, Hkv, S), -1, dtype=torch.long, device=k.device),
-                                 lengths.clone(), torch.zeros_like(lengths), host_indexed=lengths.tolist(),
+                                 indexed.clone(), torch.zeros_like(lengths), host_indexed=indexed.tolist(),
                                  radius=k.new_zeros(B, Hkv, 1, dtype=torch.float32),
                                  dense=self._dense_flags(layer, Hkv, k.device),
                                  **self._empty_box(k.new_zeros(B, Hkv, 1, D))) for k, layer in zip(ks, layers)]
