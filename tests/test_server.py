@@ -516,3 +516,33 @@ def test_full_queue_answers_503_with_retry_after_and_admitted_requests_finish(en
         assert s.metric("kvsieve_requests_rejected_total", '{reason="queue_full"}') >= 1
         assert s.metric("kvsieve_kv_pages_total") == 8
         wait_for(lambda: s.metric("kvsieve_kv_pages_used") == 0, "every page back in the pool")
+
+
+def test_kvsieve_settings_no_request_uses_are_released(engine):
+    """--max-method-configs bounds the settings in use at once, not the settings ever seen:
+    a sweep of distinct settings, one request at a time, is served past the limit, and the
+    engine keeps only the methods its requests use; settings held by running requests fill
+    the limit (400 naming kvsieve) until those requests end."""
+    eng = LLMEngine(engine.model, engine.tokenizer, "dense", kv_pages=64, max_num_seqs=4)
+    with LiveServer(eng, max_method_configs=2) as s:
+        for i in range(5):
+            body = {"prompt": "hi", "max_tokens": 2, "kvsieve": {"method": "quest", "budget": 32 + 16 * i}}
+            r = s.post("/v1/completions", body)
+            assert r.status_code == 200, r.text
+        assert len(eng.runner.methods) <= 2 + 2  # default, dense, at most the limit
+        held = []
+        for p in (0.8, 0.9):  # two long streams keep their settings in use
+            cm = httpx.stream("POST", s.url + "/v1/completions", timeout=TIMEOUT, json={
+                "prompt": "Tell me a long story.", "max_tokens": 400, "stream": True, "ignore_eos": True,
+                "kvsieve": {"method": "tactic", "threshold": p}})
+            lines = cm.__enter__().iter_lines()
+            next(lines)
+            held.append((cm, lines))  # (an iterator dropped would close its stream)
+        assert sum(k.startswith("tactic") for k in eng.runner.methods) == 2
+        r = s.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "kvsieve": {"method": "quest", "budget": 700}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kvsieve", r.text
+        for cm, _ in held:
+            cm.__exit__(None, None, None)
+        wait_for(lambda: s.metric("kvsieve_kv_pages_used") == 0, "the closed streams' pages to be freed")
+        r = s.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "kvsieve": {"method": "quest", "budget": 700}})
+        assert r.status_code == 200, r.text

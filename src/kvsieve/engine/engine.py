@@ -198,6 +198,24 @@ class LLMEngine(BatchCrossover):
             self.runner.step_dense_below[key] = self.dense_step_below_for(key)
         return key
 
+    def drop_methods(self, keys) -> List[str]:
+        """Forget the per-request methods of `keys` (method_key's) that no unfinished request
+        and no row of the decode batch uses: their method objects, rules and caches. Returns
+        the keys dropped; the others are kept. "default" and "dense" are always kept. A decode
+        batch whose rows all belong to finished requests is let go (its graphs too)."""
+        bt = self.runner.batch
+        if bt is not None and not any(r in self.scheduler.requests for r in bt.rows if r is not None):
+            self.runner.batch = bt = None
+        used = {"default", "dense"} | {r.method_key for r in self.scheduler.requests.values()} \
+            | {t.key for t in self._track.values()} | ({g for g, _, _ in bt.groups} if bt is not None else set())
+        dropped = [k for k in keys if k not in used and k in self.runner.methods]
+        for k in dropped:
+            for table in (self.runner.methods, self._method_names, self.runner.step_dense_below, self.runner._windows,
+                          self.runner._group_key, self.runner._step_dense):
+                table.pop(k, None)
+            self._reads_most.discard(k)
+        return dropped
+
     def add_request(self, prompt: Prompt, params: SamplingParams = SamplingParams(),
                     method: Optional[str] = None, method_options: Optional[dict] = None) -> int:
         """Queue one request (token ids, or text: prompt_ids); returns its id. Raises

@@ -318,7 +318,8 @@ class Server(Responses):
             return self.refuse(streams, BadRequest(str(e), None, 500, "server_error"))
         except ValueError as e:  # the engine's last word (e.g. bigger than the pool)
             msg = str(e).replace("max_new_tokens", "max_tokens")
-            param = "max_tokens" if "fewer" in msg or "new tokens" in msg else self.prompt_param(chat)
+            param = "max_tokens" if "fewer" in msg or "new tokens" in msg else \
+                "kvsieve" if "kvsieve settings" in msg else self.prompt_param(chat)
             if "positions" in msg:  # past the model's context
                 return self.refuse(streams, self.too_long(msg[:1].upper() + msg[1:], param), "invalid")
             return self.refuse(streams, BadRequest(msg, param), "invalid")

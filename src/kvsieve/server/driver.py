@@ -132,7 +132,7 @@ class EngineDriver:
         self.max_method_configs = max_method_configs
         self._inbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._live: Dict[int, RequestStream] = {}
-        self._configs = set()
+        self._configs: Dict[tuple, str] = {}  # a request's kvsieve setting -> the engine's method key
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="kvsieve-driver", daemon=True)
         self.steps = 0
@@ -222,11 +222,15 @@ class EngineDriver:
             if method is not None or options:
                 cfg = (method, tuple(sorted((k, repr(v)) for k, v in (options or {}).items())))
                 if cfg not in self._configs:
+                    if len(self._configs) >= self.max_method_configs:  # settings no request uses now go
+                        gone = set(self.engine.drop_methods(set(self._configs.values())))
+                        self._configs = {c: k for c, k in self._configs.items() if k not in gone}
                     if len(self._configs) >= self.max_method_configs:
-                        raise ValueError(f"the server already holds {len(self._configs)} distinct kvsieve settings "
-                                         f"(limit {self.max_method_configs}, --max-method-configs); reuse one of "
-                                         "the settings in use or the server's default")
-                    self._configs.add(cfg)
+                        raise ValueError(f"the server holds {len(self._configs)} distinct kvsieve settings in use "
+                                         f"by running or waiting requests (limit {self.max_method_configs}, "
+                                         "--max-method-configs); retry when some finish, or use one of those "
+                                         "settings or the server's default")
+                    self._configs[cfg] = self.engine.method_key(method, options)
             rid = self.engine.add_request(prompt, params, method, options)
         except (ValueError, SchedulerFullError) as e:
             self._resolve(stream, exc=e)
