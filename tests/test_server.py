@@ -78,6 +78,13 @@ def live(engine):
 
 
 @pytest.fixture(scope="module")
+def alone(engine):
+    """An engine of its own on the served model, for reference answers: the served engine
+    belongs to the server's driver thread."""
+    return LLMEngine(engine.model, engine.tokenizer, "dense", kv_pages=256)
+
+
+@pytest.fixture(scope="module")
 def client(live):
     return openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
 
@@ -199,7 +206,7 @@ def test_n_choices_and_prompt_lists_equal_single_requests(live, client):
     wait_for(lambda: live.metric("kvsieve_kv_pages_used") == 0, "every choice's pages to be freed")
 
 
-def test_logprobs_of_the_returned_tokens_in_chat_and_completions(live, engine, client):
+def test_logprobs_of_the_returned_tokens_in_chat_and_completions(live, alone, client):
     """logprobs: every returned token with its log-probability and top alternatives, equal to
     the engine's own; the same in a stream; tokens past a stop string left out."""
     from kvsieve.engine import SamplingParams
@@ -211,7 +218,7 @@ def test_logprobs_of_the_returned_tokens_in_chat_and_completions(live, engine, c
     assert "".join(c.token for c in content) == r.choices[0].message.content and len(content) == 6
     tok = live.app.state.server.tok
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    want = engine.generate([tok.encode(ids, add_special_tokens=False)],
+    want = alone.generate([tok.encode(ids, add_special_tokens=False)],
                            SamplingParams(6, ignore_eos=True, logprobs=3))[0].logprobs
     assert [c.logprob for c in content] == pytest.approx([e.logprob for e in want], abs=1e-4)
     for c, e in zip(content, want):
@@ -296,7 +303,7 @@ def _hidden_states(engine, ids):
     return model.forward(torch.tensor(ids), torch.arange(len(ids)), attend)
 
 
-def test_penalties_and_logit_bias_are_the_engines(live, engine, client):
+def test_penalties_and_logit_bias_are_the_engines(live, alone, client):
     from kvsieve.engine import SamplingParams
 
     tok = live.app.state.server.tok
@@ -304,12 +311,12 @@ def test_penalties_and_logit_bias_are_the_engines(live, engine, client):
     body = dict(model=NAME, prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
     plain = client.completions.create(**body).choices[0].text
     pen = client.completions.create(presence_penalty=1.5, frequency_penalty=1.0, **body).choices[0].text
-    want = engine.generate([tok.encode(prompt)], SamplingParams(8, ignore_eos=True, presence_penalty=1.5,
+    want = alone.generate([tok.encode(prompt)], SamplingParams(8, ignore_eos=True, presence_penalty=1.5,
                                                                 frequency_penalty=1.0))[0].tokens
     assert pen == tok.decode(want, skip_special_tokens=True) and pen != plain
-    first = engine.generate([tok.encode(prompt)], SamplingParams(8, ignore_eos=True))[0].tokens[0]
+    first = alone.generate([tok.encode(prompt)], SamplingParams(8, ignore_eos=True))[0].tokens[0]
     biased = client.completions.create(logit_bias={str(first): -100}, **body).choices[0].text
-    want = engine.generate([tok.encode(prompt)], SamplingParams(8, ignore_eos=True, logit_bias={first: -100}))[0]
+    want = alone.generate([tok.encode(prompt)], SamplingParams(8, ignore_eos=True, logit_bias={first: -100}))[0]
     assert want.tokens[0] != first and biased == tok.decode(want.tokens, skip_special_tokens=True) != plain
 
 
