@@ -128,6 +128,39 @@ def test_detokenizer_deltas_join_to_the_full_text(engine):
     assert text == tok.decode(ids, skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_logprobs_of_text_whose_characters_span_tokens(engine, chunk):
+    """Characters split over several byte-level tokens (CJK, accents, an emoji): every
+    token gets exactly one logprobs entry, handed out with the text delta that completes its
+    first character; the entries' bytes join to the text; a token's text_offset is the
+    character its bytes start in; echoed prompts are offset the same way."""
+    from kvsieve.engine import TokenLogprob
+    from kvsieve.server.logprobs import ChoiceLogprobs
+
+    tok = engine.tokenizer
+    text = "愉快！ Grüße, 世界 ☕ done"
+    ids = tok.encode(text, add_special_tokens=False)
+    entries = [TokenLogprob(t, -0.5, ((t, -0.5),)) for t in ids]
+    det, chat, comp = Detokenizer(tok), ChoiceLogprobs(tok, 1, True), ChoiceLogprobs(tok, 1, False)
+    got_chat, got_comp, sent = [], [], ""
+    for a in range(0, len(ids), chunk):
+        delta = det.add(ids[a:a + chunk], a + chunk >= len(ids))
+        chat.add(entries[a:a + chunk])
+        comp.add(entries[a:a + chunk])
+        sent += delta
+        if delta:
+            got_chat += chat.take(delta)["content"]
+            got_comp.append(comp.take(delta))
+    assert sent == text and len(got_chat) == len(ids)
+    assert b"".join(bytes(c["bytes"]) for c in got_chat).decode("utf-8") == text
+    offsets = [o for piece in got_comp for o in piece["text_offset"]]
+    starts = [len(tok.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+    assert offsets == starts and max(offsets) < len(text)
+    echoed = ChoiceLogprobs(tok, 1, False).echo(text, ids, [None] + entries[1:])
+    assert echoed["text_offset"] == starts and echoed["token_logprobs"][0] is None
+    assert all(t.startswith("bytes:") or "\ufffd" not in t for t in echoed["tokens"])
+
+
 # ---------------------------------------------------------------------- the live server
 def test_models_health_and_openai_client(live, client):
     assert [m.id for m in client.models.list().data] == [NAME]

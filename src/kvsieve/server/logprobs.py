@@ -7,9 +7,32 @@ method here decodes with the tokenizer: call it on the server's tokenizer thread
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+import re
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..engine import TokenLogprob
+from .text import Detokenizer
+
+
+def _byte_decoder() -> Dict[str, int]:
+    """A byte-level BPE vocabulary's character -> the byte it stands for (GPT-2's table)."""
+    try:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+    except ImportError:  # (an older or newer transformers without it: bytes from the decoded text)
+        return {}
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def _held_whole(det: Detokenizer) -> int:
+    """Characters of whole text a Detokenizer holds back (before the incomplete one that makes
+    it wait): the next token starts after them."""
+    if det.read == len(det.ids):
+        return 0
+    before = det.tok.decode(det.ids[det.prefix:det.read], skip_special_tokens=True)
+    return max(0, len(det.tok.decode(det.ids[det.prefix:], skip_special_tokens=True).rstrip("\ufffd")) - len(before))
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
 
 
 class ChoiceLogprobs:
@@ -17,16 +40,19 @@ class ChoiceLogprobs:
     k: alternatives per token; chat: the chat shape ({"content": [...]}) or the completions
     one ({"tokens", "token_logprobs", "top_logprobs", "text_offset"})."""
 
+    _bytes_of: Optional[Dict[str, int]] = None
+
     def __init__(self, tok, k: int, chat: bool):
         self.tok, self.k, self.chat = tok, k, chat
         self.pending: List[Tuple[int, TokenLogprob]] = []  # (offset of its first character, entry)
         self.end = 0  # characters of the text the tokens so far produce
         self.sent = 0  # characters of text handed out
+        self.det = Detokenizer(tok)  # a token that ends inside a character adds no text until it completes
 
     def add(self, entries: Sequence[TokenLogprob]) -> None:
         for e in entries:
-            self.pending.append((self.end, e))
-            self.end += len(self.tok.decode([e.token], skip_special_tokens=True))
+            self.pending.append((self.end + _held_whole(self.det), e))
+            self.end += len(self.det.add([e.token], False))
 
     def take(self, text: str) -> Optional[dict]:
         """The logprobs object of the tokens whose text starts within `text`, the next piece of
@@ -40,10 +66,10 @@ class ChoiceLogprobs:
         """The completions logprobs object of an echoed prompt: ids, the engine's
         prompt_logprobs (None for the first token) and the prompt's text; the completion's
         offsets then start after that text."""
-        items, offset = [], 0
+        items, det, offset = [], Detokenizer(self.tok), 0
         for token, e in zip(ids, entries):
-            items.append((offset, token, e))
-            offset += len(self.tok.decode([token], skip_special_tokens=True))
+            items.append((offset + _held_whole(det), token, e))
+            offset += len(det.add([token], False))
         self.end = self.sent = len(text)
         return {"tokens": [self.shown(t) for _, t, _ in items],
                 "token_logprobs": [None if e is None else e.logprob for _, _, e in items],
@@ -51,14 +77,39 @@ class ChoiceLogprobs:
                                  for _, _, e in items],
                 "text_offset": [offset for offset, _, _ in items]}
 
+    def token_bytes(self, token: int) -> bytes:
+        """The token's own bytes: a token ending inside a UTF-8 character (byte-level BPE, or
+        SentencePiece's byte fallback) decodes alone to U+FFFD, so its bytes come from its
+        vocabulary entry."""
+        text = self.tok.decode([token])
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self.tok.convert_ids_to_tokens(token)
+        m = _BYTE_PIECE.fullmatch(piece or "")
+        if m:
+            return bytes([int(m.group(1), 16)])
+        if ChoiceLogprobs._bytes_of is None:
+            ChoiceLogprobs._bytes_of = _byte_decoder()
+        table = ChoiceLogprobs._bytes_of
+        if piece and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return text.encode("utf-8")
+
     def shown(self, token: int) -> str:
-        return self.tok.decode([token])
+        """The token as text; one that is not whole UTF-8 as OpenAI writes it: "bytes:\\xe6\\x84"."""
+        text = self.tok.decode([token])
+        if "\ufffd" not in text:
+            return text
+        raw = self.token_bytes(token)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def format(self, items: List[Tuple[int, TokenLogprob]]) -> dict:
         if self.chat:
             def one(token: int, logprob: float) -> dict:
-                s = self.shown(token)
-                return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+                return {"token": self.shown(token), "logprob": logprob, "bytes": list(self.token_bytes(token))}
 
             return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top[:self.k]]}
                                 for _, e in items], "refusal": None}
