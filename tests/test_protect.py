@@ -266,6 +266,11 @@ def test_dense_heads_attend_every_token_of_their_layer_only():
         make_method("tactic", dense_heads=[(1, 5)]).prepare(k, lengths, 1)
     with pytest.raises(ValueError, match=r"dense_heads must be \(layer, kv_head\) pairs"):
         make_method("tactic", dense_heads=[(1, -2)])
+    for spelled, pairs in ((None, ()), ("none", ()), ("7:2, 1:0", ((1, 0), (7, 2))), ([[7, 2]], ((7, 2),))):
+        assert make_method("tactic", dense_heads=spelled).config.dense_heads == pairs  # as the CLI spells them too
+    for bad in ("7-2", [[1]], 3):
+        with pytest.raises(ValueError, match=r"dense_heads must be .* got "):
+            make_method("tactic", dense_heads=bad)
     with pytest.raises(ValueError, match="dense_heads applies to the threshold mode"):
         make_method("tactic", dense_heads=[(1, 2)], budget=64)
     # a hybrid's dynamic heads take dense heads too; its streaming heads keep their window

@@ -48,8 +48,17 @@ def _fraction(name: str, value, low_open: bool = True) -> None:
         raise ValueError(f"{name} must be a number in {rng}, got {value!r}")
 
 
-def _head_pairs(value) -> Tuple[Tuple[int, int], ...]:
-    """`dense_heads` as sorted, distinct (layer, KV head) pairs of integers >= 0."""
+def dense_head_pairs(value) -> Tuple[Tuple[int, int], ...]:
+    """`dense_heads` as sorted, distinct (layer, KV head) pairs of integers >= 0; None and
+    "none" are no pair, and a string may spell them as the CLI does ("7:2,18:2")."""
+    given = value
+    if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
+        return ()
+    if isinstance(value, str):
+        try:
+            value = [tuple(int(x) for x in p.split(":")) for p in value.split(",") if p.strip()]
+        except ValueError:
+            value = [value]  # refused below, naming the string
     try:
         pairs = tuple((int(a), int(b)) for a, b in value)
         ok = all(not isinstance(y, bool) and x >= 0 and float(x) == y
@@ -57,7 +66,8 @@ def _head_pairs(value) -> Tuple[Tuple[int, int], ...]:
     except (TypeError, ValueError):
         ok = False
     if not ok:
-        raise ValueError(f"dense_heads must be (layer, kv_head) pairs of integers >= 0, e.g. ((7, 2),), got {value!r}")
+        raise ValueError(f"dense_heads must be (layer, kv_head) pairs of integers >= 0, e.g. ((7, 2),) or \"7:2,18:2\", "
+                         f"or None / () for none, got {given!r}")
     return tuple(sorted(set(pairs)))
 
 
@@ -150,7 +160,7 @@ class PageSelectConfig(MethodConfig):
         _positive_int("reuse_steps", self.reuse_steps)
         if self.gqa_reduce not in ("max", "sum"):
             raise ValueError(f"gqa_reduce must be 'max' or 'sum', got {self.gqa_reduce!r}")
-        object.__setattr__(self, "dense_heads", _head_pairs(self.dense_heads))
+        object.__setattr__(self, "dense_heads", dense_head_pairs(self.dense_heads))
 
 
 @dataclass(frozen=True)
@@ -347,7 +357,7 @@ class TacticConfig(MethodConfig):
         _non_negative_int("protect", self.protect)
         if self.protect_bound not in ("radius", "box"):
             raise ValueError(f"protect_bound must be 'radius' or 'box', got {self.protect_bound!r}")
-        pairs = _head_pairs(self.dense_heads)
+        pairs = dense_head_pairs(self.dense_heads)
         if pairs and self.budget is not None:
             raise ValueError("dense_heads applies to the threshold mode; drop budget or dense_heads")
         object.__setattr__(self, "dense_heads", pairs)

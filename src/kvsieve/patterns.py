@@ -26,6 +26,7 @@ import json
 import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
+from .config import dense_head_pairs
 
 FORMAT = "kvsieve-streaming-heads/1"
 DATA_DIR = Path(__file__).parent / "data"
@@ -240,6 +241,8 @@ def check_dense_heads(heads, num_layers: Optional[int], num_kv_heads: Optional[i
     """Every (layer, KV head) pair names a head of a model with these counts; heads from a
     file (load_dense_heads) also come from a file calibrated for this shape."""
     shape = getattr(heads, "shape", None)
+    if shape is None:
+        heads = dense_head_pairs(heads)  # (one clear error for anything but pairs)
     if num_layers is not None and shape is not None and shape != (num_layers, num_kv_heads):
         raise ValueError(f"dense heads {heads.source} are for a model with {shape[0]} layers x {shape[1]} KV heads "
                          f"(model {heads.model!r}), but this model has {num_layers} x {num_kv_heads}; calibrate "
