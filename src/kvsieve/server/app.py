@@ -112,7 +112,7 @@ class Server(Responses):
                 f"The prompt has {prompt_len} tokens and {field} is {max_tokens}, but at most {prompt_len + room} "
                 f"positions fit (the model allows {self.max_positions}, the KV pool holds "
                 f"{sch.num_pages * sch.page_size}); set {field} <= {room} or shorten the prompt", field)
-        if req.temperature is not None and req.temperature > 2:
+        if req.temperature is not None and not 0 <= req.temperature <= 2:
             raise BadRequest(f"temperature must be a number in [0, 2], got {req.temperature}", "temperature")
         logprobs = self.logprobs_asked(req, chat)
         bias = {}

@@ -88,6 +88,7 @@ class Responses:
                     return "".join(parts), reason, out, None if track is None else merge(pieces, chat)
 
         task = asyncio.ensure_future(asyncio.gather(*(collect(s, e) for s, e in zip(streams, echo or [None] * len(streams)))))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a cancelled gather's error is read
         watcher = asyncio.ensure_future(watch())
         try:
             await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
+                      model_validator)
 
 
 class BadRequest(ValueError):
@@ -35,24 +36,30 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: StrictStr
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[StrictStr, List[TextPart], None] = None
+    content: Union[StrictStr, List[Dict[str, Any]], None] = None
     name: Optional[StrictStr] = None
+
+    @model_validator(mode="after")
+    def _content(self):
+        if self.content is None and self.role != "assistant":  # (an assistant turn may be empty)
+            raise ValueError(f"a {self.role} message needs content: a string or a list of text parts")
+        for part in self.content if isinstance(self.content, list) else ():
+            kind = part.get("type")
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"content parts must be {{\"type\": \"text\", \"text\": \"...\"}}; got type "
+                                 f"{kind!r}" + (": this server's model reads text only" if kind in
+                                                ("image_url", "input_audio", "file", "image") else ""))
+        return self
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p["text"] for p in self.content)
 
 
 class _Common(BaseModel):
@@ -161,6 +168,8 @@ def parse(model: type, raw: bytes):
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         param = _param(err["loc"])
+        if err["type"] == "value_error":  # a validator's own sentence
+            raise BadRequest(f"{param}: {err['msg'].removeprefix('Value error, ')}", param) from None
         if err["type"] == "missing":
             raise BadRequest(f"{param} is required; give {EXPECTED.get(param, 'a value')}", param) from None
         got = json.dumps(err.get("input"), default=str)
