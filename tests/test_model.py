@@ -172,6 +172,16 @@ def test_compare_dense_reports_both_answers_and_speeds(capsys):
     assert rc == 0 and "--- dense on cpu float32: prefill" in err and "decode" in err
 
 
+def test_streamed_answer_is_the_json_text_with_characters_over_several_tokens(capsys):
+    """The streamed answer (one prompt, no --json) prints every character, those whose
+    UTF-8 bytes span several tokens included, and equals --json's text."""
+    argv = ["generate", "--prompt", "请用中文回答：中国的首都是哪里？", "--max-new-tokens", "12", "--method", "dense"]
+    rc, out, _ = run_cli(capsys, *argv)
+    rc2, out2, _ = run_cli(capsys, *argv, "--json")
+    text = json.loads(out2)["text"]
+    assert rc == rc2 == 0 and any(ord(c) > 0x2000 for c in text) and out == text + "\n"
+
+
 def test_generate_json_contract(capsys):
     rc, out, _ = run_cli(capsys, "generate", "--prompt", "Name a color.", "--max-new-tokens", "3",
                          "--method", "quest", "--budget", "64", "--json")

@@ -173,15 +173,14 @@ def cmd_generate(args) -> int:
 
 def run_requests(eng, tok, prompts, params, method, stream: bool):
     """Run prompts through the engine; with stream, print the (single) answer as it comes."""
+    from ..server.text import Detokenizer  # (no server dependency)
+
     if not stream:
         return eng.generate(prompts, params, method=method)
-    out, shown = None, ""
+    out, det = None, Detokenizer(tok)  # a character split over tokens is printed once complete
     for out in eng.stream(prompts[0], params, method=method):
-        text = tok.decode(out.tokens, skip_special_tokens=True)
-        if text.startswith(shown):  # print only what is settled (multi-token characters)
-            sys.stdout.write(text[len(shown):])
-            sys.stdout.flush()
-            shown = text
+        sys.stdout.write(det.add(out.new_tokens, out.finished))
+        sys.stdout.flush()
     sys.stdout.write("\n")
     return [out]
 
