@@ -182,6 +182,22 @@ def test_streamed_answer_is_the_json_text_with_characters_over_several_tokens(ca
     assert rc == rc2 == 0 and any(ord(c) > 0x2000 for c in text) and out == text + "\n"
 
 
+def test_a_batch_answers_in_command_line_order(capsys, tmp_path):
+    """--prompt and --prompt-file mixed: the answers (and their counts) come in the order the
+    prompts were given, each the one it gets alone."""
+    f = tmp_path / "p.txt"
+    f.write_text("The capital of France is a city called")
+    argv = ["generate", "--no-chat", "--max-new-tokens", "3", "--json", "--method", "dense"]
+    rc, out, _ = run_cli(capsys, *argv, "--prompt-file", str(f), "--prompt", "Once upon a", "--prompt-file", str(f))
+    both = json.loads(out)
+    alone = [json.loads(run_cli(capsys, *argv, *a)[1]) for a in (("--prompt-file", str(f)), ("--prompt", "Once upon a"))]
+    assert rc == 0 and both["text"] == [alone[0]["text"], alone[1]["text"], alone[0]["text"]]
+    assert both["prompt_tokens"] == [alone[0]["prompt_tokens"], alone[1]["prompt_tokens"], alone[0]["prompt_tokens"]]
+    (tmp_path / "empty.txt").write_text("\n")
+    rc, _, err = run_cli(capsys, *argv, "--prompt", "hi", "--prompt-file", str(tmp_path / "empty.txt"))
+    assert rc == 2 and f"--prompt-file '{tmp_path / 'empty.txt'}' is empty" in err
+
+
 def test_generate_json_contract(capsys):
     rc, out, _ = run_cli(capsys, "generate", "--prompt", "Name a color.", "--max-new-tokens", "3",
                          "--method", "quest", "--budget", "64", "--json")
@@ -217,7 +233,7 @@ def test_generate_takes_the_shipped_dense_heads_in_threshold_mode_only(capsys, m
 @pytest.mark.parametrize("argv,message", [
     (["--model", "/nonexistent/model"], "does not exist"),
     (["--model", "tests"], "unknown model format"),
-    (["--prompt", "   "], "prompt 0 is empty"),
+    (["--prompt", "   "], "--prompt 1 is empty"),
     (["--max-new-tokens", "0", "--prompt", "hi"], "--max-new-tokens must be >= 1, got 0"),
     (["--method", "fancy", "--prompt", "hi"], "unknown method 'fancy'"),
     (["--method", "tactic", "--page-size", "100", "--prompt", "hi"], "unknown option(s) page_size for method 'tactic'"),

@@ -1,6 +1,7 @@
 """`kvsieve generate`: a long prompt through a model with a chosen sparse method."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -17,14 +18,15 @@ def register(sub) -> None:
     p.add_argument("--model", help="Hugging Face model directory (config.json + *.safetensors) or .gguf file "
                                    "(default: the embedded SmolLM2-135M-Instruct)")
     add_method_options(p)
-    p.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
-    p.add_argument("--prompt-file", action="append", help="file holding a prompt (repeatable)")
+    p.add_argument("--prompt", action=_InOrder, help="prompt text (repeat for a batch; answers come in the "
+                   "order of --prompt and --prompt-file on the command line)")
+    p.add_argument("--prompt-file", action=_InOrder, help="file holding a prompt (repeatable)")
     p.add_argument("--no-chat", action="store_true", help="send prompts as raw text, without the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--compare-dense", action="store_true", help="also run dense; print both answers and agreement")
     p.add_argument("--kv-pages", type=int, help="KV pool size in 16-token pages (default: room for every prompt)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
@@ -36,6 +38,15 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true", help="do not stream tokens as they come")
     p.set_defaults(func=cmd_generate)
+
+
+class _InOrder(argparse.Action):
+    """--prompt / --prompt-file: each also appends (flag, value) to args.prompts, so a batch
+    keeps the command line's order."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, (getattr(namespace, self.dest, None) or []) + [values])
+        namespace.prompts = (getattr(namespace, "prompts", None) or []) + [(option_string, values)]
 
 
 def read_text_file(f: str, flag: str, what: str = "prompt file") -> str:
@@ -57,16 +68,19 @@ def read_prompts(args, tok) -> tuple[list[list[int]], bool]:
     """Token ids of each prompt, and whether the built-in document was used."""
     from ..prompts import document_prompt
 
-    texts = list(args.prompt or [])
-    for f in args.prompt_file or []:
-        texts.append(read_text_file(f, "--prompt-file"))
+    given = getattr(args, "prompts", None) or [("--prompt", t) for t in args.prompt or []] + \
+        [("--prompt-file", f) for f in args.prompt_file or []]
+    texts, names = [], []
+    for flag, value in given:
+        texts.append(read_text_file(value, flag) if flag == "--prompt-file" else value)
+        names.append(f"--prompt-file {value!r}" if flag == "--prompt-file" else f"--prompt {len(names) + 1}")
     if not texts:
         doc, _, _ = document_prompt(lambda s: len(tok.encode(s, add_special_tokens=False)), 4000)
         return [tok.encode(doc + DEFAULT_QUESTION, add_special_tokens=True)], True
     ids = []
     for i, t in enumerate(texts):
         if not t.strip():
-            raise ValueError(f"prompt {i} is empty; give some text with --prompt or --prompt-file")
+            raise ValueError(f"{names[i]} is empty; give some text")
         chat = not args.no_chat and getattr(tok, "chat_template", None)
         if chat:  # the template writes the special tokens itself
             t = tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
