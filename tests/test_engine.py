@@ -451,6 +451,13 @@ def test_sampling_filters_and_greedy():
     assert torch.allclose(freq, torch.softmax(lg[0].double(), 0), atol=0.03)
     g = sample(lg[:2], torch.zeros(2), torch.zeros(2, dtype=torch.long), torch.ones(2), torch.arange(2), torch.zeros(2))
     assert g.tolist() == [2, 2]
+    # top-p picks its nucleus from the tempered distribution, as transformers' warpers do:
+    # at T = 0.5, softmax([4, 2, 0]) gives token 2 0.87 of the mass, so top_p 0.8 keeps it alone
+    # (at T = 1 it has 0.67 and token 1 joins the nucleus)
+    for t, want in ((0.5, {2}), (1.0, {1, 2})):
+        toks = sample(lg, torch.full((n,), t), torch.zeros(n, dtype=torch.long), torch.full((n,), 0.8), torch.arange(n),
+                      torch.zeros(n))
+        assert set(toks.tolist()) == want, t
 
 
 def test_bad_requests_raise_one_clear_error(tiny_model):

@@ -56,17 +56,18 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, se
            positions: Tensor, greedy_only: bool = False, filtered: bool = True) -> Tensor:
     """logits [B, V]; per row: temperature [B] float (0 = greedy), top_k [B] long, top_p [B]
     float, seeds [B] long, positions [B] long (the position the sampled token will take).
+    The logits are divided by the temperature before top-k/top-p pick the nucleus.
     greedy_only / filtered=False skip work no row needs (the engine knows from the rows'
     parameters). Returns token ids [B] long."""
     logits = logits.float()
     greedy = logits.argmax(-1)
     if greedy_only:
         return greedy
+    scaled = logits / temperature.clamp(min=1e-6)[:, None]  # temperature first, then the filters (as HF, vLLM)
     if filtered:
-        logits = filter_logits(logits, top_k, top_p)
-    t = temperature.clamp(min=1e-6)[:, None]
+        scaled = filter_logits(scaled, top_k, top_p)
     g = -torch.log(-torch.log(uniform_noise(seeds, positions, logits.shape[-1])))
-    drawn = (logits / t + g).argmax(-1)
+    drawn = (scaled + g).argmax(-1)
     return torch.where(temperature > 0, drawn, greedy)
 
 
