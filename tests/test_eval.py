@@ -194,7 +194,8 @@ def run_cli(capsys, *argv):
     (["--tasks", "suite", "--suite-sources", "pydoc,web"], "unknown suite source(s) web for --suite-sources"),
     (["--tasks", "suite", "--suite-cases", "0"], "--suite-cases must be >= 1"),
     (["--tasks", "suite", "--seed", "-1"], "--seed must be an integer >= 0, got -1"),
-])
+    (["--device", "tpu"], "--device 'tpu' is not a device torch knows"),
+] + ([(["--device", "cuda"], "no CUDA GPU is available")] if not torch.cuda.is_available() else []))
 def test_eval_bad_input_exits_2_with_one_line(capsys, tmp_path, argv, message):
     code, out = run_cli(capsys, "eval", "--out", str(tmp_path / "o"), "--no-progress", *argv)
     assert code == 2

@@ -142,6 +142,9 @@ def cmd_eval(args) -> int:
                 if v}).validate(10**9)
     ResultStore(args.out, {})
     text = read_text(args.text_file)
+    from ..engine.engine import resolve_device
+
+    resolve_device(args.device, args.dtype)  # one clear error for a device this machine lacks
     model, tok, model_dir = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     plan = build_plan(args, model.cfg.max_positions)
     # each streaming method's own pattern (a file may give hybrid another ratio), tactic's/hybrid's dense heads
