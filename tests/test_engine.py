@@ -694,6 +694,15 @@ def test_score_refuses_bad_input_and_leaves_nothing_behind(tiny_model):
         eng.score([p], [[]])
     with pytest.raises(ValueError):  # the second prompt is longer than the model allows
         eng.score([p, [1] * (tiny_model.cfg.max_positions + 1)], [[1], [2]])
+    with pytest.raises(ValueError, match=r"continuation token id 300 is outside the model's vocabulary|prompt token id 300"):
+        eng.score([p], [[5, 300]])
+    with pytest.raises(ValueError, match=r"prompt 0 \(\d+ tokens\) and its continuation \(1024 tokens\) need"):
+        eng.score([p], [[5] * 1024])
+    with pytest.raises(ValueError, match=r"stop_token_ids names token 300, outside the vocabulary \[0, 300\)"):
+        eng.add_request(p, SamplingParams(4, stop_token_ids=[300]))
+    for bad in (5, ["x"], [-1], [True]):
+        with pytest.raises(ValueError, match="stop_token_ids must be a sequence of token ids"):
+            SamplingParams(stop_token_ids=bad)
     assert not eng.has_unfinished
     rid = eng.add_request(p, SamplingParams(4))
     with pytest.raises(ValueError, match="runs alone"):

@@ -224,9 +224,10 @@ class LLMEngine(BatchCrossover):
         the waiting-queue limit."""
         prompt = self.prompt_ids(prompt)
         vocab = self.model.cfg.vocab_size
-        outside = [t for t, _ in params.logit_bias if t >= vocab]
-        if outside:
-            raise ValueError(f"logit_bias names token {outside[0]}, outside the vocabulary [0, {vocab})")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise ValueError(f"{name} names token {outside[0]}, outside the vocabulary [0, {vocab})")
         key = self.method_key(method, method_options)
         requested = self._method_names[key]
         if "dense" in self.runner.methods and (
@@ -407,6 +408,12 @@ class LLMEngine(BatchCrossover):
             raise ValueError(f"got {len(continuations)} continuations for {len(prompts)} prompts; pass one per prompt")
         if any(len(c) < 1 for c in continuations):
             raise ValueError("every continuation needs at least one token to feed")
+        continuations = [self.prompt_ids(c) for c in continuations]  # (token ids of the vocabulary)
+        for i, (p, c) in enumerate(zip(prompts, continuations)):
+            if len(p) + len(c) + 1 > self.scheduler.max_model_len:
+                raise ValueError(f"prompt {i} ({len(p)} tokens) and its continuation ({len(c)} tokens) need "
+                                 f"{len(p) + len(c) + 1} positions, but the model allows "
+                                 f"{self.scheduler.max_model_len}; shorten them")
         if self.has_unfinished:
             raise ValueError("score() runs alone: finish or abort the engine's unfinished requests first")
         if observe is not None and self.runner.paged:

@@ -104,7 +104,14 @@ class SamplingParams:
             if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
         object.__setattr__(self, "logit_bias", bias)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        try:
+            stops = tuple(self.stop_token_ids)
+        except TypeError:
+            stops = None
+        if stops is None or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stops):
+            raise ValueError(f"stop_token_ids must be a sequence of token ids (integers >= 0), got "
+                             f"{self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", stops)
 
 
 class Status(Enum):
