@@ -124,3 +124,26 @@ def test_hub_id_resolves_through_the_hub_cache(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "fetching it from the Hugging Face Hub failed (OSError: Repository Not Found" in err
     assert err.count("\n") == 1
+
+
+def test_weights_that_do_not_fit_the_config_are_refused_by_name(tmp_path):
+    """A config.json of another model than its weights (more layers, other KV heads) or a
+    missing tensor: one ValueError naming the tensor and what the config needs."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tiny_hf("llama3.1", tmp_path)
+    cfg_path, st_path = tmp_path / "config.json", next(tmp_path.glob("*.safetensors"))
+    cfg = json.loads(cfg_path.read_text())
+    for change, message in ((dict(num_hidden_layers=3), "have no model.layers.2.self_attn.q_proj.weight"),
+                            (dict(num_key_value_heads=4), r"k_proj.weight in .* has shape \[32, 64\], but config.json")):
+        cfg_path.write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ValueError, match=message):
+            load_weights(tmp_path)
+    cfg_path.write_text(json.dumps(cfg))
+    w = load_file(str(st_path))
+    del w["model.layers.1.mlp.up_proj.weight"]
+    save_file(w, str(st_path))
+    with pytest.raises(ValueError, match="have no model.layers.1.mlp.up_proj.weight"):
+        load_weights(tmp_path)

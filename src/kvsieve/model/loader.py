@@ -252,6 +252,29 @@ def random_model_and_tokenizer(model: str, dtype, device):
     return random_model({**LLAMA31_8B, "vocab_size": len(tok)}, dtype=dtype), tok, Path(model)
 
 
+def check_weights(cfg: ModelConfig, weights: dict, where) -> None:
+    """One clear error where the weights do not fit the config: a tensor a layer needs is
+    missing, or a projection's shape is not the config's heads x head_dim x hidden size."""
+    H, D, E = cfg.num_heads, cfg.head_dim, cfg.hidden_size
+    need = {"model.embed_tokens.weight": (None, E), "model.norm.weight": (E,)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        need.update({p + "self_attn.q_proj.weight": (H * D, E), p + "self_attn.k_proj.weight": (cfg.num_kv_heads * D, E),
+                     p + "self_attn.v_proj.weight": (cfg.num_kv_heads * D, E), p + "self_attn.o_proj.weight": (E, H * D),
+                     p + "mlp.gate_proj.weight": (cfg.intermediate_size, E), p + "mlp.up_proj.weight":
+                     (cfg.intermediate_size, E), p + "mlp.down_proj.weight": (E, cfg.intermediate_size),
+                     p + "input_layernorm.weight": (E,), p + "post_attention_layernorm.weight": (E,)})
+    for name, shape in need.items():
+        if name not in weights:
+            raise ValueError(f"the weights in {where} have no {name}, which its config.json ({cfg.num_layers} layers) "
+                             "needs; the config and the weights are of different models, or a download is incomplete")
+        got = tuple(weights[name].shape)
+        if len(got) != len(shape) or any(w is not None and g != w for g, w in zip(got, shape)):
+            raise ValueError(f"{name} in {where} has shape {list(got)}, but config.json ({H} heads, {cfg.num_kv_heads} "
+                             f"KV heads of {D}, hidden size {E}) needs {[w if w else 'any' for w in shape]}; the config "
+                             "and the weights are of different models")
+
+
 def build_model(cfg: ModelConfig, weights) -> Model:
     """The forward for cfg's architecture: Gemma3Model for Gemma 3, LlamaModel otherwise."""
     return (Gemma3Model if cfg.is_gemma3 else LlamaModel)(cfg, weights)
@@ -291,4 +314,5 @@ def load_weights(d: Path, dtype=torch.float32, device="cpu") -> Model:
             raise ValueError(f"could not read weights file {f}: {e}; download or convert the model again") from e
     if raw.get("model_type") == "gemma3" and "text_config" in raw:
         weights = text_weights(weights)
+    check_weights(cfg, weights, d)
     return build_model(cfg, {k: v.to(dtype) for k, v in weights.items()})
