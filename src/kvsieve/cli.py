@@ -7,7 +7,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from .methods import METHOD_NAMES
+from .methods import METHOD_NAMES, REGISTRY
 
 
 class UsageError(ValueError):
@@ -51,6 +51,16 @@ def method_options(args: argparse.Namespace) -> dict:
     opts = {dst: getattr(args, src) for src, dst in names.items() if getattr(args, src, None) is not None}
     if getattr(args, "dense_heads", None) is not None:
         opts["dense_heads"] = parse_heads(args.dense_heads)
+    method = getattr(args, "method", None)
+    if method in REGISTRY:  # the user's flags, named as typed
+        flag = {dst: "--dense-prefill" if src == "sparse_prefill" else "--" + src.replace("_", "-")
+                for src, dst in {**names, "dense_heads": "dense_heads"}.items()}
+        accepted = REGISTRY[method][1].option_names()
+        unknown = [flag[k] for k in opts if k not in accepted]
+        if unknown:
+            takes = [f for k, f in flag.items() if k in accepted]
+            raise ValueError(f"{', '.join(unknown)} does not apply to --method {method}; its options: "
+                             f"{', '.join(takes) or 'none'}")
     return opts
 
 
