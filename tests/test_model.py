@@ -337,3 +337,11 @@ def test_engine_load_gets_the_shipped_heads_as_the_cli(embedded, monkeypatch):
             got = getattr(cfg, name) if hasattr(cfg, name) else getattr(cfg.dynamic_config, name)
             assert got == value, (method, name)
     assert LLMEngine.load(method="tactic", kv_pages=8, dense_heads=()).runner.methods["default"].config.dense_heads == ()
+
+
+def test_the_embedded_gguf_by_its_path_is_the_embedded_model(embedded):
+    """--model <the embedded GGUF's own path> is the embedded model: its converted cache (and
+    with it its shipped dense and streaming heads), not a second conversion."""
+    from kvsieve.model.loader import embedded_gguf, resolve_model_dir
+
+    assert resolve_model_dir(str(embedded_gguf())) == resolve_model_dir(None) == embedded[2]

@@ -153,11 +153,20 @@ def resolve_model_dir(model: Optional[str]) -> Path:
     if is_hf_dir(p):
         return p
     if p.is_file() and p.suffix.lower() == ".gguf":
+        if _is_embedded(p):  # the embedded model by its own path: its cache, and so its shipped heads
+            return resolve_model_dir(None)
         st = p.stat()
         key = hashlib.sha1(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
         return convert_gguf(p, cache_root() / f"{p.stem}-{key}")
     raise ValueError(f"unknown model format at {model!r}: expected a directory with config.json and "
                      "*.safetensors, or a .gguf file")
+
+
+def _is_embedded(p: Path) -> bool:
+    try:
+        return p.resolve() == embedded_gguf().resolve()
+    except (ImportError, FileNotFoundError, ValueError):
+        return False
 
 
 def convert_gguf(gguf: Path, out: Path) -> Path:
