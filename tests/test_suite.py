@@ -191,3 +191,19 @@ def test_method_ratios_parse_and_reject_bad_pairs():
                      ("hybrid=1.5", "in \\[0, 1\\]")]:
         with pytest.raises(ValueError, match=msg):
             parse_method_ratios(bad)
+
+
+def test_a_short_suite_generates_less_of_the_models_own_text(tmp_path, monkeypatch):
+    """The 'generated' filler source is four times the longest case (2,048 tokens at least,
+    16,384 at most: all of it for the default lengths), generated once and kept per size."""
+    from kvsieve.eval import suite_task
+    from kvsieve.eval.harness import EvalPlan
+
+    assert suite_task.generated_for((512,)) == 2048 and suite_task.generated_for((1024, 2048)) == 8192
+    assert suite_task.generated_for(EvalPlan().suite_lengths) == suite_task.GENERATED_TOKENS == 16384
+    asked = []
+    monkeypatch.setattr(suite_task, "generated_text", lambda eng, tok, tokens, seed=0: asked.append(tokens) or "x " * 999)
+    monkeypatch.setattr(suite_task, "filler_sources", lambda generated: {"generated": generated})
+    for _ in range(2):
+        out = suite_task.suite_sources(["generated"], None, None, tmp_path, 0, 4096)
+    assert asked == [4096] and out["generated"].startswith("x x") and (tmp_path / "generated-4096.txt").is_file()

@@ -7,6 +7,7 @@ reported but not counted. One cell per (length, point): "suite/4096/tactic defau
 """
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -15,7 +16,14 @@ from ..engine import LLMEngine, SamplingParams
 from .suite import SuiteCase, build_suite, filler_sources
 from .sweep import MethodPoint, THRESHOLD_METHODS
 
-GENERATED_TOKENS = 16384  # of the model's own text, the "generated" filler source
+GENERATED_TOKENS = 16384  # of the model's own text, the "generated" filler source (at most; see generated_for)
+
+
+def generated_for(lengths: Sequence[int]) -> int:
+    """Tokens of the model's own text a suite of these lengths draws its filler from: four
+    times the longest case, at least 2,048, at most GENERATED_TOKENS (all of it for the
+    default lengths). Fewer tokens are the first essays of the same seeded text."""
+    return min(GENERATED_TOKENS, max(2048, 4 * max(lengths, default=0)))
 _TOPICS = ("the history of a small coastal town", "how bridges are designed and built", "a long journey by train",
            "the life of a beekeeper", "a scientific expedition to the mountains", "running a family restaurant",
            "how a city library works", "the night shift at a hospital")
@@ -50,14 +58,17 @@ def generated_text(engine: LLMEngine, tokenizer, tokens: int = GENERATED_TOKENS,
     return "\n\n".join(tokenizer.decode(o.tokens, skip_special_tokens=True).strip() for o in outs)
 
 
-def suite_sources(names: Sequence[str], engine: LLMEngine, tokenizer, cache_dir: Path, seed: int) -> Dict[str, str]:
-    """The filler texts named (pydoc, stdlib, files, generated); the model's own text is
-    generated once and kept in cache_dir/generated.txt for resumed runs."""
+def suite_sources(names: Sequence[str], engine: LLMEngine, tokenizer, cache_dir: Path, seed: int,
+                  tokens: int = GENERATED_TOKENS) -> Dict[str, str]:
+    """The filler texts named (pydoc, stdlib, files, generated); the model's own text
+    (`tokens` of it) is generated once and kept in cache_dir for resumed runs."""
     generated = None
     if "generated" in names:
-        path = Path(cache_dir) / "generated.txt"
+        path = Path(cache_dir) / ("generated.txt" if tokens == GENERATED_TOKENS else f"generated-{tokens}.txt")
         if not path.is_file():
-            path.write_text(generated_text(engine, tokenizer, seed=seed))
+            print(f"kvsieve: generating {tokens} tokens of the model's own text for the suite's filler (once, kept "
+                  f"in {path}); --suite-sources without 'generated' skips it", file=sys.stderr, flush=True)
+            path.write_text(generated_text(engine, tokenizer, tokens, seed=seed))
         generated = path.read_text()
     available = filler_sources(generated)
     missing = [n for n in names if n not in available]
@@ -80,7 +91,8 @@ def run_suite(engine: LLMEngine, tokenizer, plan, store, progress, streaming_hea
                 progress(i)
             continue
         if cases is None:
-            sources = suite_sources(plan.suite_sources, engine, tokenizer, store.dir, plan.seed)
+            sources = suite_sources(plan.suite_sources, engine, tokenizer, store.dir, plan.seed,
+                                    generated_for(plan.suite_lengths))
             cases = build_suite(tokenizer, plan.suite_lengths, plan.suite_cases, plan.seed, sources)
         mine = [c for c in cases if c.length == L]
         dense_scores = None
