@@ -70,11 +70,15 @@ class EvalPlan:
         if bad or not self.suite_sources:
             raise ValueError(f"unknown suite source(s) {', '.join(bad) or '(none)'} for --suite-sources; "
                              f"choose from {', '.join(SUITE_SOURCES)}")
-        for name, vals in (("thresholds", self.thresholds + self.retrieval_thresholds + self.suite_thresholds),
-                           ("fractions", self.fractions + (self.retrieval_fraction,) + self.suite_fractions),
-                           ("depths", self.passkey_depths + self.needle_depths)):
-            if any(not (0 <= v <= 1) for v in vals) or (name != "depths" and any(v == 0 for v in vals)):
-                raise ValueError(f"--{name} must lie in (0, 1] (depths in [0, 1]), got {sorted(set(vals))}")
+        for flag, vals in (("--thresholds", self.thresholds), ("--retrieval-thresholds", self.retrieval_thresholds),
+                           ("--suite-thresholds", self.suite_thresholds), ("--fractions", self.fractions),
+                           ("--retrieval-fraction", (self.retrieval_fraction,)),
+                           ("--suite-fractions", self.suite_fractions), ("--passkey-depths", self.passkey_depths),
+                           ("--needle-depths", self.needle_depths)):
+            depth = flag.endswith("depths")
+            bad = [v for v in vals if not (0 <= v <= 1) or (not depth and v == 0)]
+            if bad:
+                raise ValueError(f"{flag} must lie in {'[0, 1]' if depth else '(0, 1]'}, got {bad[0]}")
         if self.samples < 1 or self.decode_tokens < 1 or self.suite_cases < 1:
             raise ValueError(f"--samples, --decode-tokens and --suite-cases must be >= 1, got {self.samples}, "
                              f"{self.decode_tokens}, {self.suite_cases}")
