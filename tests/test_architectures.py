@@ -147,3 +147,11 @@ def test_weights_that_do_not_fit_the_config_are_refused_by_name(tmp_path):
     save_file(w, str(st_path))
     with pytest.raises(ValueError, match="have no model.layers.1.mlp.up_proj.weight"):
         load_weights(tmp_path)
+
+
+def test_a_model_without_tokenizer_files_is_named(tmp_path):
+    from kvsieve.model.loader import load_tokenizer
+
+    tiny_hf("qwen2", tmp_path)
+    with pytest.raises(ValueError, match=r"no tokenizer in .* \(none of tokenizer.json"):
+        load_tokenizer(tmp_path)
