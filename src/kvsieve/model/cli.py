@@ -160,7 +160,8 @@ def cmd_generate(args) -> int:
         for i, t in enumerate(texts):
             print(t if len(texts) == 1 else f"[{i}] {t}")
     if args.compare_dense:
-        print(f"--- dense answer: {report['dense']['text']}")
+        for i, t in enumerate(dtexts):
+            print(f"--- dense answer: {t}" if len(dtexts) == 1 else f"--- dense answer [{i}]: {t}")
         print(f"--- agreement with dense: {report['agreement']:.0%} of generated tokens")
     if warm:
         print(f"--- warm-up (kernel compilation, step-graph capture): {warm:.1f} s", file=sys.stderr)
