@@ -55,7 +55,7 @@ def method_options(args: argparse.Namespace) -> dict:
     if method in REGISTRY:  # the user's flags, named as typed
         flag = {dst: "--dense-prefill" if src == "sparse_prefill" else "--" + src.replace("_", "-")
                 for src, dst in {**names, "dense_heads": "dense_heads"}.items()}
-        accepted = REGISTRY[method][1].option_names()
+        accepted = REGISTRY[method][1].accepted_options()
         unknown = [flag[k] for k in opts if k not in accepted]
         if unknown:
             takes = [f for k, f in flag.items() if k in accepted]

@@ -80,6 +80,11 @@ class MethodConfig:
         return tuple(f.name for f in fields(cls))
 
     @classmethod
+    def accepted_options(cls) -> Tuple[str, ...]:
+        """The option names from_options takes."""
+        return cls.option_names()
+
+    @classmethod
     def from_options(cls, method: str, **options):
         unknown = sorted(set(options) - set(cls.option_names()))
         if unknown:

@@ -76,12 +76,20 @@ class HybridConfig(MethodConfig):
             raise ValueError(f"dense head {layer}:{head} is a streaming head of this hybrid's pattern; "
                              "drop it from dense_heads or from the pattern")
 
+    OWN_OPTIONS = ("streaming_heads", "sink", "local", "dynamic", "sparse_prefill", "prefill_local")
+
+    @classmethod
+    def accepted_options(cls):
+        """Its own options and its default dynamic method's."""
+        from . import REGISTRY
+
+        return cls.OWN_OPTIONS + REGISTRY[cls.__dataclass_fields__["dynamic"].default][1].accepted_options()
+
     @classmethod
     def from_options(cls, method: str, **options):
         from . import config_for
 
-        own = {k: options.pop(k) for k in ("streaming_heads", "sink", "local", "dynamic",
-                                                "sparse_prefill", "prefill_local") if k in options}
+        own = {k: options.pop(k) for k in cls.OWN_OPTIONS if k in options}
         dynamic = own.get("dynamic", cls.__dataclass_fields__["dynamic"].default)
         return cls(**own, dynamic_config=config_for(dynamic, **{**cls._dynamic_defaults(dynamic), **options}))
 
