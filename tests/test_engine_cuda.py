@@ -225,6 +225,21 @@ def test_prompt_logprobs_on_cuda_beside_a_graph_batch(tiny_cuda):
         assert all([t for t, _ in e.top] == want[i].topk(k).indices.tolist() for i, e in enumerate(o.prompt_logprobs[1:]))
 
 
+@pytest.mark.parametrize("method,opts", [("tactic", {"cluster_size": 8, "local": 8, "sink": 4}),
+                                         ("hybrid", {"cluster_size": 8, "local": 8, "sink": 4}),
+                                         ("lserve", {"budget": 64, "sink": 4, "local": 8})])
+def test_prompts_shorter_than_the_sinks_decode_as_dense_on_graphs(tiny_cuda, method, opts):
+    """On CUDA graphs too, prompts of 1-5 tokens decoded while the context fits sinks +
+    local window attend every token once: dense's tokens, no more than the whole cache read."""
+    model, _ = tiny_cuda
+    ps = [prompts(1, n, n + 1, seed=n)[0] for n in range(1, 6)]
+    params = [SamplingParams(max_new_tokens=12 - len(p), ignore_eos=True) for p in ps]
+    outs = LLMEngine(model, None, method, dense_below=0, **opts).generate(ps, params)
+    dense = LLMEngine(model, None, "dense").generate(ps, params)
+    for o, d in zip(outs, dense):
+        assert o.tokens == d.tokens and o.kv_fraction <= 1.0 + 1e-6, (len(o.tokens), o.kv_fraction)
+
+
 def test_penalties_and_logit_bias_on_graphs_equal_eager(tiny_cuda):
     """Presence and frequency penalties and logit_bias on captured steps (the token counts
     updated inside the graph; a penalized and biased request joining a running graph batch, a
