@@ -345,3 +345,16 @@ def test_the_embedded_gguf_by_its_path_is_the_embedded_model(embedded):
     from kvsieve.model.loader import embedded_gguf, resolve_model_dir
 
     assert resolve_model_dir(str(embedded_gguf())) == resolve_model_dir(None) == embedded[2]
+
+
+def test_a_fresh_conversion_of_the_embedded_gguf_loads(embedded, tmp_path, monkeypatch):
+    """The embedded GGUF converted from scratch (a fresh machine's first run: the tokenizer
+    comes from inside the GGUF) gives the same weights and tokenizer as the cached copy."""
+    from kvsieve.model.loader import load_model
+
+    monkeypatch.setenv("KVSIEVE_CACHE_DIR", str(tmp_path))
+    model, tok, path = load_model()
+    assert path.parent == tmp_path and tok.encode("The archive access code") == embedded[1].encode(
+        "The archive access code")
+    name = "model.layers.3.self_attn.k_proj.weight"
+    assert torch.equal(model.w[name], embedded[0].w[name])

@@ -237,7 +237,7 @@ def load_tokenizer(path, **kwargs):
     from transformers import AutoTokenizer
 
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
-    if Path(path).is_dir() and not any((Path(path) / n).is_file() for n in names):
+    if "gguf_file" not in kwargs and Path(path).is_dir() and not any((Path(path) / n).is_file() for n in names):
         raise ValueError(f"no tokenizer in {path} (none of {', '.join(names)}); copy the model's tokenizer files there")
     return AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False, **kwargs)
 
