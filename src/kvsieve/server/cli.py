@@ -37,7 +37,7 @@ def register(sub) -> None:
     p.add_argument("--dense-below", type=int, help="prompts shorter than this attend densely (default: the "
                    "measured crossover on CUDA, 0 on the CPU)")
     p.add_argument("--max-method-configs", type=int, default=32, help="distinct per-request kvsieve settings "
-                   "the server keeps at once (default 32)")
+                   "in use by running or waiting requests at once (default 32; unused ones are released)")
     p.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds of a 503 (default 1)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="on Ctrl-C/SIGTERM, seconds requests in "
                    "flight may run before they are aborted (default 30)")
