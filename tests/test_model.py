@@ -358,3 +358,16 @@ def test_a_fresh_conversion_of_the_embedded_gguf_loads(embedded, tmp_path, monke
         "The archive access code")
     name = "model.layers.3.self_attn.k_proj.weight"
     assert torch.equal(model.w[name], embedded[0].w[name])
+
+
+def test_prompt_file_dash_reads_standard_input(capsys, monkeypatch):
+    import io
+    import sys
+
+    argv = ["generate", "--no-chat", "--max-new-tokens", "3", "--json", "--method", "dense"]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("Once upon a".encode())))
+    rc, out, _ = run_cli(capsys, *argv, "--prompt-file", "-")
+    assert rc == 0 and json.loads(out)["text"] == json.loads(run_cli(capsys, *argv, "--prompt", "Once upon a")[1])["text"]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe")))
+    rc, _, err = run_cli(capsys, *argv, "--prompt-file", "-")
+    assert rc == 2 and "--prompt-file - (standard input) is not UTF-8 text" in err

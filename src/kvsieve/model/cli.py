@@ -20,7 +20,7 @@ def register(sub) -> None:
     add_method_options(p)
     p.add_argument("--prompt", action=_InOrder, help="prompt text (repeat for a batch; answers come in the "
                    "order of --prompt and --prompt-file on the command line)")
-    p.add_argument("--prompt-file", action=_InOrder, help="file holding a prompt (repeatable)")
+    p.add_argument("--prompt-file", action=_InOrder, help="file holding a prompt (repeatable; - reads stdin)")
     p.add_argument("--no-chat", action="store_true", help="send prompts as raw text, without the chat template")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -51,7 +51,13 @@ class _InOrder(argparse.Action):
 
 def read_text_file(f: str, flag: str, what: str = "prompt file") -> str:
     """A UTF-8 text file's contents, or one clear error (missing, a directory, not UTF-8):
-    nothing is decoded with replacement characters."""
+    nothing is decoded with replacement characters. "-" reads standard input."""
+    if f == "-":
+        try:
+            return sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{flag} - (standard input) is not UTF-8 text ({e.reason} at byte {e.start}); "
+                             "convert it, e.g. iconv -f latin1 -t utf-8") from None
     path = Path(f)
     if path.is_dir():
         raise ValueError(f"{flag} {f!r} is a directory; pass a text file")
