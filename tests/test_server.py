@@ -441,6 +441,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                              "max_completion_tokens": 8}, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0"),

@@ -93,6 +93,9 @@ class Server(Responses):
         field, max_tokens = "max_tokens", req.max_tokens
         echo = not chat and bool(req.echo)
         if req.max_completion_tokens is not None:
+            if max_tokens is not None and max_tokens != req.max_completion_tokens:
+                raise BadRequest(f"max_tokens ({max_tokens}) and max_completion_tokens ({req.max_completion_tokens}) "
+                                 "differ; give one of them", "max_completion_tokens")
             field, max_tokens = "max_completion_tokens", req.max_completion_tokens
         sch = self.engine.scheduler
         room = min(self.max_positions, sch.num_pages * sch.page_size) - prompt_len
