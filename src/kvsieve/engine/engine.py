@@ -210,9 +210,8 @@ class LLMEngine(BatchCrossover):
             | {t.key for t in self._track.values()} | ({g for g, _, _ in bt.groups} if bt is not None else set())
         dropped = [k for k in keys if k not in used and k in self.runner.methods]
         for k in dropped:
-            for table in (self.runner.methods, self._method_names, self.runner.step_dense_below, self.runner._windows,
-                          self.runner._group_key, self.runner._step_dense):
-                table.pop(k, None)
+            self.runner.forget_method(k)
+            self._method_names.pop(k, None)
             self._reads_most.discard(k)
         return dropped
 

@@ -238,6 +238,11 @@ class ModelRunner(BatchRows):
         self.pending[req.id] = [heads] * self.model.cfg.num_layers
         req.method_key = key
 
+    def forget_method(self, key: str) -> None:
+        """Drop method `key` and what the runner keeps for it (no batch row may use it)."""
+        for table in (self.methods, self.step_dense_below, self._windows, self._group_key, self._step_dense):
+            table.pop(key, None)
+
     def release(self, rid: int) -> None:
         """Forget a request's index and page table (its pages are the scheduler's)."""
         self.pending.pop(rid, None)

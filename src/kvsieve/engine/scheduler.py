@@ -15,6 +15,7 @@ Invariants (tested in tests/test_scheduler.py):
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -105,13 +106,20 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
         object.__setattr__(self, "logit_bias", bias)
         try:
-            stops = tuple(self.stop_token_ids)
+            stops = tuple(_token_id(t) for t in self.stop_token_ids)
         except TypeError:
             stops = None
-        if stops is None or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stops):
+        if stops is None or any(t < 0 for t in stops):
             raise ValueError(f"stop_token_ids must be a sequence of token ids (integers >= 0), got "
                              f"{self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", stops)
+
+
+def _token_id(t) -> int:
+    """An integer token id (numpy's and torch's integers too); TypeError for anything else."""
+    if isinstance(t, bool):
+        raise TypeError("a bool is not a token id")
+    return operator.index(t)
 
 
 class Status(Enum):
