@@ -26,6 +26,7 @@ import json
 import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
+
 from .config import dense_head_pairs
 
 FORMAT = "kvsieve-streaming-heads/1"

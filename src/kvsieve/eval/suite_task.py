@@ -24,6 +24,8 @@ def generated_for(lengths: Sequence[int]) -> int:
     times the longest case, at least 2,048, at most GENERATED_TOKENS (all of it for the
     default lengths). Fewer tokens are the first essays of the same seeded text."""
     return min(GENERATED_TOKENS, max(2048, 4 * max(lengths, default=0)))
+
+
 _TOPICS = ("the history of a small coastal town", "how bridges are designed and built", "a long journey by train",
            "the life of a beekeeper", "a scientific expedition to the mountains", "running a family restaurant",
            "how a city library works", "the night shift at a hospital")

@@ -269,13 +269,12 @@ def check_weights(cfg: ModelConfig, weights: dict, where) -> None:
     missing, or a projection's shape is not the config's heads x head_dim x hidden size."""
     H, D, E = cfg.num_heads, cfg.head_dim, cfg.hidden_size
     need = {"model.embed_tokens.weight": (None, E), "model.norm.weight": (E,)}
+    kv, ff = cfg.num_kv_heads * D, cfg.intermediate_size
+    per_layer = {"self_attn.q_proj": (H * D, E), "self_attn.k_proj": (kv, E), "self_attn.v_proj": (kv, E),
+                 "self_attn.o_proj": (E, H * D), "mlp.gate_proj": (ff, E), "mlp.up_proj": (ff, E),
+                 "mlp.down_proj": (E, ff), "input_layernorm": (E,), "post_attention_layernorm": (E,)}
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        need.update({p + "self_attn.q_proj.weight": (H * D, E), p + "self_attn.k_proj.weight": (cfg.num_kv_heads * D, E),
-                     p + "self_attn.v_proj.weight": (cfg.num_kv_heads * D, E), p + "self_attn.o_proj.weight": (E, H * D),
-                     p + "mlp.gate_proj.weight": (cfg.intermediate_size, E), p + "mlp.up_proj.weight":
-                     (cfg.intermediate_size, E), p + "mlp.down_proj.weight": (E, cfg.intermediate_size),
-                     p + "input_layernorm.weight": (E,), p + "post_attention_layernorm.weight": (E,)})
+        need.update({f"model.layers.{i}.{n}.weight": shape for n, shape in per_layer.items()})
     for name, shape in need.items():
         if name not in weights:
             raise ValueError(f"the weights in {where} have no {name}, which its config.json ({cfg.num_layers} layers) "
