@@ -7,6 +7,7 @@ method here decodes with the tokenizer: call it on the server's tokenizer thread
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -14,6 +15,7 @@ from ..engine import TokenLogprob
 from .text import Detokenizer
 
 
+@functools.lru_cache(maxsize=None)
 def _byte_decoder() -> Dict[str, int]:
     """A byte-level BPE vocabulary's character -> the byte it stands for (GPT-2's table)."""
     try:
@@ -39,8 +41,6 @@ class ChoiceLogprobs:
     """One choice's tokens and log-probabilities, handed out with the text they produce.
     k: alternatives per token; chat: the chat shape ({"content": [...]}) or the completions
     one ({"tokens", "token_logprobs", "top_logprobs", "text_offset"})."""
-
-    _bytes_of: Optional[Dict[str, int]] = None
 
     def __init__(self, tok, k: int, chat: bool):
         self.tok, self.k, self.chat = tok, k, chat
@@ -88,9 +88,7 @@ class ChoiceLogprobs:
         m = _BYTE_PIECE.fullmatch(piece or "")
         if m:
             return bytes([int(m.group(1), 16)])
-        if ChoiceLogprobs._bytes_of is None:
-            ChoiceLogprobs._bytes_of = _byte_decoder()
-        table = ChoiceLogprobs._bytes_of
+        table = _byte_decoder()
         if piece and all(c in table for c in piece):
             return bytes(table[c] for c in piece)
         return text.encode("utf-8")

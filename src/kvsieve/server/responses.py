@@ -87,7 +87,8 @@ class Responses:
                 if reason is not None:
                     return "".join(parts), reason, out, None if track is None else merge(pieces, chat)
 
-        task = asyncio.ensure_future(asyncio.gather(*(collect(s, e) for s, e in zip(streams, echo or [None] * len(streams)))))
+        echo = echo or [None] * len(streams)
+        task = asyncio.ensure_future(asyncio.gather(*(collect(s, e) for s, e in zip(streams, echo))))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a cancelled gather's error is read
         watcher = asyncio.ensure_future(watch())
         try:
