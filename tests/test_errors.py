@@ -22,6 +22,9 @@ def qkv(B=1, Hq=4, Hkv=2, S=20, D=64):
     (lambda q, k, v: (q, k[:, :0], v[:, :0]), "empty input"),
     (lambda q, k, v: (q[:, :0], k, v), "empty input"),
     (lambda q, k, v: ([1.0], k, v), "must be a torch.Tensor"),
+    (lambda q, k, v: (q.index_fill(2, torch.tensor([3]), float("nan")), k, v), "q holds NaN or infinite values"),
+    (lambda q, k, v: (q, k.index_fill(2, torch.tensor([19]), float("nan")), v), "k holds NaN or infinite values"),
+    (lambda q, k, v: (q, k, v.index_fill(3, torch.tensor([0]), float("inf"))), "v holds NaN or infinite values"),
 ])
 def test_bad_tensors(mutate, match):
     with pytest.raises(ValueError, match=match):
@@ -31,6 +34,7 @@ def test_bad_tensors(mutate, match):
 @pytest.mark.parametrize("lengths,match", [
     ([0], r"lengths must be in \[1, S=20\]"), ([21], r"lengths must be in \[1, S=20\]"),
     ([1, 2], "one per request"), (torch.tensor([1.5]), "one per request"),
+    (torch.tensor([True]), "one per request"), (["a"], "one per request"), ([None], "one per request"),
 ])
 def test_bad_lengths(lengths, match):
     with pytest.raises(ValueError, match=match):

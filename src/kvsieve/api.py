@@ -54,13 +54,23 @@ def check_decode_inputs(q: Tensor, k: Tensor, v: Tensor, lengths: Optional[Tenso
     if Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
     if lengths is None:
-        return torch.full((B,), S, dtype=torch.long, device=k.device)
-    lengths = torch.as_tensor(lengths, device=k.device)
-    if lengths.shape != (B,) or lengths.dtype.is_floating_point:
-        raise ValueError(f"lengths must be {B} integers (one per request), got {lengths.tolist()}")
-    if bool((lengths < 1).any()) or bool((lengths > S).any()):
-        raise ValueError(f"lengths must be in [1, S={S}], got {lengths.tolist()}")
-    return lengths.long()
+        lengths = torch.full((B,), S, dtype=torch.long, device=k.device)
+    else:
+        try:
+            lengths = torch.as_tensor(lengths, device=k.device)
+        except (TypeError, RuntimeError, ValueError):
+            raise ValueError(f"lengths must be {B} integers (one per request), got {lengths!r}") from None
+        if lengths.shape != (B,) or lengths.dtype.is_floating_point or lengths.dtype == torch.bool \
+                or lengths.dtype.is_complex:
+            raise ValueError(f"lengths must be {B} integers (one per request), got {lengths.tolist()}")
+        if bool((lengths < 1).any()) or bool((lengths > S).any()):
+            raise ValueError(f"lengths must be in [1, S={S}], got {lengths.tolist()}")
+        lengths = lengths.long()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} holds NaN or infinite values; give finite ones (positions past a request's "
+                             "length too, e.g. zeros: a NaN there would reach the output)")
+    return lengths
 
 
 def sparse_decode(q: Tensor, k: Tensor, v: Tensor, method: str = "tactic",

@@ -64,7 +64,9 @@ class HFState:
     @property
     def kv_fraction(self) -> float:
         """Mean fraction of valid cached tokens attended per decode step, over the layers
-        kvsieve decodes (not sliding-window layers) and KV heads."""
+        kvsieve decodes (not sliding-window layers) and KV heads; 1.0 when it decoded none
+        (kv_read_steps 0: every layer windowed, a static cache, use_cache=False), since
+        transformers then attended the whole cache."""
         return float(self.kv_read_sum) / self.kv_read_steps if self.kv_read_steps else 1.0
 
     def decodes_densely(self, key: Tensor, host: List[int]) -> bool:

@@ -261,7 +261,7 @@ def dense_heads_for(method: str, options: Dict, model_dir, num_layers: int, num_
     and for tactic's and hybrid's fixed-budget mode (there dense heads belong to the
     threshold mode; quest's and lserve's budget is their only mode)."""
     if "dense_heads" in options:
-        check_dense_heads(options["dense_heads"], num_layers, num_kv_heads, "--dense-heads")
+        check_dense_heads(options["dense_heads"], num_layers, num_kv_heads, "dense_heads (--dense-heads)")
         return None
     if method not in DENSE_HEAD_METHODS or budget_drops_dense_heads(method, options):
         return None
