@@ -230,6 +230,17 @@ def test_generate_takes_the_shipped_dense_heads_in_threshold_mode_only(capsys, m
         assert rc == 0 and json.loads(out)["options"].get("dense_heads") == want, extra
 
 
+def test_usage_errors_are_one_line_exit_2(capsys):
+    """argparse's own errors (a bad choice, a missing value, an unknown command) are one line."""
+    for argv, message in ((["generate", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+                          (["generate", "--model"], "argument --model: expected one argument"),
+                          (["nope"], "argument command: invalid choice: 'nope'")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("kvsieve: error:") and message in err and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--model", "/nonexistent/model"], "does not exist"),
     (["--model", "tests"], "unknown model format"),

@@ -90,8 +90,15 @@ def cmd_demo(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors as one line (`kvsieve: error: ...`), exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"kvsieve: error: {self.prog}: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvsieve", description="Adaptive sparse attention for long-context decoding.")
+    parser = _Parser(prog="kvsieve", description="Adaptive sparse attention for long-context decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="sparse_decode on synthetic clustered attention: KV read and error per method")
     d.add_argument("--seq-len", type=int, default=8192, help="cached tokens of the synthetic decode step (8192)")
