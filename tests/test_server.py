@@ -159,6 +159,12 @@ def test_logprobs_of_text_whose_characters_span_tokens(engine, chunk):
     echoed = ChoiceLogprobs(tok, 1, False).echo(text, ids, [None] + entries[1:])
     assert echoed["text_offset"] == starts and echoed["token_logprobs"][0] is None
     assert all(t.startswith("bytes:") or "\ufffd" not in t for t in echoed["tokens"])
+    chat = "<|im_start|>user\nWhat is 2+2? 世界<|im_end|>\n<|im_start|>assistant\n"  # special tokens, echoed as sent
+    ids = tok.encode(chat, add_special_tokens=False)
+    echoed = ChoiceLogprobs(tok, 0, False).echo(chat, ids, [None] + [TokenLogprob(t, -0.5, ()) for t in ids[1:]])
+    assert all(t.startswith("bytes:") or chat[o:o + len(t)] == t for t, o in zip(echoed["tokens"], echoed["text_offset"]))
+    sampled = ChoiceLogprobs(tok, 1, False).top_with_token(TokenLogprob(ids[2], -3.0, ((ids[3], -0.1), (ids[4], -1.0))))
+    assert sampled == {tok.decode([ids[3]]): -0.1, tok.decode([ids[2]]): -3.0}  # OpenAI's k + 1: the token too
 
 
 # ---------------------------------------------------------------------- the live server
@@ -309,7 +315,9 @@ def test_echo_returns_the_prompt_with_its_log_probabilities(live, engine, client
     only = client.completions.create(model=NAME, prompt=text, echo=True, logprobs=0, max_tokens=0)
     c = only.choices[0]
     assert c.text == text and c.finish_reason == "length" and only.usage.completion_tokens == 0
-    assert len(c.logprobs.tokens) == len(tok.encode(text)) and all(d == {} for d in c.logprobs.top_logprobs[1:])
+    assert len(c.logprobs.tokens) == len(tok.encode(text))
+    assert all(d == {t: v} for t, v, d in zip(c.logprobs.tokens[1:], c.logprobs.token_logprobs[1:],
+                                                c.logprobs.top_logprobs[1:]))  # logprobs 0: the token alone
     assert client.completions.create(model=NAME, prompt=text, echo=True, max_tokens=0).choices[0].text == text
 
     chunks = list(client.completions.create(model=NAME, prompt=text, echo=True, logprobs=0, max_tokens=3,

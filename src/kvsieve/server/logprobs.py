@@ -30,8 +30,8 @@ def _held_whole(det: Detokenizer) -> int:
     it wait): the next token starts after them."""
     if det.read == len(det.ids):
         return 0
-    before = det.tok.decode(det.ids[det.prefix:det.read], skip_special_tokens=True)
-    return max(0, len(det.tok.decode(det.ids[det.prefix:], skip_special_tokens=True).rstrip("\ufffd")) - len(before))
+    before = det.decode(det.ids[det.prefix:det.read])
+    return max(0, len(det.decode(det.ids[det.prefix:]).rstrip("\ufffd")) - len(before))
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
@@ -66,16 +66,22 @@ class ChoiceLogprobs:
         """The completions logprobs object of an echoed prompt: ids, the engine's
         prompt_logprobs (None for the first token) and the prompt's text; the completion's
         offsets then start after that text."""
-        items, det, offset = [], Detokenizer(self.tok), 0
+        items, det, offset = [], Detokenizer(self.tok, skip_special=False), 0  # (the echoed text keeps them)
         for token, e in zip(ids, entries):
             items.append((offset + _held_whole(det), token, e))
             offset += len(det.add([token], False))
         self.end = self.sent = len(text)
         return {"tokens": [self.shown(t) for _, t, _ in items],
                 "token_logprobs": [None if e is None else e.logprob for _, _, e in items],
-                "top_logprobs": [None if e is None else {self.shown(t): v for t, v in e.top[:self.k]}
-                                 for _, _, e in items],
+                "top_logprobs": [None if e is None else self.top_with_token(e) for _, _, e in items],
                 "text_offset": [offset for offset, _, _ in items]}
+
+    def top_with_token(self, e: TokenLogprob) -> dict:
+        """Completions' top_logprobs entry: the k most likely tokens and the token itself (so
+        up to k + 1 entries, as OpenAI's legacy completions give)."""
+        top = {self.shown(t): v for t, v in e.top[:self.k]}
+        top.setdefault(self.shown(e.token), e.logprob)
+        return top
 
     def token_bytes(self, token: int) -> bytes:
         """The token's own bytes: a token ending inside a UTF-8 character (byte-level BPE, or
@@ -113,7 +119,7 @@ class ChoiceLogprobs:
                                 for _, e in items], "refusal": None}
         return {"tokens": [self.shown(e.token) for _, e in items],
                 "token_logprobs": [e.logprob for _, e in items],
-                "top_logprobs": [{self.shown(t): v for t, v in e.top[:self.k]} for _, e in items],
+                "top_logprobs": [self.top_with_token(e) for _, e in items],
                 "text_offset": [offset for offset, _ in items]}
 
 

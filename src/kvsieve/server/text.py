@@ -7,16 +7,20 @@ from typing import List, Tuple
 
 class Detokenizer:
     """Token ids -> text deltas whose concatenation is the decoded text; a delta is held
-    back while it ends in an incomplete UTF-8 character."""
+    back while it ends in an incomplete UTF-8 character. skip_special: leave special tokens
+    out of the text (a generated answer), or keep them (an echoed prompt)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, skip_special: bool = True):
         self.tok, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+        self.skip_special = skip_special
+
+    def decode(self, ids: List[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip_special)
 
     def add(self, new_ids: List[int], final: bool) -> str:
         self.ids.extend(new_ids)
-        dec = self.tok.decode
-        before = dec(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        text = dec(self.ids[self.prefix:], skip_special_tokens=True)
+        before = self.decode(self.ids[self.prefix:self.read])
+        text = self.decode(self.ids[self.prefix:])
         if (text.endswith("\ufffd") and not final) or len(text) <= len(before):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
