@@ -575,7 +575,7 @@ def test_kvsieve_settings_no_request_uses_are_released(engine):
     """--max-method-configs bounds the settings in use at once, not the settings ever seen:
     a sweep of distinct settings, one request at a time, is served past the limit, and the
     engine keeps only the methods its requests use; settings held by running requests fill
-    the limit (400 naming kvsieve) until those requests end."""
+    the limit (503 naming kvsieve, with Retry-After) until those requests end."""
     eng = LLMEngine(engine.model, engine.tokenizer, "dense", kv_pages=64, max_num_seqs=4)
     with LiveServer(eng, max_method_configs=2) as s:
         for i in range(5):
@@ -593,7 +593,8 @@ def test_kvsieve_settings_no_request_uses_are_released(engine):
             held.append((cm, lines))  # (an iterator dropped would close its stream)
         assert sum(k.startswith("tactic") for k in eng.runner.methods) == 2
         r = s.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "kvsieve": {"method": "quest", "budget": 700}})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "kvsieve", r.text
+        assert r.status_code == 503 and r.json()["error"]["param"] == "kvsieve", r.text  # busy: retry later
+        assert r.json()["error"]["code"] == "method_configs_full" and int(r.headers["Retry-After"]) >= 1
         for cm, _ in held:
             cm.__exit__(None, None, None)
         wait_for(lambda: s.metric("kvsieve_kv_pages_used") == 0, "the closed streams' pages to be freed")

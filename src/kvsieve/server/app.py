@@ -312,8 +312,10 @@ class Server(Responses):
             for s in streams:
                 await s.admitted
         except SchedulerFullError as e:
-            full = BadRequest(f"the server is at capacity ({e}); retry after {self.retry_after_s} s", None, 503,
-                              "service_unavailable_error", "queue_full")
+            settings = "kvsieve settings" in str(e)
+            full = BadRequest(f"the server is at capacity ({e}); retry after {self.retry_after_s} s",
+                              "kvsieve" if settings else None, 503, "service_unavailable_error",
+                              "method_configs_full" if settings else "queue_full")
             return self.refuse(streams, full, "queue_full", {"Retry-After": str(self.retry_after_s)})
         except DriverStopped as e:
             return self.refuse(streams, BadRequest(str(e), None, 503, "service_unavailable_error", "shutting_down"))
@@ -321,8 +323,7 @@ class Server(Responses):
             return self.refuse(streams, BadRequest(str(e), None, 500, "server_error"))
         except ValueError as e:  # the engine's last word (e.g. bigger than the pool)
             msg = str(e).replace("max_new_tokens", "max_tokens")
-            param = "max_tokens" if "fewer" in msg or "new tokens" in msg else \
-                "kvsieve" if "kvsieve settings" in msg else self.prompt_param(chat)
+            param = "max_tokens" if "fewer" in msg or "new tokens" in msg else self.prompt_param(chat)
             if "positions" in msg:  # past the model's context
                 return self.refuse(streams, self.too_long(msg[:1].upper() + msg[1:], param), "invalid")
             return self.refuse(streams, BadRequest(msg, param), "invalid")

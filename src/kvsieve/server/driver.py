@@ -225,11 +225,11 @@ class EngineDriver:
                     if len(self._configs) >= self.max_method_configs:  # settings no request uses now go
                         gone = set(self.engine.drop_methods(set(self._configs.values())))
                         self._configs = {c: k for c, k in self._configs.items() if k not in gone}
-                    if len(self._configs) >= self.max_method_configs:
-                        raise ValueError(f"the server holds {len(self._configs)} distinct kvsieve settings in use "
-                                         f"by running or waiting requests (limit {self.max_method_configs}, "
-                                         "--max-method-configs); retry when some finish, or use one of those "
-                                         "settings or the server's default")
+                    if len(self._configs) >= self.max_method_configs:  # (busy, not wrong: a 503 to retry)
+                        raise SchedulerFullError(f"{len(self._configs)} distinct kvsieve settings are in use by "
+                                                 f"running or waiting requests, the limit (--max-method-configs "
+                                                 f"{self.max_method_configs}); retry when some finish, or use one "
+                                                 "of those settings or the server's default")
                     self._configs[cfg] = self.engine.method_key(method, options)
             rid = self.engine.add_request(prompt, params, method, options)
         except (ValueError, SchedulerFullError) as e:
