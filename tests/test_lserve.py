@@ -211,3 +211,14 @@ def test_paged_decode_with_streaming_heads_matches_the_reference_path(tiny_model
     assert fast.kv_fraction == pytest.approx(ref.kv_fraction, rel=1e-6)
     dense = Engine(tiny_model, "dense", progress=False).generate(prompts, 1)
     assert fast.kv_fraction < 0.6 * dense.kv_fraction
+
+
+def test_an_unknown_option_of_lserve_or_hybrid_names_that_method():
+    """lserve and hybrid pass their dynamic method's options through: an option neither takes
+    is refused naming the method asked for, with everything it accepts."""
+    from kvsieve.methods import config_for
+
+    for method, extra in (("lserve", "budget"), ("hybrid", "threshold")):
+        with pytest.raises(ValueError, match=rf"unknown option\(s\) dense_prefill for method '{method}'; accepted "
+                                             rf"options: streaming_heads, sink, local, .*{extra}"):
+            config_for(method, dense_prefill=True)

@@ -83,14 +83,23 @@ class HybridConfig(MethodConfig):
         """Its own options and its default dynamic method's."""
         from . import REGISTRY
 
-        return cls.OWN_OPTIONS + REGISTRY[cls.__dataclass_fields__["dynamic"].default][1].accepted_options()
+        dynamic = REGISTRY[cls.__dataclass_fields__["dynamic"].default][1]
+        return tuple(dict.fromkeys(cls.OWN_OPTIONS + dynamic.accepted_options()))
 
     @classmethod
     def from_options(cls, method: str, **options):
         from . import config_for
 
+        from . import REGISTRY
+
         own = {k: options.pop(k) for k in cls.OWN_OPTIONS if k in options}
         dynamic = own.get("dynamic", cls.__dataclass_fields__["dynamic"].default)
+        if dynamic in REGISTRY:  # (an unknown one is refused by config_for, naming it)
+            accepted = tuple(dict.fromkeys(cls.OWN_OPTIONS + REGISTRY[dynamic][1].accepted_options()))
+            unknown = sorted(set(options) - set(accepted))
+            if unknown:
+                raise ValueError(f"unknown option(s) {', '.join(unknown)} for method {method!r}; accepted options: "
+                                 f"{', '.join(accepted)}")
         return cls(**own, dynamic_config=config_for(dynamic, **{**cls._dynamic_defaults(dynamic), **options}))
 
     @classmethod
