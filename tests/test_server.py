@@ -171,6 +171,8 @@ def test_logprobs_of_text_whose_characters_span_tokens(engine, chunk):
 def test_models_health_and_openai_client(live, client):
     assert [m.id for m in client.models.list().data] == [NAME]
     assert client.models.retrieve(NAME).id == NAME
+    card = httpx.get(live.url + "/v1/models", timeout=TIMEOUT).json()["data"][0]
+    assert card["max_model_len"] == 256 * 16  # the KV pool's 256 pages, under the model's 8,192 positions
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
     assert httpx.get(live.url + "/health", timeout=TIMEOUT).json()["status"] == "ok"

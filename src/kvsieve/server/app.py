@@ -373,8 +373,9 @@ def create_app(engine, model_name: str = "kvsieve", *, streaming_heads=None, max
         return await server.handle(request, chat=False)
 
     def model_card() -> dict:
+        sch = server.engine.scheduler  # a request's tokens are bounded by the model and by the KV pool
         return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "kvsieve",
-                "max_model_len": server.max_positions}
+                "max_model_len": min(server.max_positions, sch.num_pages * sch.page_size)}
 
     @app.get("/v1/models")
     async def models():
