@@ -694,7 +694,7 @@ def test_score_refuses_bad_input_and_leaves_nothing_behind(tiny_model):
         eng.score([p], [[]])
     with pytest.raises(ValueError):  # the second prompt is longer than the model allows
         eng.score([p, [1] * (tiny_model.cfg.max_positions + 1)], [[1], [2]])
-    with pytest.raises(ValueError, match=r"continuation token id 300 is outside the model's vocabulary|prompt token id 300"):
+    with pytest.raises(ValueError, match=r"a continuation: token id 300 is outside the model's vocabulary"):
         eng.score([p], [[5, 300]])
     with pytest.raises(ValueError, match=r"prompt 0 \(\d+ tokens\) and its continuation \(1024 tokens\) need"):
         eng.score([p], [[5] * 1024])
@@ -750,3 +750,36 @@ def test_a_reused_page_selection_follows_each_request_own_schedule(tiny_model, p
     ref = [LLMEngine(tiny_model, None, "lserve", paged=paged, **opts).generate([p], q)[0] for p, q in zip(ps, params)]
     assert all(r.kv_fraction < 0.7 for r in ref)  # the selection matters
     assert [done[i] for i in range(4)] == [r.tokens for r in ref]
+
+
+def test_abort_during_generate_or_stream_ends_them_and_errors_leave_nothing(tiny_model):
+    """abort() while stream() or generate() runs (a disconnect handler's) ends them instead of
+    waiting forever; generate() that fails (a bad prompt) leaves none of its requests queued, so
+    the next call works; warmup() refuses to run over unfinished requests."""
+    eng = LLMEngine(tiny_model, None, "dense")
+    p = prompts(1)[0]
+    got = []
+    for out in eng.stream(p, SamplingParams(50, ignore_eos=True)):
+        got.append(out)
+        eng.abort(out.id)
+    assert len(got) == 1 and not eng.has_unfinished and eng.scheduler.used_pages == 0
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        eng.generate([p, [999]], SamplingParams(4))
+    assert not eng.has_unfinished
+    assert [len(o.tokens) for o in eng.generate([p, p], SamplingParams(3, ignore_eos=True))] == [3, 3]
+    rid = eng.add_request(p, SamplingParams(4))
+    with pytest.raises(ValueError, match="warmup\\(\\) runs alone"):
+        eng.warmup(64)
+    eng.abort(rid)
+    calls = iter(range(100))
+    real_step = eng.step
+
+    def step_then_abort():  # the second request is aborted after the first step
+        out = real_step()
+        if next(calls) == 0:
+            eng.abort(max(eng.scheduler.requests))
+        return out
+
+    eng.step = step_then_abort
+    outs = eng.generate([p, p], SamplingParams(20, ignore_eos=True))
+    assert [o.finish_reason for o in outs] == ["length", "abort"] and len(outs[0].tokens) == 20

@@ -373,7 +373,10 @@ class LLMEngine(BatchCrossover):
                  params: Union[SamplingParams, Sequence[SamplingParams]] = SamplingParams(),
                  method: Optional[str] = None, method_options: Optional[dict] = None) -> List[RequestOutput]:
         """Run every prompt to completion (continuous batching); outputs in prompt order.
-        params: one SamplingParams for all, or one per prompt."""
+        params: one SamplingParams for all, or one per prompt. A request aborted meanwhile
+        comes back with finish_reason "abort"; on an error none of these requests is left
+        queued. Other requests queued with add_request advance too, but their outputs are not
+        returned: drive several requests with step()."""
         if not prompts or isinstance(prompts, str):
             raise ValueError("generate() takes a list of prompts (each text or token ids); got "
                              + ("one str: wrap it in a list" if prompts else "none"))
@@ -382,13 +385,25 @@ class LLMEngine(BatchCrossover):
         per = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per) != len(prompts):
             raise ValueError(f"got {len(per)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
-        ids = [self.add_request(p, sp, method, method_options) for p, sp in zip(prompts, per)]
-        final: Dict[int, RequestOutput] = {}
-        while len(final) < len(ids):
-            for o in self.step():
-                if o.finished:
-                    final[o.id] = o
-        return [final[i] for i in ids]
+        ids: List[int] = []
+        try:  # a bad prompt (or an error, an interrupt) leaves none of this call's requests behind
+            for p, sp in zip(prompts, per):
+                ids.append(self.add_request(p, sp, method, method_options))
+            reqs = {rid: self.scheduler.requests[rid] for rid in ids}
+            final: Dict[int, RequestOutput] = {}
+            while len(final) < len(ids):
+                for o in self.step():
+                    if o.finished and o.id in reqs:
+                        final[o.id] = o
+                for rid, req in reqs.items():  # aborted meanwhile (by another thread's abort())
+                    if rid not in final and req.finish_reason == "abort":
+                        final[rid] = RequestOutput(rid, [], list(req.output), len(req.prompt), True, "abort", 1.0,
+                                                   self._method_names.get(req.method_key, req.method_key))
+            return [final[i] for i in ids]
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+            raise
 
     def score(self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
               method: Optional[str] = None, method_options: Optional[dict] = None,
@@ -407,7 +422,11 @@ class LLMEngine(BatchCrossover):
             raise ValueError(f"got {len(continuations)} continuations for {len(prompts)} prompts; pass one per prompt")
         if any(len(c) < 1 for c in continuations):
             raise ValueError("every continuation needs at least one token to feed")
-        continuations = [self.prompt_ids(c) for c in continuations]  # (token ids of the vocabulary)
+        prompts = [self.prompt_ids(p) for p in prompts]  # (text or token ids of the vocabulary)
+        try:
+            continuations = [self.prompt_ids(c) for c in continuations]
+        except ValueError as e:
+            raise ValueError(f"a continuation: {e}".replace("prompt token id", "token id")) from None
         for i, (p, c) in enumerate(zip(prompts, continuations)):
             if len(p) + len(c) + 1 > self.scheduler.max_model_len:
                 raise ValueError(f"prompt {i} ({len(p)} tokens) and its continuation ({len(c)} tokens) need "
@@ -442,7 +461,9 @@ class LLMEngine(BatchCrossover):
 
     def stream(self, prompt: Prompt, params: SamplingParams = SamplingParams(),
                method: Optional[str] = None, method_options: Optional[dict] = None) -> Iterator[RequestOutput]:
-        """One request; yields an output each time it produces tokens (the last one finished)."""
+        """One request; yields an output each time it produces tokens (the last one finished;
+        none more once the request is aborted). Other requests queued with add_request advance
+        too, but their outputs are not returned: drive several requests with step()."""
         rid = self.add_request(prompt, params, method, method_options)
         try:
             while True:
@@ -451,6 +472,8 @@ class LLMEngine(BatchCrossover):
                         yield o
                         if o.finished:
                             return
+                if rid not in self.scheduler.requests:  # aborted (abort() emits no output)
+                    return
         finally:
             if rid in self.scheduler.requests:
                 self.abort(rid)
@@ -462,7 +485,10 @@ class LLMEngine(BatchCrossover):
         user request. Returns seconds. Kernel variants follow the context's size buckets, so
         a caller that knows its requests warms at their length (`kvsieve generate` does) and
         one that does not warms every bucket (`kvsieve serve`: warmup_lengths). Triton keeps
-        compiled kernels in its on-disk cache, so later runs start faster."""
+        compiled kernels in its on-disk cache, so later runs start faster. It runs alone: an
+        engine with unfinished requests is refused (their outputs would be lost)."""
+        if self.has_unfinished:
+            raise ValueError("warmup() runs alone: run it before adding requests, or finish or abort them first")
         t0 = time.perf_counter()
         cap = min(self.model.cfg.max_positions - decode_tokens - 1,
                   self.scheduler.num_pages * self.scheduler.page_size - decode_tokens - 1)
