@@ -382,3 +382,16 @@ def test_prompt_file_dash_reads_standard_input(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe")))
     rc, _, err = run_cli(capsys, *argv, "--prompt-file", "-")
     assert rc == 2 and "--prompt-file - (standard input) is not UTF-8 text" in err
+
+
+def test_per_request_methods_of_a_loaded_engine_take_the_models_heads():
+    """LLMEngine.load(): a request naming another method gets that method's shipped heads (the
+    streaming heads of lserve and hybrid, the dense heads), as an engine loaded with it does."""
+    from kvsieve.engine import LLMEngine
+
+    engines = {m: LLMEngine.load(device="cpu", method=m) for m in ("tactic", "lserve", "hybrid")}
+    for default, eng in engines.items():
+        for m, own in engines.items():
+            if m != default:
+                assert eng.runner.methods[eng.method_key(m, {})].config == own.runner.methods["default"].config, \
+                    (default, m)

@@ -15,7 +15,7 @@ import operator
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -129,6 +129,8 @@ class LLMEngine(BatchCrossover):
         self.stats = EngineStats()
         self._track: Dict[int, _Track] = {}
         self._method_names = {"default": method, "dense": "dense"}
+        # (method, options) -> the model's head options for a per-request method (set by load())
+        self.head_defaults: Optional[Callable[[str, dict], dict]] = None
         self._forced: Dict[int, List[int]] = {}  # request id -> tokens fed instead of sampled ones (score)
         self._scored: Dict[int, List[torch.Tensor]] = {}  # request id -> log-probs per decode step (score)
 
@@ -144,8 +146,10 @@ class LLMEngine(BatchCrossover):
 
         device, dt = resolve_device(device, dtype)
         m, tok, model_dir = load_model(model, dtype=dt, device=device)
-        heads = head_defaults(kwargs.get("method", "dense"), kwargs, model_dir, m.cfg.num_layers, m.cfg.num_kv_heads)
-        return cls(m, tok, **kwargs, **heads)
+        L, H = m.cfg.num_layers, m.cfg.num_kv_heads
+        eng = cls(m, tok, **kwargs, **head_defaults(kwargs.get("method", "dense"), kwargs, model_dir, L, H))
+        eng.head_defaults = lambda name, opts: head_defaults(name, opts, model_dir, L, H)  # per-request methods too
+        return eng
 
     def _page_bytes(self, page_size: int) -> int:
         cfg = self.model.cfg
@@ -186,6 +190,8 @@ class LLMEngine(BatchCrossover):
         opts = dict(options or {})
         if method is None or method == self.default_method:
             opts = merge_options(self.default_options, opts, name)
+        elif self.head_defaults is not None:  # the model's shipped heads for this method (LLMEngine.load)
+            opts = {**self.head_defaults(name, opts), **opts}
         if self.default_options.get("streaming_heads") is not None and name in ("lserve", "hybrid"):
             opts.setdefault("streaming_heads", self.default_options["streaming_heads"])
         config_for(name, **opts)  # one clear ValueError for a bad method or option
