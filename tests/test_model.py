@@ -395,3 +395,20 @@ def test_per_request_methods_of_a_loaded_engine_take_the_models_heads():
             if m != default:
                 assert eng.runner.methods[eng.method_key(m, {})].config == own.runner.methods["default"].config, \
                     (default, m)
+
+
+def test_streaming_heads_of_another_shape_are_refused_and_a_file_path_is_read(embedded):
+    """streaming_heads for the Python API: a pattern of another layer or head count is refused
+    before any request (it failed inside the first prefill, and every later request with it);
+    a `kvsieve calibrate` file's path is read like the CLI's --streaming-heads FILE."""
+    from kvsieve.engine import LLMEngine
+    from kvsieve.patterns import EMBEDDED_PATTERN, load_pattern
+
+    model, tok, _ = embedded
+    for bad in ([[1, 0, 0]] * 2, [[1, 0, 0]] * 31, [1, 0]):
+        with pytest.raises(ValueError, match=r"streaming_heads has \d+ rows of \d flags, but this model has 30 layers"):
+            LLMEngine(model, tok, "lserve", streaming_heads=bad)
+        with pytest.raises(ValueError, match="streaming_heads has"):
+            LLMEngine(model, tok, "dense").method_key("lserve", {"streaming_heads": bad})
+    eng = LLMEngine(model, tok, "lserve", streaming_heads=str(EMBEDDED_PATTERN))
+    assert eng.runner.methods["default"].config.streaming_heads == load_pattern(EMBEDDED_PATTERN, 30, 3)

@@ -21,7 +21,8 @@ import torch
 
 from ..methods import config_for, make_method, merge_options
 from ..methods.base import DENSE_BELOW_KV_BYTES  # noqa: F401 (re-exported by kvsieve.engine)
-from ..patterns import check_dense_heads
+from ..methods.hybrid import normalize_pattern
+from ..patterns import check_dense_heads, load_pattern
 from .crossover import DENSE_ABOVE, DENSE_AFTER, BatchCrossover
 from .runner import ModelRunner
 from .sampling import TokenLogprob
@@ -100,8 +101,8 @@ class LLMEngine(BatchCrossover):
         self.model, self.tokenizer = model, tokenizer
         cfg = model.cfg
         self.default_method = method
+        method_options = self._model_heads(dict(method_options))
         self.default_options = dict(method_options)
-        check_dense_heads(method_options.get("dense_heads", ()), cfg.num_layers, cfg.num_kv_heads, "dense_heads")
         default = make_method(method, **method_options)
         methods = {"default": default}
         if method != "dense":
@@ -147,6 +148,8 @@ class LLMEngine(BatchCrossover):
         device, dt = resolve_device(device, dtype)
         m, tok, model_dir = load_model(model, dtype=dt, device=device)
         L, H = m.cfg.num_layers, m.cfg.num_kv_heads
+        if isinstance(kwargs.get("streaming_heads"), (str, os.PathLike)):  # a `kvsieve calibrate` file
+            kwargs["streaming_heads"] = load_pattern(kwargs["streaming_heads"], L, H)
         eng = cls(m, tok, **kwargs, **head_defaults(kwargs.get("method", "dense"), kwargs, model_dir, L, H))
         eng.head_defaults = lambda name, opts: head_defaults(name, opts, model_dir, L, H)  # per-request methods too
         return eng
@@ -195,14 +198,29 @@ class LLMEngine(BatchCrossover):
         if self.default_options.get("streaming_heads") is not None and name in ("lserve", "hybrid"):
             opts.setdefault("streaming_heads", self.default_options["streaming_heads"])
         config_for(name, **opts)  # one clear ValueError for a bad method or option
-        check_dense_heads(opts.get("dense_heads", ()), self.model.cfg.num_layers, self.model.cfg.num_kv_heads,
-                          "dense_heads")
+        opts = self._model_heads(opts)
         key = f"{name}:{sorted((k, repr(v)) for k, v in opts.items())}"
         if key not in self.runner.methods:
             self.runner.methods[key] = make_method(name, **opts)
             self._method_names[key] = name
             self.runner.step_dense_below[key] = self.dense_step_below_for(key)
         return key
+
+    def _model_heads(self, opts: dict) -> dict:
+        """opts with its head options checked against the model: dense_heads name its heads;
+        streaming_heads (flags, or a `kvsieve calibrate` file's path) hold one row of KV-head
+        flags for every layer or one for each."""
+        L, H = self.model.cfg.num_layers, self.model.cfg.num_kv_heads
+        check_dense_heads(opts.get("dense_heads", ()), L, H, "dense_heads")
+        heads = opts.get("streaming_heads")
+        if isinstance(heads, (str, os.PathLike)):
+            return {**opts, "streaming_heads": load_pattern(heads, L, H)}
+        rows = normalize_pattern(heads)
+        if rows is not None and (len(rows) not in (1, L) or any(len(r) != H for r in rows)):
+            raise ValueError(f"streaming_heads has {len(rows)} rows of {len(rows[0])} flags, but this model has {L} "
+                             f"layers x {H} KV heads; give {L} rows (or one, for every layer) of {H} flags, or "
+                             "calibrate this model with `kvsieve calibrate`")
+        return opts
 
     def drop_methods(self, keys) -> List[str]:
         """Forget the per-request methods of `keys` (method_key's) that no unfinished request
