@@ -53,7 +53,9 @@ def test_pattern_file_dense_heads_are_read_and_checked(tmp_path):
     path.write_text(json.dumps({"dense_heads": [[7, 2], [3, 0], [7, 2]]}))
     assert load_dense_heads(path, 30, 3) == ((3, 0), (7, 2))
     path.write_text(json.dumps({"streaming": ["000"]}))
-    assert load_dense_heads(path, 30, 3) == ()
+    assert load_dense_heads(path, 30, 3) == ()  # a model's shipped file without them: none
+    with pytest.raises(ValueError, match="holds no dense_heads"):  # --dense-heads FILE must hold them
+        parse_heads(str(path))
     with pytest.raises(ValueError, match=r"name 7:2, but this model has 4 layers x 3 KV heads"):
         load_dense_heads(_write(tmp_path, [[7, 2]]), 4, 3)
     with pytest.raises(ValueError, match="malformed 'dense_heads'"):

@@ -75,7 +75,7 @@ def parse_heads(text: str) -> tuple:
     if text.endswith(".json") or Path(text).is_file():
         from .patterns import load_dense_heads
 
-        return load_dense_heads(text)
+        return load_dense_heads(text, required=True)
     try:
         return tuple((int(a), int(b)) for a, b in (p.split(":") for p in text.split(",") if p.strip()))
     except ValueError:

@@ -207,11 +207,12 @@ class FileHeads(tuple):
     model: str = "?"
 
 
-def load_dense_heads(path, num_layers: Optional[int] = None, num_kv_heads: Optional[int] = None
-                     ) -> Tuple[Tuple[int, int], ...]:
-    """A pattern file's `dense_heads` as sorted (layer, KV head) pairs, () when it has none;
-    with the model's layer and KV-head counts, checked to be calibrated for this model's shape
-    and to name heads the model has (without them, when check_dense_heads gets the pairs)."""
+def load_dense_heads(path, num_layers: Optional[int] = None, num_kv_heads: Optional[int] = None,
+                     required: bool = False) -> Tuple[Tuple[int, int], ...]:
+    """A pattern file's `dense_heads` as sorted (layer, KV head) pairs, () when it has none
+    (required: a file calibrated without them is refused); with the model's layer and KV-head
+    counts, checked to be calibrated for this model's shape and to name heads the model has
+    (without them, when check_dense_heads gets the pairs)."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"dense-heads file {str(path)!r} not found; give layer:kv_head pairs (e.g. 7:2) "
@@ -232,6 +233,9 @@ def load_dense_heads(path, num_layers: Optional[int] = None, num_kv_heads: Optio
     except (json.JSONDecodeError, AttributeError, TypeError, ValueError) as e:
         raise ValueError(f"malformed 'dense_heads' in {str(path)!r}: {e}; regenerate it with `kvsieve calibrate`"
                          ) from None
+    if required and "dense_heads" not in doc:
+        raise ValueError(f"{str(path)!r} holds no dense_heads (it was calibrated without --dense-heads N); give "
+                         "layer:kv_head pairs, 'none', or a file from `kvsieve calibrate --dense-heads N`")
     heads.source, heads.model = f"file {str(path)!r}", str(doc.get("model", "?"))
     heads.shape = shape if all(isinstance(x, int) for x in shape) else None
     check_dense_heads(heads, num_layers, num_kv_heads, heads.source)
