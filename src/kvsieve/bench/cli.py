@@ -26,7 +26,7 @@ def register(sub) -> None:
     p.add_argument("--e2e-contexts", default="32768,131008",
                    help="end-to-end contexts, at most 131024: 48 tokens are decoded within the 8B shape's 131072 "
                         "positions ('' to skip)")
-    p.add_argument("--e2e-batches", default="1,8")
+    p.add_argument("--e2e-batches", default="1,8", help="batch sizes of the end-to-end decode rows (1,8)")
     p.add_argument("--prefill-contexts", default="32768,65536,131072",
                    help="contexts for prefill attention, dense vs unified block-sparse ('' to skip)")
     p.add_argument("--prefill-e2e-contexts", default="32768,65536,131072",

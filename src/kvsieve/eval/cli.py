@@ -53,9 +53,10 @@ def register(sub) -> None:
                    "they stream)")
     p.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="CUDA: share of the free GPU memory the "
                    "KV pool may take (lower it to run several evals on one GPU; default 0.9)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="model and cache dtype (float32)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_eval)
 
 
