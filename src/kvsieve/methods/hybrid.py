@@ -79,12 +79,12 @@ class HybridConfig(MethodConfig):
     OWN_OPTIONS = ("streaming_heads", "sink", "local", "dynamic", "sparse_prefill", "prefill_local")
 
     @classmethod
-    def accepted_options(cls):
-        """Its own options and its default dynamic method's."""
+    def accepted_options(cls, dynamic: Optional[str] = None):
+        """Its own options and its dynamic method's (default: the default dynamic method)."""
         from . import REGISTRY
 
-        dynamic = REGISTRY[cls.__dataclass_fields__["dynamic"].default][1]
-        return tuple(dict.fromkeys(cls.OWN_OPTIONS + dynamic.accepted_options()))
+        dynamic_cls = REGISTRY[dynamic or cls.__dataclass_fields__["dynamic"].default][1]
+        return tuple(dict.fromkeys(cls.OWN_OPTIONS + dynamic_cls.accepted_options()))
 
     @classmethod
     def from_options(cls, method: str, **options):
@@ -95,7 +95,7 @@ class HybridConfig(MethodConfig):
         own = {k: options.pop(k) for k in cls.OWN_OPTIONS if k in options}
         dynamic = own.get("dynamic", cls.__dataclass_fields__["dynamic"].default)
         if dynamic in REGISTRY:  # (an unknown one is refused by config_for, naming it)
-            accepted = tuple(dict.fromkeys(cls.OWN_OPTIONS + REGISTRY[dynamic][1].accepted_options()))
+            accepted = cls.accepted_options(dynamic)
             unknown = sorted(set(options) - set(accepted))
             if unknown:
                 raise ValueError(f"unknown option(s) {', '.join(unknown)} for method {method!r}; accepted options: "

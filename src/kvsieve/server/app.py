@@ -32,7 +32,7 @@ from ..engine import SamplingParams, SchedulerFullError
 from ..engine.scheduler import MAX_TOP_LOGPROBS
 from ..methods import METHOD_NAMES, config_for, merge_options
 from ..patterns import STREAMING_METHODS, budget_drops_dense_heads, check_dense_heads, dense_heads_of, heads_for
-from .driver import DriverStopped, EngineDriver, EngineError, Metrics, RequestStream
+from .driver import DriverStopped, EngineDriver, EngineError, MethodConfigsFull, Metrics, RequestStream
 from .responses import Responses, _error
 from .schemas import BadRequest, ChatCompletionRequest, CompletionRequest, error_body, parse
 
@@ -312,7 +312,7 @@ class Server(Responses):
             for s in streams:
                 await s.admitted
         except SchedulerFullError as e:
-            settings = "kvsieve settings" in str(e)
+            settings = isinstance(e, MethodConfigsFull)
             full = BadRequest(f"the server is at capacity ({e}); retry after {self.retry_after_s} s",
                               "kvsieve" if settings else None, 503, "service_unavailable_error",
                               "method_configs_full" if settings else "queue_full")

@@ -32,6 +32,10 @@ class DriverStopped(RuntimeError):
     """The driver no longer takes requests (the server is shutting down)."""
 
 
+class MethodConfigsFull(SchedulerFullError):
+    """Every one of the --max-method-configs kvsieve settings is in use: busy, retry later."""
+
+
 class EngineError(RuntimeError):
     """An engine step failed; the requests in flight at that step cannot finish."""
 
@@ -226,7 +230,7 @@ class EngineDriver:
                         gone = set(self.engine.drop_methods(set(self._configs.values())))
                         self._configs = {c: k for c, k in self._configs.items() if k not in gone}
                     if len(self._configs) >= self.max_method_configs:  # (busy, not wrong: a 503 to retry)
-                        raise SchedulerFullError(f"{len(self._configs)} distinct kvsieve settings are in use by "
+                        raise MethodConfigsFull(f"{len(self._configs)} distinct kvsieve settings are in use by "
                                                  f"running or waiting requests, the limit (--max-method-configs "
                                                  f"{self.max_method_configs}); retry when some finish, or use one "
                                                  "of those settings or the server's default")
