@@ -1,6 +1,7 @@
 """Tests on the real embedded model (SmolLM2-135M-Instruct). Prompts <= 2K tokens; longer
 ones are marked slow."""
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -170,6 +171,8 @@ def test_compare_dense_reports_both_answers_and_speeds(capsys):
     assert 0 <= rep["agreement"] <= 1 and (rep["agreement"] == 1.0) == (rep["text"] == alone["text"])
     rc, _, err = run_cli(capsys, *argv[:-1], "--method", "streaming", "--compare-dense", "--no-progress")
     assert rc == 0 and "--- dense on cpu float32: prefill" in err and "decode" in err
+    rates = [float(r) for r in re.findall(r"decode ([0-9.]+) tok/s", err)]  # the method's, then dense's
+    assert len(rates) == 2 and ("on the CPU a sparse plan runs as torch reference code" in err) == (rates[0] < rates[1])
 
 
 def test_streamed_answer_is_the_json_text_with_characters_over_several_tokens(capsys):

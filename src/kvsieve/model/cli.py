@@ -189,6 +189,10 @@ def cmd_generate(args) -> int:
         d = report["dense"]
         print(f"--- dense on {device} {report['dtype']}: prefill {d['prefill_s']:.2f} s, decode "
               f"{d['decode_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+        if device.type == "cpu" and attended != "dense" and report["decode_tokens_per_s"] < d["decode_tokens_per_s"]:
+            print("--- on the CPU a sparse plan runs as torch reference code (a few hundred small operations a "
+                  "layer), so it decodes slower than dense here; speed is measured on a GPU "
+                  "(docs/benchmarks.md)", file=sys.stderr)
     return 0
 
 

@@ -84,7 +84,10 @@ def paged_decode_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tabl
     G = Hq // Hkv
     ct = compute_dtype(q.dtype)
     scale = D ** -0.5 if scale is None else scale
-    cap = indices.shape[-1] if indices is not None else max(int(counts.max()), 1)
+    # Only the longest list is gathered: a plan's capacity can be the whole context.
+    cap = max(int(counts.max()), 1)
+    if indices is not None:
+        cap = min(cap, indices.shape[-1])
     pos, valid = plan_positions(indices, counts, cap)
     rows = pool_rows and indices is not None
     k = gather_tokens(k_pool, block_table, pos, rows).to(ct)
