@@ -56,3 +56,14 @@ def test_requests_do_not_share_pages():
     c.reserve(0, 9)
     c.reserve(1, 9)
     assert not set(c.tables[0]) & set(c.tables[1])
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 16, 64, 3, 48])
+def test_page_and_slot_is_floor_division_and_remainder(page_size):
+    """The shift-and-mask path (powers of two) equals // and % for every integer, negatives included."""
+    from kvsieve.cache.paged import page_and_slot
+    pos = torch.arange(-300, 300, dtype=torch.long)
+    for x in (pos, pos.int()):
+        page, slot = page_and_slot(x, page_size)
+        assert torch.equal(page, x // page_size) and torch.equal(slot, x % page_size)
+        assert page.dtype == x.dtype and slot.dtype == x.dtype

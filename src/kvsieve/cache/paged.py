@@ -8,10 +8,20 @@ in `index[layer]`. There is exactly one copy of K and V; `view()` materialises a
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+
+def page_and_slot(positions: Tensor, page_size: int) -> Tuple[Tensor, Tensor]:
+    """(positions // page_size, positions % page_size) of an integer tensor; a shift and a
+    mask for power-of-two pages (equal for every integer, negative ones included), ~10x
+    cheaper than 64-bit division on the CPU."""
+    if page_size & (page_size - 1) == 0:
+        shift = page_size.bit_length() - 1
+        return positions >> shift, positions & (page_size - 1)
+    return positions // page_size, positions % page_size
 
 
 def flat_rows(pool_rows: Tensor, num_kv_heads: int, page_size: int) -> Tensor:
@@ -19,7 +29,8 @@ def flat_rows(pool_rows: Tensor, num_kv_heads: int, page_size: int) -> Tensor:
     -> rows [..., Hkv, N] of a layer's pool [pages, Hkv, page_size, D] viewed as
     [pages * Hkv * page_size, D]."""
     heads = torch.arange(num_kv_heads, device=pool_rows.device)[:, None]
-    return ((pool_rows // page_size) * num_kv_heads + heads) * page_size + pool_rows % page_size
+    page, slot = page_and_slot(pool_rows, page_size)
+    return (page * num_kv_heads + heads) * page_size + slot
 
 
 class CacheFullError(ValueError):
@@ -81,7 +92,8 @@ class PagedKVCache:
         dev, ps = self.k.device, self.page_size
         pos = torch.arange(start, start + n, device=dev)
         table = torch.tensor(self.tables[req], dtype=torch.long, device=dev)
-        return flat_rows((table[pos // ps] * ps + pos % ps)[None], self.k.shape[2], ps)
+        page, slot = page_and_slot(pos, ps)
+        return flat_rows((table[page] * ps + slot)[None], self.k.shape[2], ps)
 
     def write(self, layer: int, req: int, start: int, k: Tensor, v: Tensor, at: Optional[Tensor] = None) -> None:
         """k, v: [Hkv, T, D] for tokens [start, start + T) of request `req` (already reserved);

@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..cache.paged import flat_rows
+from ..cache.paged import flat_rows, page_and_slot
 from .attention import compute_dtype
 
 
@@ -41,9 +41,9 @@ def row_table(keys: Optional[PagedKeys]) -> Tuple[Optional[Tensor], int]:
 def to_pool_rows(block_table: Tensor, positions: Tensor, page_size: int) -> Tensor:
     """Logical positions [B, Hkv, N] (valid ones) -> int32 pool rows page * page_size + slot."""
     B, Hkv, N = positions.shape
-    pos = positions.long()
-    pages = block_table.long().gather(1, (pos // page_size).reshape(B, -1)).view(B, Hkv, N)
-    return (pages * page_size + pos % page_size).to(torch.int32)
+    page, slot = page_and_slot(positions.long(), page_size)
+    pages = block_table.long().gather(1, page.reshape(B, -1)).view(B, Hkv, N)
+    return (pages * page_size + slot).to(torch.int32)
 
 
 def gather_tokens(pool: Tensor, block_table: Tensor, positions: Tensor, rows: bool = False) -> Tensor:
@@ -56,7 +56,8 @@ def gather_tokens(pool: Tensor, block_table: Tensor, positions: Tensor, rows: bo
         flat = flat_rows(pos, Hkv, page_size)
         return pool.view(-1, pool.shape[-1]).index_select(0, flat.view(-1)).view(B, Hkv, N, -1)
     heads = torch.arange(Hkv, device=pool.device)[None, :, None]
-    return pool[pos // page_size, heads.expand(B, Hkv, N), pos % page_size]
+    page, slot = page_and_slot(pos, page_size)
+    return pool[page, heads.expand(B, Hkv, N), slot]
 
 
 def plan_positions(indices: Optional[Tensor], counts: Tensor, cap: int) -> Tuple[Tensor, Tensor]:
@@ -113,10 +114,14 @@ def list_logits_reference(q: Tensor, k_pool: Tensor, block_table: Tensor, tokens
     ct = compute_dtype(q.dtype)
     scale = D ** -0.5 if scale is None else scale
     valid = tokens >= 0
-    pos = tokens.long().clamp(min=0)
-    pages = block_table.long().gather(1, (pos // page_size).reshape(B, -1)).view(B, Hq, W)
-    heads = (torch.arange(Hq, device=q.device) // (Hq // Hkv))[None, :, None].expand(B, Hq, W)
-    k = k_pool[pages, heads, pos % page_size].to(ct)
+    page, slot = page_and_slot(tokens.long().clamp(min=0), page_size)
+    pages = block_table.long().gather(1, page.reshape(B, -1)).view(B, Hq, W)
+    heads = (torch.arange(Hq, device=q.device) // (Hq // Hkv))[None, :, None]
+    if k_pool.is_contiguous():  # one flat row gather, as gather_tokens
+        rows = ((pages * Hkv + heads) * page_size + slot).view(-1)
+        k = k_pool.view(-1, D).index_select(0, rows).view(B, Hq, W, D).to(ct)
+    else:
+        k = k_pool[pages, heads.expand(B, Hq, W), slot].to(ct)
     logits = torch.einsum("bhd,bhwd->bhw", q.to(ct), k) * scale
     return logits.masked_fill(~valid, float("-inf"))
 
