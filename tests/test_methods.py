@@ -143,6 +143,10 @@ def test_tactic_appended_tokens_are_attended_until_folded():
     ("dense", {}), ("streaming", {"sink": 4, "local": 16}), ("quest", {"budget": 32}),
     ("pages", {"budget": 64}), ("tactic", {}), ("lserve", {"budget": 64, "streaming_heads": [1, 0]}),
     ("hybrid", {"streaming_heads": [0, 1], "threshold": 0.8}),
+    # K-means by windows: the batch's longest row has three, the others two and one; a
+    # window's initial centroids must not depend on how many windows the batch has
+    ("tactic", {"cluster_window": 150, "threshold": 0.8}),
+    ("tactic", {"cluster_window": 150, "cluster_size": 8, "budget": 96}),
 ])
 def test_request_output_does_not_depend_on_the_batch(method, opts):
     q, k, v = clustered_qkv(3, 6, 2, 400, 64, sharpness=5.0, seed=11)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -52,18 +52,26 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-def initial_draw(lengths: Tensor, S: int, C: int, seed: Union[int, Sequence[int]], row_period: int = 1) -> Tensor:
+def _draw_key(seed: int, row: int, window: int) -> int:
+    key = _mix32(_mix32((seed & 0xFFFFFFFF) ^ _mix32(seed >> 32)) ^ _mul32(row, 0x9E3779B1))
+    return _mix32(key ^ _mul32(window, 0x632BE5AB)) if window else key
+
+
+def initial_draw(lengths: Tensor, S: int, C: int, seed: Union[int, Sequence[int]], row_period: int = 1,
+                 streams: Optional[Sequence[Tuple[int, int]]] = None) -> Tensor:
     """[N, C] long: for each row, C distinct positions among its first lengths[r], drawn
     uniformly at random from a counter-based hash of (seed, r % row_period, position);
-    seed: one for every row, or one per row.
+    seed: one for every row, or one per row. streams: each row's (row key, window index)
+    in place of (r % row_period, 0), for the windows of kmeans(window=...); window 0 draws
+    as the unwindowed row, so a row's draw never depends on the batch's width.
     Integer arithmetic only, computed where `lengths` lives: CPU and CUDA draw the same
     positions, no host generator, no transfer. Rows shorter than C repeat padding picks,
     which the cluster_valid mask of kmeans ignores."""
     N = lengths.shape[0]
     dev = lengths.device
     seeds = [seed] * N if isinstance(seed, int) else list(seed)
-    keys = [_mix32(_mix32((sd & 0xFFFFFFFF) ^ _mix32(sd >> 32)) ^ _mul32(r % row_period, 0x9E3779B1))
-            for r, sd in enumerate(seeds)]
+    streams = [(r % row_period, 0) for r in range(N)] if streams is None else streams
+    keys = [_draw_key(sd, row, w) for sd, (row, w) in zip(seeds, streams)]
     key = torch.tensor(keys, dtype=torch.long, device=dev)[:, None]
     pos = torch.arange(S, device=dev)[None, :]
     noise = _mix32(_mix32(_mul32(pos, 0x85EBCA77) ^ key) ^ ((key >> 7) | ((key & 0x7F) << 25)))
@@ -72,7 +80,8 @@ def initial_draw(lengths: Tensor, S: int, C: int, seed: Union[int, Sequence[int]
 
 
 def kmeans(x: Tensor, lengths: Tensor, cluster_size: int, max_iters: int = 10, seed: Union[int, Sequence[int]] = 0,
-           row_period: int = 1, window: int | None = None, nearest=None, update=None) -> KMeansResult:
+           row_period: int = 1, window: int | None = None, nearest=None, update=None,
+           streams: Optional[Sequence[Tuple[int, int]]] = None) -> KMeansResult:
     """Cluster the first lengths[n] vectors of each row into ceil(lengths[n]/cluster_size) groups.
 
     x: [N, S, D] any float dtype (centroids and sums in float32, float64 kept; fp16/bf16
@@ -88,7 +97,10 @@ def kmeans(x: Tensor, lengths: Tensor, cluster_size: int, max_iters: int = 10, s
 
     window: cluster each consecutive run of `window` vectors on its own (cost linear in S
     instead of quadratic); window w's clusters get ids [w*Cw, (w+1)*Cw), Cw =
-    ceil(window/cluster_size), so the clusters in use stay a prefix of the ids.
+    ceil(window/cluster_size), so the clusters in use stay a prefix of the ids. Window w
+    of a row draws from (its seed, r % row_period, w), window 0 as the unwindowed row does:
+    a row's clusters are the same whatever the width of the batch it is clustered in.
+    streams: initial_draw's per-row (row key, window), for the windowed rows.
     nearest/update: the assignment and centroid-update steps (default: the torch
     references below; kvsieve.dispatch passes the Triton twins for CUDA tensors).
     """
@@ -108,7 +120,7 @@ def kmeans(x: Tensor, lengths: Tensor, cluster_size: int, max_iters: int = 10, s
     C = max(1, -(-S // cluster_size))
     cluster_valid = torch.arange(C, device=device)[None, :] < num_clusters[:, None]
 
-    init_idx = initial_draw(lengths, S, C, seed, row_period)
+    init_idx = initial_draw(lengths, S, C, seed, row_period, streams)
     centroids = torch.gather(x, 1, init_idx[:, :, None].expand(N, C, D)).to(ct)
 
     assign = nearest(x, centroids, cluster_valid)
@@ -134,8 +146,9 @@ def _windowed(x, lengths, cluster_size, max_iters, seed, row_period, window, nea
     starts = torch.arange(nw, device=x.device) * window
     lw = (lengths.to(x.device)[:, None] - starts[None, :]).clamp(0, window).reshape(-1)
     seeds = seed if isinstance(seed, int) else [sd for sd in seed for _ in range(nw)]
-    res = kmeans(xw, lw.clamp(min=1), cluster_size, max_iters, seeds, row_period * nw,
-                 nearest=nearest, update=update)
+    streams = [(r % row_period, w) for r in range(N) for w in range(nw)]
+    res = kmeans(xw, lw.clamp(min=1), cluster_size, max_iters, seeds, nearest=nearest, update=update,
+                 streams=streams)
     Cw = res.centroids.shape[1]
     empty = (lw == 0).view(N, nw)
     ids = torch.where(res.assign >= 0, res.assign + (torch.arange(N * nw, device=x.device) % nw)[:, None] * Cw,
