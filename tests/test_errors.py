@@ -67,6 +67,11 @@ def test_bad_lengths(lengths, match):
     ("hybrid", {"streaming_heads": [1, 0, 1]}, "3 flags per layer but the keys have 2 KV heads"),
     ("hybrid", {"streaming_heads": [2, 0]}, "0/1 flags"),
     ("hybrid", {"dynamic": "lserve"}, "must not itself be hybrid"),
+    ("hybrid", {"dynamic": "dense"}, "dynamic must be the method that selects.*tactic, quest or pages, got 'dense'"),
+    ("hybrid", {"dynamic": "streaming"}, "got 'streaming'"),
+    ("lserve", {"sparse_prefill": "no"}, "sparse_prefill must be True or False, got 'no'"),
+    ("hybrid", {"streaming_heads": "heads.json"}, "streaming_heads='heads.json': give 0/1 flags"),
+    ("tactic", {"segment_centers": 0.1}, "segment_centers must be two fractions.*got 0.1"),
 ])
 def test_bad_options(method, opts, match):
     if match is None:
@@ -121,3 +126,22 @@ def test_demo_bad_input_is_one_line(capsys, argv, message):
     assert main(["demo", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_numpy_numbers_are_numbers():
+    """Options and sampling settings swept with NumPy (np.arange, np.linspace) validate as the
+    numbers they hold, as Python's do."""
+    import numpy as np
+
+    from kvsieve.engine.scheduler import SamplingParams
+
+    q, k, v = qkv(S=300)
+    for method, opts in [("quest", {"budget": np.int64(64)}), ("tactic", {"threshold": np.float32(0.75)}),
+                         ("tactic", {"cluster_size": np.int32(8), "segment_centers": np.array([0.1, 0.6])})]:
+        plain = {key: (val.tolist() if hasattr(val, "tolist") else val) for key, val in opts.items()}
+        assert torch.equal(sparse_decode(q, k, v, method=method, **opts).mask,
+                           sparse_decode(q, k, v, method=method, **plain).mask), (method, opts)
+    p = SamplingParams(max_new_tokens=np.int64(4), temperature=np.float32(0.5), top_k=np.int32(3))
+    assert p == SamplingParams(max_new_tokens=4, temperature=0.5, top_k=3) and type(p.max_new_tokens) is int
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
+        SamplingParams(max_new_tokens=np.float64(4.0))

@@ -80,6 +80,9 @@ def test_the_embedded_model_gets_its_shipped_heads_as_in_the_cli(hf_model):
         got = getattr(cfg, "dynamic_config", cfg)
         assert tuple(getattr(got, "dense_heads", None) or ()) == tuple(want_dense or ()), (method, opts)
         assert getattr(cfg, "streaming_heads", None) == want_stream, (method, opts)
+    cfg = khf.enable(model, "hybrid", streaming_heads=str(EMBEDDED_PATTERN)).method.config  # a calibrate file
+    khf.disable(model)
+    assert cfg.streaming_heads == load_pattern(EMBEDDED_PATTERN, 30, 3, "hybrid")
     stream = [[layer == 7 for _ in range(3)] for layer in range(30)]  # the caller's pattern streams layer 7
     cfg = khf.enable(model, "hybrid", streaming_heads=stream).method.config
     khf.disable(model)

@@ -414,4 +414,7 @@ def test_streaming_heads_of_another_shape_are_refused_and_a_file_path_is_read(em
         with pytest.raises(ValueError, match="streaming_heads has"):
             LLMEngine(model, tok, "dense").method_key("lserve", {"streaming_heads": bad})
     eng = LLMEngine(model, tok, "lserve", streaming_heads=str(EMBEDDED_PATTERN))
-    assert eng.runner.methods["default"].config.streaming_heads == load_pattern(EMBEDDED_PATTERN, 30, 3)
+    assert eng.runner.methods["default"].config.streaming_heads == load_pattern(EMBEDDED_PATTERN, 30, 3, "lserve")
+    for method in ("hybrid", "lserve"):  # a request's own method reads the path too (its characters were flags)
+        key = eng.method_key(method, {"streaming_heads": str(EMBEDDED_PATTERN)})
+        assert eng.runner.methods[key].config.streaming_heads == load_pattern(EMBEDDED_PATTERN, 30, 3, method)

@@ -10,6 +10,7 @@ Each default states where it comes from:
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, fields
 from typing import Optional, Tuple
 
@@ -17,6 +18,15 @@ from typing import Optional, Tuple
 # Token counts and sizes beyond this are no context's (16.8M tokens): a budget or window at
 # least the context's length already covers all of it, and the kernels index lists in int32
 MAX_TOKENS = 1 << 24
+
+
+def plain_scalar(value):
+    """A NumPy number (np.int64(64), np.float32(0.9): numbers.Integral / numbers.Real) as the
+    Python int or float it holds, so options swept with np.arange validate; bools, Python
+    numbers and anything else unchanged."""
+    if isinstance(value, (bool, int, float)) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 def _positive_int(name: str, value, allow_none: bool = False) -> None:
@@ -332,7 +342,10 @@ class TacticConfig(MethodConfig):
         _positive_int("max_iters", self.max_iters)
         _non_negative_int("seed", self.seed, bounded=False)
         _fraction("head_fraction", self.head_fraction, low_open=False)
-        c = tuple(self.segment_centers)
+        try:
+            c = tuple(plain_scalar(x) for x in self.segment_centers)
+        except TypeError:
+            c = ()
         if len(c) != 2 or not all(isinstance(x, (int, float)) for x in c) or not (
             self.head_fraction < c[0] < c[1] < 1.0
         ):

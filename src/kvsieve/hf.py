@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import threading
 import warnings
 import weakref
@@ -40,6 +41,7 @@ from . import dispatch
 from .methods import SparseMethod, make_method
 from .ops.attention import attend
 from .ops.paged import PagedKeys
+from .patterns import load_pattern
 
 ATTN_NAME = "kvsieve"
 _active = threading.local()  # the cache layer most recently updated: read by the attention call that follows
@@ -360,6 +362,9 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
                          "decoder-only models (Llama, Qwen2/3, Mistral, SmolLM2, Gemma 3, ...)")
     cfg = _text_config(model)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    if isinstance(options.get("streaming_heads"), (str, os.PathLike)):  # a `kvsieve calibrate` file
+        options = {**options, "streaming_heads": load_pattern(options["streaming_heads"], cfg.num_hidden_layers,
+                                                              kv_heads, method)}
     state = HFState(make_method(method, **{**model_head_defaults(model, method, options), **options}), dense_below)
     _check_streaming_heads(state.method, cfg.num_hidden_layers, kv_heads)
     if getattr(model, "_kvsieve", None) is not None:

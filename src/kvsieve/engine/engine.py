@@ -101,7 +101,7 @@ class LLMEngine(BatchCrossover):
         self.model, self.tokenizer = model, tokenizer
         cfg = model.cfg
         self.default_method = method
-        method_options = self._model_heads(dict(method_options))
+        method_options = self._model_heads(dict(method_options), method)
         self.default_options = dict(method_options)
         default = make_method(method, **method_options)
         methods = {"default": default}
@@ -149,7 +149,7 @@ class LLMEngine(BatchCrossover):
         m, tok, model_dir = load_model(model, dtype=dt, device=device)
         L, H = m.cfg.num_layers, m.cfg.num_kv_heads
         if isinstance(kwargs.get("streaming_heads"), (str, os.PathLike)):  # a `kvsieve calibrate` file
-            kwargs["streaming_heads"] = load_pattern(kwargs["streaming_heads"], L, H)
+            kwargs["streaming_heads"] = load_pattern(kwargs["streaming_heads"], L, H, kwargs.get("method"))
         eng = cls(m, tok, **kwargs, **head_defaults(kwargs.get("method", "dense"), kwargs, model_dir, L, H))
         eng.head_defaults = lambda name, opts: head_defaults(name, opts, model_dir, L, H)  # per-request methods too
         return eng
@@ -190,15 +190,15 @@ class LLMEngine(BatchCrossover):
         if method == "dense" and not options and "dense" in self.runner.methods:
             return "dense"
         name = method or self.default_method
-        opts = dict(options or {})
+        opts = self._model_heads(dict(options or {}), name)  # a calibrate file's path read into flags first
         if method is None or method == self.default_method:
             opts = merge_options(self.default_options, opts, name)
         elif self.head_defaults is not None:  # the model's shipped heads for this method (LLMEngine.load)
             opts = {**self.head_defaults(name, opts), **opts}
         if self.default_options.get("streaming_heads") is not None and name in ("lserve", "hybrid"):
             opts.setdefault("streaming_heads", self.default_options["streaming_heads"])
+        opts = self._model_heads(opts, name)
         config_for(name, **opts)  # one clear ValueError for a bad method or option
-        opts = self._model_heads(opts)
         key = f"{name}:{sorted((k, repr(v)) for k, v in opts.items())}"
         if key not in self.runner.methods:
             self.runner.methods[key] = make_method(name, **opts)
@@ -206,15 +206,15 @@ class LLMEngine(BatchCrossover):
             self.runner.step_dense_below[key] = self.dense_step_below_for(key)
         return key
 
-    def _model_heads(self, opts: dict) -> dict:
+    def _model_heads(self, opts: dict, method: Optional[str] = None) -> dict:
         """opts with its head options checked against the model: dense_heads name its heads;
-        streaming_heads (flags, or a `kvsieve calibrate` file's path) hold one row of KV-head
-        flags for every layer or one for each."""
+        streaming_heads (flags, or a `kvsieve calibrate` file's path, read as the CLI reads it
+        for `method`) hold one row of KV-head flags for every layer or one for each."""
         L, H = self.model.cfg.num_layers, self.model.cfg.num_kv_heads
         check_dense_heads(opts.get("dense_heads", ()), L, H, "dense_heads")
         heads = opts.get("streaming_heads")
         if isinstance(heads, (str, os.PathLike)):
-            return {**opts, "streaming_heads": load_pattern(heads, L, H)}
+            return {**opts, "streaming_heads": load_pattern(heads, L, H, method)}
         rows = normalize_pattern(heads)
         if rows is not None and (len(rows) not in (1, L) or any(len(r) != H for r in rows)):
             raise ValueError(f"streaming_heads has {len(rows)} rows of {len(rows[0])} flags, but this model has {L} "

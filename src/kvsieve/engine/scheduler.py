@@ -15,6 +15,7 @@ Invariants (tested in tests/test_scheduler.py):
 from __future__ import annotations
 
 import itertools
+import numbers
 import operator
 from collections import deque
 from dataclasses import dataclass, field
@@ -72,6 +73,14 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def __post_init__(self):
+        for name in ("max_new_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"):  # np.int64(4) is 4
+            v = getattr(self, name)
+            if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)):
+                object.__setattr__(self, name, int(v))
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):  # and np.float32(0.5) 0.5
+            v = getattr(self, name)
+            if isinstance(v, numbers.Real) and not isinstance(v, (bool, int, float)):
+                object.__setattr__(self, name, float(v))
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
                 or self.max_new_tokens < (0 if self.prompt_logprobs is not None else 1):
             raise ValueError(f"max_new_tokens must be an integer >= 1 (0 only to score the prompt, with "

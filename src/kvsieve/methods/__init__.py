@@ -1,7 +1,7 @@
 """Method registry: name -> (method class, config class)."""
 from __future__ import annotations
 
-from ..config import DenseConfig, MethodConfig, PageSelectConfig, QuestConfig, StreamingConfig, TacticConfig
+from ..config import DenseConfig, MethodConfig, plain_scalar, PageSelectConfig, QuestConfig, StreamingConfig, TacticConfig
 from ..patterns import budget_drops_dense_heads
 from .base import Selection, SparseMethod
 from .dense import Dense
@@ -29,8 +29,8 @@ def _entry(name: str):
 
 
 def config_for(name: str, **options) -> MethodConfig:
-    """Validated config for method `name` from keyword options."""
-    return _entry(name)[1].from_options(name, **options)
+    """Validated config for method `name` from keyword options (NumPy scalars taken as numbers)."""
+    return _entry(name)[1].from_options(name, **{k: plain_scalar(v) for k, v in options.items()})
 
 
 def build_method(name: str, config: MethodConfig | None = None) -> SparseMethod:

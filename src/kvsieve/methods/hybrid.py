@@ -1,6 +1,7 @@
 """Static streaming heads (LServe) + a dynamic method on the other KV heads."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Tuple
 
@@ -18,6 +19,10 @@ def normalize_pattern(pattern) -> Pattern:
     """None, a per-head list [Hkv] (every layer), or a per-layer list [L][Hkv] of bools/0-1."""
     if pattern is None:
         return None
+    if isinstance(pattern, (str, bytes, os.PathLike)):
+        raise ValueError(f"streaming_heads={pattern!r}: give 0/1 flags, one per KV head (or a list of such rows, "
+                         "one per layer); a `kvsieve calibrate` file is read by the CLI's --streaming-heads, "
+                         "LLMEngine and kvsieve.hf.enable (kvsieve.patterns.load_pattern)")
     if hasattr(pattern, "tolist"):
         pattern = pattern.tolist()
     rows = list(pattern)
@@ -69,6 +74,11 @@ class HybridConfig(MethodConfig):
             _non_negative_int("prefill_local", self.prefill_local)
         if self.dynamic in ("hybrid", "lserve"):
             raise ValueError(f"dynamic method must not itself be hybrid, got {self.dynamic!r}")
+        if self.dynamic not in ("tactic", "quest", "pages"):
+            raise ValueError(f"dynamic must be the method that selects on the non-streaming heads: tactic, quest or "
+                             f"pages, got {self.dynamic!r} (for no selection there, use method {self.dynamic!r})")
+        if not isinstance(self.sparse_prefill, bool):
+            raise ValueError(f"sparse_prefill must be True or False, got {self.sparse_prefill!r}")
         dense = tuple(getattr(self.dynamic_config, "dense_heads", ()))
         streamed = [h for h in dense if h not in unstreamed(dense, self.streaming_heads)]
         if streamed:
