@@ -145,3 +145,14 @@ def test_numpy_numbers_are_numbers():
     assert p == SamplingParams(max_new_tokens=4, temperature=0.5, top_k=3) and type(p.max_new_tokens) is int
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
         SamplingParams(max_new_tokens=np.float64(4.0))
+
+
+@pytest.mark.parametrize("flag,value,match", [("--max-waiting", "0", "--max-waiting must be >= 1, got 0"),
+                                              ("--max-num-seqs", "0", "--max-num-seqs must be >= 1"),
+                                              ("--port", "70000", "--port must be in 0..65535")])
+def test_serve_refuses_bad_limits_before_loading(capsys, flag, value, match):
+    """`serve --max-waiting 0` started, then refused every request (each waits a step first)."""
+    from kvsieve.cli import main
+
+    assert main(["serve", flag, value]) == 2
+    assert match in capsys.readouterr().err

@@ -216,6 +216,7 @@ def test_generate_json_contract(capsys):
                            "--method", "quest", "--budget", "64", "--dense-below", "1000", "--json")
     rep = json.loads(out)
     assert rc == 0 and rep["attended"] == ["dense"] and rep["kv_fraction"] == 1.0 and rep["dense_below"] == 1000
+    assert "--- attended densely" in err and "pass --dense-below 0 to force quest" in err  # with --json too
     rc, _, err = run_cli(capsys, "generate", "--prompt", "Name a color.", "--max-new-tokens", "3",
                          "--method", "quest", "--budget", "64", "--dense-below", "1000")
     assert rc == 0 and "quest (dense attention)" in err and "pass --dense-below 0 to force quest" in err

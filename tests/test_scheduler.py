@@ -164,6 +164,9 @@ def test_queue_limit():
     sched.add([1], S.SamplingParams(max_new_tokens=1))
     with pytest.raises(S.SchedulerFullError):
         sched.add([1], S.SamplingParams(max_new_tokens=1))
+    for bad in (0, -1, 2.5, True):  # every request waits a step first: a limit of 0 refused them all
+        with pytest.raises(ValueError, match="max_waiting must be None .* or an integer >= 1"):
+            S.Scheduler(num_pages=40, page_size=16, max_waiting=bad)
 
 
 @pytest.mark.parametrize("field,value", [("max_new_tokens", 0), ("temperature", -1.0), ("top_p", 0.0),

@@ -15,6 +15,10 @@ from dataclasses import dataclass, fields
 from typing import Optional, Tuple
 
 
+# `--model` of every command that loads one (generate, serve, eval, calibrate)
+MODEL_HELP = ("a Hugging Face model directory (config.json + *.safetensors), a Hub id (org/name, fetched once), "
+              "a .gguf file, or gemma3-270m (default: the embedded SmolLM2-135M-Instruct)")
+
 # Token counts and sizes beyond this are no context's (16.8M tokens): a budget or window at
 # least the context's length already covers all of it, and the kernels index lists in int32
 MAX_TOKENS = 1 << 24

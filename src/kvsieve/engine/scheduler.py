@@ -210,6 +210,10 @@ class Scheduler:
         if num_pages < 1 or page_size < 1 or max_num_seqs < 1 or step_tokens < 1:
             raise ValueError(f"num_pages, page_size, max_num_seqs and step_tokens must be >= 1, got "
                              f"{num_pages}, {page_size}, {max_num_seqs}, {step_tokens}")
+        if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)
+                                        or max_waiting < 1):
+            raise ValueError(f"max_waiting must be None (no limit) or an integer >= 1 (every request waits for "
+                             f"a step before it runs), got {max_waiting!r}")
         self.page_size = page_size
         self.num_pages = num_pages
         self.free_pages: List[int] = list(range(num_pages - 1, -1, -1))

@@ -27,6 +27,7 @@ from typing import Dict, Optional
 
 import torch
 
+from ..config import MODEL_HELP
 from ..methods.base import recent_and_sink
 from ..ops.attention import attend
 from .metrics import attention_fidelity
@@ -199,7 +200,7 @@ def register(sub) -> None:
     p = sub.add_parser("calibrate", help="find a model's streaming heads on real text; writes a pattern file "
                                          "for --streaming-heads (lserve, hybrid)",
                        description=__doc__.split("\n\n")[1])
-    p.add_argument("--model", help="Hugging Face directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--ratio", type=float, default=0.25,
                    help="fraction of KV heads made streaming, in [0, 1] (0.25: [LServe] uses 0.5, which lost "
                         "retrieval suite cases on SmolLM2, docs/accuracy.md; validate yours with kvsieve eval)")

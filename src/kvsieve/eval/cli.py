@@ -7,6 +7,7 @@ import platform
 import sys
 import time
 
+from ..config import MODEL_HELP
 from .harness import SUITE_SOURCES, TASKS, EvalPlan, quick_plan
 from .needles import VARIANTS
 from .sweep import EVAL_METHODS
@@ -17,7 +18,7 @@ def register(sub) -> None:
                                     "fidelity, perplexity/KL, passkey and needle retrieval, at equal cost",
                        description="Writes cells.jsonl (resumable), results.json, report.md and PNG plots to "
                                    "--out. Options left out take the preset's values (full, or --quick).")
-    p.add_argument("--model", help="Hugging Face directory or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--quick", action="store_true", help="smoke preset: one short length, one point per method "
                                                         "(tactic P 0.8/0.9/0.95), every task; about 8 min on 2 CPU cores")
     p.add_argument("--out", default="eval-results", help="results directory (re-running resumes; default eval-results)")

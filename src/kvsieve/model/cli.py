@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from ..config import MODEL_HELP
+
 DEFAULT_QUESTION = "\n\nQuestion: What is the archive access code?\nAnswer: The archive access code is"
 
 
@@ -15,8 +17,7 @@ def register(sub) -> None:
     p = sub.add_parser("generate", help="generate from a (long) prompt with sparse decode attention",
                        description="With no prompt, runs a built-in ~4K-token document (Python's docs with "
                                    "one planted fact) and asks for the fact.")
-    p.add_argument("--model", help="Hugging Face model directory (config.json + *.safetensors) or .gguf file "
-                                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help=MODEL_HELP)
     add_method_options(p)
     p.add_argument("--prompt", action=_InOrder, help="prompt text (repeat for a batch; answers come in the "
                    "order of --prompt and --prompt-file on the command line)")
@@ -159,7 +160,10 @@ def cmd_generate(args) -> int:
                            "decode_s": round(d_decode, 4),
                            "decode_tokens_per_s": round(d_tokens / d_decode, 3) if d_decode else 0.0}
         report["agreement"] = round(token_agreement([o.tokens for o in dense], [o.tokens for o in res]), 4)
+    dense_note = attended_densely_note(args, eng, report["attended"])
     if args.json:
+        if dense_note:  # (stderr: the JSON on stdout stays clean)
+            print(dense_note, file=sys.stderr)
         print(json.dumps(report))
         return 0
     if not stream:
@@ -171,16 +175,8 @@ def cmd_generate(args) -> int:
         print(f"--- agreement with dense: {report['agreement']:.0%} of generated tokens")
     if warm:
         print(f"--- warm-up (kernel compilation, step-graph capture): {warm:.1f} s", file=sys.stderr)
-    if args.method != "dense" and "dense" in report["attended"]:
-        payback = eng.runner.methods["default"].index_payback_tokens
-        few = f", or --max-new-tokens is under the {payback} tokens that repay its index" \
-            if args.max_new_tokens < payback else ""
-        total = ""
-        if eng.dense_step_below:  # a batch-wide plan: its payback grows near that line (Tactic.index_payback_at)
-            total = f" ({eng.dense_step_below} for the prompts together, with enough new tokens to repay its index)"
-        print(f"--- attended densely: the prompt is below this device's dense/sparse crossover of "
-              f"{eng.dense_below} tokens{total}{few}, or {args.method}'s plans read most of the cache; pass "
-              f"--dense-below 0 to force {args.method}", file=sys.stderr)
+    if dense_note:
+        print(dense_note, file=sys.stderr)
     attended = ", ".join(sorted(set(report["attended"])))
     print(f"--- {args.method} ({attended} attention) on {device} {report['dtype']}: prompt {report['prompt_tokens']} "
           f"tokens, {gen} generated, KV read {frac:.1%}, prefill {report['prefill_s']:.2f} s, "
@@ -194,6 +190,21 @@ def cmd_generate(args) -> int:
                   "layer), so it decodes slower than dense here; speed is measured on a GPU "
                   "(docs/benchmarks.md)", file=sys.stderr)
     return 0
+
+
+def attended_densely_note(args, eng, attended) -> str:
+    """The stderr line saying why some prompt attended densely under a sparse method ("" if none did)."""
+    if args.method == "dense" or "dense" not in attended:
+        return ""
+    payback = eng.runner.methods["default"].index_payback_tokens
+    few = f", or --max-new-tokens is under the {payback} tokens that repay its index" \
+        if args.max_new_tokens < payback else ""
+    total = ""
+    if eng.dense_step_below:  # a batch-wide plan: its payback grows near that line (Tactic.index_payback_at)
+        total = f" ({eng.dense_step_below} for the prompts together, with enough new tokens to repay its index)"
+    return (f"--- attended densely: the prompt is below this device's dense/sparse crossover of "
+            f"{eng.dense_below} tokens{total}{few}, or {args.method}'s plans read most of the cache; pass "
+            f"--dense-below 0 to force {args.method}")
 
 
 def run_requests(eng, tok, prompts, params, method, stream: bool):

@@ -4,6 +4,8 @@ from __future__ import annotations
 import socket
 import sys
 
+from ..config import MODEL_HELP
+
 SHUTDOWN_STEP_MARGIN_S = 60.0  # past --shutdown-timeout, for the engine step running at the deadline
 
 
@@ -14,8 +16,7 @@ def register(sub) -> None:
                        description="Serves /v1/chat/completions, /v1/completions, /v1/models, /health and "
                                    "/metrics. A request may pick its own sparse method with the extra body field "
                                    '"kvsieve": {"method": "tactic", "threshold": 0.95}.')
-    p.add_argument("--model", help="Hugging Face model directory (config.json + *.safetensors) or .gguf file "
-                                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help=MODEL_HELP)
     add_method_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; the server has "
                                                        "no authentication, so expose it with care)")
@@ -87,9 +88,9 @@ def cmd_serve(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    for name in ("max_num_seqs", "kv_pages", "max_method_configs"):
+    for name in ("max_num_seqs", "kv_pages", "max_method_configs", "max_waiting"):  # (every request waits first)
         _positive(name.replace("_", "-"), getattr(args, name))
-    for name in ("max_waiting", "dense_below", "retry_after", "shutdown_timeout"):
+    for name in ("dense_below", "retry_after", "shutdown_timeout"):
         _positive(name.replace("_", "-"), getattr(args, name), zero_ok=True)
     if not 0 < args.gpu_memory_fraction <= 1:
         raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {args.gpu_memory_fraction}")
