@@ -116,7 +116,8 @@ def test_quest_pages_follow_the_page_size():
 @pytest.mark.parametrize("argv,message", [
     (["--seed", str(10 ** 20)], "--seed must be an integer that fits in 64 bits, got 100000000000000000000"),
     (["--seq-len", str(10 ** 9)], "--seq-len 1000000000 needs about"),
-    (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+    (["--seq-len", "0", "--data", "clustered"], "--seq-len must be >= 1 for --data clustered, got 0"),
+    (["--seq-len", "100"], "--seq-len must be >= 520 for --data calibrated, got 100 (or use --data clustered)"),
 ])
 def test_demo_bad_input_is_one_line(capsys, argv, message):
     """A seed past 64 bits said only 'Overflow when unpacking long long'; a context past the
@@ -156,3 +157,21 @@ def test_serve_refuses_bad_limits_before_loading(capsys, flag, value, match):
 
     assert main(["serve", flag, value]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_demo_prints_every_method_at_its_defaults_with_its_error(capsys):
+    """kvsieve demo: each method as generate runs it (the label read from its config) and at a
+    512-token budget, on calibrated data by default; dense exact, tactic's default close."""
+    from kvsieve.cli import main
+
+    assert main(["demo", "--seq-len", "1024"]) == 0
+    rows = {line[:42].strip(): line[42:].split() for line in capsys.readouterr().out.splitlines()[3:]}
+    assert set(rows) == {"dense", "streaming (sink 128 + local 256, default)", "quest (budget 2048, default)",
+                         "quest (budget 512)", "lserve (budget 6144, default)", "lserve (budget 512)",
+                         "tactic (P = 0.92, default)", "tactic (budget 512)",
+                         "hybrid (P = 0.92, 1 of 4 heads streaming)"}, rows
+    read, err = {k: float(v[0].rstrip("%")) for k, v in rows.items()}, {k: float(v[1]) for k, v in rows.items()}
+    assert read["dense"] == 100.0 and err["dense"] < 1e-5 and read["quest (budget 2048, default)"] == 100.0
+    assert err["tactic (P = 0.92, default)"] < 0.1 and read["tactic (P = 0.92, default)"] < 100.0
+    assert main(["demo", "--seq-len", "1024", "--data", "clustered"]) == 0
+    assert "a stress case" in capsys.readouterr().out

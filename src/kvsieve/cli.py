@@ -86,7 +86,7 @@ def parse_heads(text: str) -> tuple:
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
-    run_demo(seq_len=args.seq_len, seed=args.seed)
+    run_demo(seq_len=args.seq_len, seed=args.seed, data=args.data)
     return 0
 
 
@@ -100,9 +100,12 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvsieve", description="Adaptive sparse attention for long-context decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="sparse_decode on synthetic clustered attention: KV read and error per method")
+    d = sub.add_parser("demo", help="sparse_decode on one synthetic decode step: KV read and error per method")
     d.add_argument("--seq-len", type=int, default=8192, help="cached tokens of the synthetic decode step (8192)")
     d.add_argument("--seed", type=int, default=0, help="seed of the synthetic q, k, v (0)")
+    d.add_argument("--data", choices=("calibrated", "clustered"), default="calibrated",
+                   help="calibrated: attention shaped like a real model's (default); clustered: a stress case "
+                        "that page summaries cannot see")
     d.set_defaults(func=cmd_demo)
     for register in _extra_commands():
         register(sub)
