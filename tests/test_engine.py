@@ -783,3 +783,29 @@ def test_abort_during_generate_or_stream_ends_them_and_errors_leave_nothing(tiny
     eng.step = step_then_abort
     outs = eng.generate([p, p], SamplingParams(20, ignore_eos=True))
     assert [o.finish_reason for o in outs] == ["length", "abort"] and len(outs[0].tokens) == 20
+
+
+def test_a_finished_requests_setting_is_released_while_others_run(tiny_model):
+    """With dead rows kept (as under CUDA graphs), the group of a finished request's method
+    stayed in the batch, so drop_methods could not release that setting while another request
+    ran (the server then answered 503 method_configs_full with one setting in use). The
+    batch is now rebuilt without it at the next step, and the running request is unchanged."""
+    ps = prompts(2, seed=5)
+    long_p = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    eng = LLMEngine(tiny_model, None, "dense", paged=True)
+    eng.runner.keep_dead_rows = True
+    long_id = eng.add_request(ps[0], long_p, "quest", {"budget": 32})
+    short_key = eng.method_key("tactic", {"budget": 24, "cluster_size": 8})
+    short_id = eng.add_request(ps[1], SamplingParams(max_new_tokens=2, ignore_eos=True), "tactic",
+                               {"budget": 24, "cluster_size": 8})
+    done = {}
+    while short_id not in done:
+        done.update({o.id: o.tokens for o in eng.step() if o.finished})
+    eng.step()
+    assert short_key in {g for g, _, _ in eng.runner.batch.groups}  # its dead rows are still there
+    composes = eng.runner.composes
+    assert eng.drop_methods([short_key]) == [short_key] and short_key not in eng.runner.methods
+    while eng.has_unfinished:
+        done.update({o.id: o.tokens for o in eng.step() if o.finished})
+    assert eng.runner.composes == composes + 1  # one rebuild, without the released group
+    assert done[long_id] == alone(tiny_model, "quest", {"budget": 32}, [ps[0]], long_p, paged=True)[0]

@@ -4,6 +4,8 @@ and httpx. Short prompts and at most 8 new tokens per request (except the cancel
 stream, which is cut after its first chunk); every wait is bounded."""
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import re
 import socket
@@ -602,3 +604,34 @@ def test_kvsieve_settings_no_request_uses_are_released(engine):
         wait_for(lambda: s.metric("kvsieve_kv_pages_used") == 0, "the closed streams' pages to be freed")
         r = s.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "kvsieve": {"method": "quest", "budget": 700}})
         assert r.status_code == 200, r.text
+
+
+def test_a_refused_request_reads_every_choices_outcome():
+    """A request of n choices refused at admission (503: settings or queue full) read only
+    the first choice's error; asyncio then logged "Future exception was never retrieved" for
+    every other choice. All are read now, and the first error answers."""
+    from types import SimpleNamespace
+
+    from kvsieve.engine.scheduler import SchedulerFullError
+    from kvsieve.server.app import Server
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        unread = []
+        loop.set_exception_handler(lambda _, ctx: unread.append(ctx["message"]))
+        streams = [SimpleNamespace(admitted=loop.create_future()) for _ in range(3)]
+        for st in streams:
+            st.admitted.set_exception(SchedulerFullError("3 requests are already waiting (limit 3)"))
+        aborted = []
+        server = SimpleNamespace(driver=SimpleNamespace(abort=lambda st: aborted.append(id(st))), retry_after_s=2,
+                                 metrics=SimpleNamespace(rejected=SimpleNamespace(
+                                     labels=lambda *_: SimpleNamespace(inc=lambda: None))))
+        server.refuse = lambda *a, **kw: Server.refuse(server, *a, **kw)
+        response = await Server.admit(server, streams, chat=False)
+        del streams, st
+        gc.collect()
+        return response, aborted, unread
+
+    response, aborted, unread = asyncio.run(run())
+    assert response.status_code == 503 and response.headers["Retry-After"] == "2" and len(aborted) == 3
+    assert unread == [], unread

@@ -49,6 +49,7 @@ class DecodeBatch:
     dead: Dict[int, int] = field(default_factory=dict)  # row -> its frozen host length
     last_host: List[int] = field(default_factory=list)  # each row's host length at the last step
     mostly_dead: int = 0  # consecutive steps with more dead rows than live ones
+    retired: bool = False  # a group's method was forgotten (LLMEngine.drop_methods): rebuild before the next step
 
     @property
     def tokens(self) -> Tensor:
@@ -95,7 +96,7 @@ class BatchRows:
         SHRINK_MIN_STEPS steps or for more than SHRINK_MIN_STEPS steps in a row. Without
         step graphs (eager steps drop dead rows) the batch must hold exactly reqs."""
         bt = self.batch
-        if bt is None:
+        if bt is None or bt.retired:
             return False
         if not (self.keep_dead_rows and self.paged):
             return bt.rows == [reqs[i].id for i in self._row_order(reqs)] and not any(r.id in self.pending for r in reqs)

@@ -224,15 +224,19 @@ class LLMEngine(BatchCrossover):
 
     def drop_methods(self, keys) -> List[str]:
         """Forget the per-request methods of `keys` (method_key's) that no unfinished request
-        and no row of the decode batch uses: their method objects, rules and caches. Returns
-        the keys dropped; the others are kept. "default" and "dense" are always kept. A decode
-        batch whose rows all belong to finished requests is let go (its graphs too)."""
+        uses: their method objects, rules and caches. Returns the keys dropped; the others are
+        kept. "default" and "dense" are always kept. A decode batch whose rows all belong to
+        finished requests is let go (its graphs too); one with a group of only finished
+        requests' rows (dead rows kept for the step graphs) beside live ones is rebuilt at the
+        next step without it, so a setting no request uses is released while others run."""
         bt = self.runner.batch
         if bt is not None and not any(r in self.scheduler.requests for r in bt.rows if r is not None):
             self.runner.batch = bt = None
         used = {"default", "dense"} | {r.method_key for r in self.scheduler.requests.values()} \
-            | {t.key for t in self._track.values()} | ({g for g, _, _ in bt.groups} if bt is not None else set())
+            | {t.key for t in self._track.values()}
         dropped = [k for k in keys if k not in used and k in self.runner.methods]
+        if bt is not None and any(g in dropped for g, _, _ in bt.groups):
+            bt.retired = True
         for k in dropped:
             self.runner.forget_method(k)
             self._method_names.pop(k, None)

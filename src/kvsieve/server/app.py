@@ -309,8 +309,11 @@ class Server(Responses):
     async def admit(self, streams: List[RequestStream], chat: bool):
         """Wait until the engine took every choice; None, or the error response (all aborted)."""
         try:
-            for s in streams:
-                await s.admitted
+            # every choice's outcome is read (a refused n > 1 request logged "Future exception was
+            # never retrieved" for each choice after the first), then the first error answers
+            for outcome in await asyncio.gather(*(s.admitted for s in streams), return_exceptions=True):
+                if isinstance(outcome, BaseException):
+                    raise outcome
         except SchedulerFullError as e:
             settings = isinstance(e, MethodConfigsFull)
             full = BadRequest(f"the server is at capacity ({e}); retry after {self.retry_after_s} s",
