@@ -319,7 +319,8 @@ class Server(Responses):
             full = BadRequest(f"the server is at capacity ({e}); retry after {self.retry_after_s} s",
                               "kvsieve" if settings else None, 503, "service_unavailable_error",
                               "method_configs_full" if settings else "queue_full")
-            return self.refuse(streams, full, "queue_full", {"Retry-After": str(self.retry_after_s)})
+            return self.refuse(streams, full, "method_configs_full" if settings else "queue_full",
+                               {"Retry-After": str(self.retry_after_s)})
         except DriverStopped as e:
             return self.refuse(streams, BadRequest(str(e), None, 503, "service_unavailable_error", "shutting_down"))
         except EngineError as e:

@@ -57,7 +57,7 @@ class Metrics:
         self.finished = Counter("kvsieve_requests_finished", "Requests finished, by reason (stop, length, abort, "
                                 "error)", ["reason"], registry=r)
         self.rejected = Counter("kvsieve_requests_rejected", "Requests refused (invalid, queue_full, "
-                                "shutting_down)", ["reason"], registry=r)
+                                "method_configs_full, shutting_down)", ["reason"], registry=r)
         self.ttft = Histogram("kvsieve_time_to_first_token_seconds", "From admission to the first token",
                               buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120), registry=r)
         self.tpot = Histogram("kvsieve_time_per_output_token_seconds", "Mean time per output token after the "
