@@ -23,6 +23,9 @@ CASES = {
     "qwen2-yarn": ("Qwen2Config", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                      "original_max_position_embeddings": 64})),
     "qwen2-window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    # YaRN over the whole max_position_embeddings (its config.json then may omit the original)
+    "qwen2-yarn-whole": ("Qwen2Config", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                           "original_max_position_embeddings": 512})),
 }
 
 
@@ -77,6 +80,24 @@ def test_decode_matches_transformers_generate(tmp_path, name, paged):
                          ("quest", dict(budget=16, physical_page_size=16))]:
         out = LLMEngine(model, None, method, paged=paged, **opts).generate([ids], SamplingParams(6, ignore_eos=True))[0]
         assert len(out.tokens) == 6 and 0 < out.kv_fraction < 1
+
+
+def test_yarn_without_original_positions_takes_max_position_embeddings(tmp_path):
+    """A YaRN config.json without original_max_position_embeddings (a KeyError before) reads as
+    transformers reads it: the original is max_position_embeddings."""
+    import json
+
+    tiny_hf("qwen2-yarn-whole", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    with_original = load_weights(tmp_path)
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(cfg.get(key), dict):
+            cfg[key].pop("original_max_position_embeddings", None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    without = load_weights(tmp_path)
+    assert without.cfg.max_positions == with_original.cfg.max_positions == 2048
+    pos = torch.arange(149)
+    assert torch.equal(without.rope(pos)[0], with_original.rope(pos)[0])
 
 
 def test_yarn_config_takes_its_scaled_positions():
@@ -155,3 +176,68 @@ def test_a_model_without_tokenizer_files_is_named(tmp_path):
     tiny_hf("qwen2", tmp_path)
     with pytest.raises(ValueError, match=r"no tokenizer in .* \(none of tokenizer.json"):
         load_tokenizer(tmp_path)
+
+
+def test_incomplete_or_mismatched_checkpoints_are_refused(tmp_path):
+    """What loaded silently wrong: a sharded checkpoint missing the shard of its lm_head (the
+    embeddings stood in for it), a config's vocabulary larger than the embeddings, a
+    non-SiLU hidden_act (SiLU ran anyway), a count given as a string (a traceback). And what
+    loaded too much: a consolidated.safetensors beside indexed shards is not read."""
+    import json
+
+    from safetensors.torch import save_file
+
+    hf = tiny_hf("llama3.1", tmp_path / "m")
+    d = tmp_path / "m"
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    hf.save_pretrained(d, max_shard_size="50KB")
+    index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    save_file({"layers.0.attention.wq.weight": torch.zeros(64, 64)}, str(d / "consolidated.safetensors"))
+    m = load_weights(d)
+    assert not any(k.startswith("layers.") for k in m.w) and "lm_head.weight" in m.w
+    (d / index["lm_head.weight"]).unlink()
+    with pytest.raises(ValueError, match=index["lm_head.weight"] + ", which its model.safetensors.index.json names"):
+        load_weights(d)
+
+    tiny_hf("llama3.1", tmp_path / "u")  # one file, untied, its lm_head dropped
+    from safetensors.torch import load_file
+    st = next((tmp_path / "u").glob("*.safetensors"))
+    w = load_file(str(st))
+    del w["lm_head.weight"]
+    save_file(w, str(st))
+    with pytest.raises(ValueError, match="have no lm_head.weight"):
+        load_weights(tmp_path / "u")
+
+    from kvsieve.model.loader import resolve_model_dir
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_text("{}")
+    (tmp_path / "bin" / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="holds PyTorch .bin/.pt weights; kvsieve reads safetensors: convert"):
+        resolve_model_dir(str(tmp_path / "bin"))
+
+    tiny_hf("qwen2", tmp_path / "q")
+    cfg_path = tmp_path / "q" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for change, message in ((dict(vocab_size=600), r"embed_tokens.weight in .* has shape \[300, 64\].*needs \[600, 64\]"),
+                            (dict(hidden_act="gelu_pytorch_tanh"), "hidden_act 'gelu_pytorch_tanh' is not supported"),
+                            (dict(num_hidden_layers="2"), "num_layers must be a positive integer, got '2'")):
+        cfg_path.write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ValueError, match=message):
+            load_weights(tmp_path / "q")
+
+
+def test_generation_config_end_tokens_stop_generation_too(tmp_path):
+    """Instruct checkpoints list end-of-turn tokens in generation_config.json (transformers'
+    generate stops on them): they join config.json's eos_token_id."""
+    import json
+
+    tiny_hf("qwen3", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": 9}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 77, 78]}))
+    assert load_weights(tmp_path).cfg.eos_token_ids == (9, 77, 78)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert load_weights(tmp_path).cfg.eos_token_ids == (9, 5)
+    (tmp_path / "generation_config.json").unlink()
+    assert load_weights(tmp_path).cfg.eos_token_ids == (9,)

