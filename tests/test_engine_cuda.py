@@ -307,3 +307,30 @@ def test_gemma_graph_replay_equals_eager(tiny_gemma_cuda, method, opts):
     eager = staggered(plain, ps, lens)
     eng = LLMEngine(model, None, method, dense_below=0, **opts)
     assert staggered(eng, ps, lens) == eager and eng.runner.captures >= 1
+
+
+def test_a_released_setting_rebuilds_the_graph_batch_without_it(tiny_cuda):
+    """drop_methods releases a finished request's setting whose dead rows are still in the
+    graph batch: the next step rebuilds the batch (a new capture) without that group, and the
+    running request's tokens are those of an eager run."""
+    model, _ = tiny_cuda
+    ps = prompts(2, lo=200, hi=400, seed=4)
+    long_p = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    runs = []
+    for graphs in (False, True):
+        eng = LLMEngine(model, None, "dense", graphs=graphs, dense_below=0)
+        eng.runner.keep_dead_rows = True
+        long_id = eng.add_request(ps[0], long_p, "quest", {"budget": 64})
+        short = ("tactic", {"budget": 48, "cluster_size": 8})
+        short_key = eng.method_key(*short)
+        short_id = eng.add_request(ps[1], SamplingParams(max_new_tokens=3, ignore_eos=True), *short)
+        done = {}
+        while short_id not in done:
+            done.update({o.id: o.tokens for o in eng.step() if o.finished})
+        eng.step()
+        assert eng.drop_methods([short_key]) == [short_key]
+        while eng.has_unfinished:
+            done.update({o.id: o.tokens for o in eng.step() if o.finished})
+        assert short_key not in {g for g, _, _ in eng.runner.batch.groups}
+        runs.append(done[long_id])
+    assert runs[0] == runs[1]
