@@ -190,14 +190,13 @@ class LLMEngine(BatchCrossover):
         if method == "dense" and not options and "dense" in self.runner.methods:
             return "dense"
         name = method or self.default_method
-        opts = self._model_heads(dict(options or {}), name)  # a calibrate file's path read into flags first
+        opts = self._model_heads(dict(options or {}), name)  # checked, a calibrate file's path read into flags
         if method is None or method == self.default_method:
             opts = merge_options(self.default_options, opts, name)
         elif self.head_defaults is not None:  # the model's shipped heads for this method (LLMEngine.load)
             opts = {**self.head_defaults(name, opts), **opts}
         if self.default_options.get("streaming_heads") is not None and name in ("lserve", "hybrid"):
             opts.setdefault("streaming_heads", self.default_options["streaming_heads"])
-        opts = self._model_heads(opts, name)
         config_for(name, **opts)  # one clear ValueError for a bad method or option
         key = f"{name}:{sorted((k, repr(v)) for k, v in opts.items())}"
         if key not in self.runner.methods:
