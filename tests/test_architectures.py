@@ -126,8 +126,9 @@ def test_hub_id_resolves_through_the_hub_cache(tmp_path, monkeypatch, capsys):
     tiny_hf("qwen3", tmp_path / "snap")
     calls = []
 
-    def fake(repo_id, allow_patterns=None, **kw):
+    def fake(repo_id, allow_patterns=None, ignore_patterns=None, **kw):
         calls.append((repo_id, allow_patterns))
+        assert ignore_patterns == ["consolidated*"]  # Mistral's second copy of the weights is not fetched
         if repo_id == "org/tiny":
             return str(tmp_path / "snap")
         if repo_id == "org/bin-only":

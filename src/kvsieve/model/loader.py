@@ -117,6 +117,9 @@ def is_hf_dir(p: Path) -> bool:
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.jinja", "merges.txt", "vocab.txt"]
+# Mistral repos ship their weights twice: HF shards and consolidated.safetensors (mistral-inference's names,
+# which the loader does not read): fetching it would double the download
+HUB_SKIP = ["consolidated*"]
 
 
 def hub_snapshot(repo_id: str) -> Path:
@@ -125,7 +128,7 @@ def hub_snapshot(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        d = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+        d = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIP))
     except Exception as e:  # network, auth (gated models), unknown repo: the user needs one line
         raise FileNotFoundError(f"model {repo_id!r} is not a local path, and fetching it from the Hugging Face Hub "
                                 f"failed ({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
