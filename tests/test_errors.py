@@ -72,6 +72,9 @@ def test_bad_lengths(lengths, match):
     ("lserve", {"sparse_prefill": "no"}, "sparse_prefill must be True or False, got 'no'"),
     ("hybrid", {"streaming_heads": "heads.json"}, "streaming_heads='heads.json': give 0/1 flags"),
     ("tactic", {"segment_centers": 0.1}, "segment_centers must be two fractions.*got 0.1"),
+    ("tactic", {"head_fraction": 0.5}, r"head_fraction=0.5 must be below the first segment centre \(0.1\)"),
+    ("tactic", {"layer": -1}, "layer must be an integer >= 0"),
+    ("hybrid", {"streaming_heads": [[1, 0], [0, 1]], "layer": 2}, "streaming_heads has 2 layers but layer 2"),
 ])
 def test_bad_options(method, opts, match):
     if match is None:

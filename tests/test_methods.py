@@ -300,3 +300,24 @@ def test_a_method_that_reads_no_keys_at_prepare_builds_the_same_index_from_an_em
     real = m.prepare_layers([k, k], n, [0, 1])
     empty = m.prepare_layers([k.new_empty(1, 3, 0, 64)] * 2, n, [0, 1]) if not m.prepare_reads_keys else None
     assert (empty == real) == (not m.prepare_reads_keys)
+
+
+def test_sparse_decode_layer_picks_the_layers_heads_and_seed():
+    """`layer=` selects that layer's dense_heads pairs and per-layer streaming_heads row, and
+    tactic's K-means seed, as the model's decode of that layer does."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 6, 64, generator=g) * 3
+    k = torch.randn(1, 3, 400, 64, generator=g)
+    v = torch.randn_like(k)
+    read = lambda L, **o: sparse_decode(q, k, v, method="tactic", threshold=0.5, layer=L, **o).mask.float().mean(-1)[0]
+    assert read(7, dense_heads="7:2,18:1")[2] == 1 and read(18, dense_heads="7:2,18:1")[1] == 1
+    assert (read(3, dense_heads="7:2,18:1") < 1).all()
+    pattern = [[1, 0, 0], [0, 0, 1]]
+    for L, streamed in ((0, 0), (1, 2)):
+        res = sparse_decode(q, k, v, method="hybrid", streaming_heads=pattern, sink=4, local=16, layer=L)
+        assert res.mask[0, streamed].sum() == 20
+        assert res.mask[0, [h for h in range(3) if h != streamed]].sum(-1).gt(20).all()
+    index = lambda L: make_method("tactic").prepare(k, torch.tensor([400]), L).centroids
+    assert torch.equal(sparse_decode(q, k, v, layer=5).mask,
+                       sparse_decode(q, k, v, seed=7919 * 5).mask)
+    assert not torch.equal(index(0), index(5))

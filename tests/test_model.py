@@ -386,6 +386,11 @@ def test_prompt_file_dash_reads_standard_input(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe")))
     rc, _, err = run_cli(capsys, *argv, "--prompt-file", "-")
     assert rc == 2 and "--prompt-file - (standard input) is not UTF-8 text" in err
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("Once upon a".encode())))
+    rc, out, _ = run_cli(capsys, *argv, "--prompt", "-")  # README: - reads standard input for either flag
+    assert rc == 0 and json.loads(out)["prompt_tokens"] == 3
+    rc, _, err = run_cli(capsys, *argv, "--prompt", "caf\udce9")  # argv byte 0xe9 (Latin-1 é), not UTF-8
+    assert rc == 2 and "--prompt 1 is not UTF-8 text (byte 0xe9" in err and "Traceback" not in err
 
 
 def test_per_request_methods_of_a_loaded_engine_take_the_models_heads():

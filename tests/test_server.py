@@ -120,6 +120,11 @@ def test_schema_errors_name_the_field():
     with pytest.raises(BadRequest) as e:
         parse(ChatCompletionRequest, b'{"messages": [{"role": "robot", "content": "hi"}]}')
     assert e.value.param == "messages.0.role"
+    with pytest.raises(BadRequest) as e:  # JSON may escape a lone surrogate; no tokenizer encodes it (was a 500)
+        parse(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}')
+    assert e.value.param == "messages.0.content" and "surrogate" in e.value.message
+    assert parse(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}') \
+        .messages[0].content == "\U0001F600"  # a pair is one character
 
 
 def test_detokenizer_deltas_join_to_the_full_text(engine):
@@ -165,6 +170,11 @@ def test_logprobs_of_text_whose_characters_span_tokens(engine, chunk):
     ids = tok.encode(chat, add_special_tokens=False)
     echoed = ChoiceLogprobs(tok, 0, False).echo(chat, ids, [None] + [TokenLogprob(t, -0.5, ()) for t in ids[1:]])
     assert all(t.startswith("bytes:") or chat[o:o + len(t)] == t for t, o in zip(echoed["tokens"], echoed["text_offset"]))
+    bos = tok.convert_tokens_to_ids("<|endoftext|>")  # a tokenizer that adds a BOS (Llama 3, Gemma 3): the string
+    text = "Hello world, café"  # prompt is echoed as sent, so its offsets start after the BOS's text, at 0
+    ids = [bos] + tok.encode(text, add_special_tokens=False)
+    echoed = ChoiceLogprobs(tok, 0, False).echo(text, ids, [None] + [TokenLogprob(t, -0.5, ()) for t in ids[1:]])
+    assert echoed["text_offset"] == [0] + [len(tok.decode(ids[1:i])) for i in range(1, len(ids))]
     sampled = ChoiceLogprobs(tok, 1, False).top_with_token(TokenLogprob(ids[2], -3.0, ((ids[3], -0.1), (ids[4], -1.0))))
     assert sampled == {tok.decode([ids[3]]): -0.1, tok.decode([ids[2]]): -3.0}  # OpenAI's k + 1: the token too
 
@@ -365,7 +375,9 @@ def test_penalties_and_logit_bias_are_the_engines(live, alone, client):
     assert want.tokens[0] != first and biased == tok.decode(want.tokens, skip_special_tokens=True) != plain
 
 
-def test_stop_strings_cut_the_text_and_end_the_request(live, client):
+def test_stop_strings_cut_the_text_and_end_the_request(live, alone, client):
+    from kvsieve.engine import SamplingParams
+
     ref = client.completions.create(model=NAME, prompt="One, two, three,", max_tokens=8, temperature=0,
                                     extra_body={"ignore_eos": True})
     full = ref.choices[0].text
@@ -384,6 +396,17 @@ def test_stop_strings_cut_the_text_and_end_the_request(live, client):
         model=NAME, prompt="One, two, three,", max_tokens=8, temperature=0, stop=stop, stream=True,
         extra_body={"ignore_eos": True}) if ch.choices)
     assert streamed == want
+    tok = live.app.state.server.tok  # vLLM's stop_token_ids: the request ends at the token, without its text
+    ids = alone.generate([tok.encode("One, two, three,")], SamplingParams(8, ignore_eos=True))[0].tokens
+    assert tok.decode(ids, skip_special_tokens=True) == full
+    cut = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
+    for stream in (False, True):
+        r = client.completions.create(model=NAME, prompt="One, two, three,", max_tokens=8, temperature=0,
+                                      stream=stream, extra_body={"ignore_eos": True, "stop_token_ids": [ids[cut]],
+                                                                 "top_k": -1})
+        got = "".join(ch.choices[0].text for ch in r if ch.choices) if stream else r.choices[0].text
+        assert got == tok.decode(ids[:cut]), (stream, got)
+        assert stream or (r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == cut + 1)
     wait_for(lambda: live.metric("kvsieve_kv_pages_used") == 0, "the stopped requests' pages to be freed")
 
 
@@ -482,6 +505,10 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "kvsieve": {"method": "lserve", "streaming_heads": "/etc/passwd"}},
      "kvsieve.streaming_heads"),
     ("/v1/completions", {"prompt": "hi", "kvsieve": "tactic"}, "kvsieve"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10 ** 9]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": 2}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, "top_k"),
+    ("/v1/completions", b'{"prompt": "a\\udc00"}', "prompt"),
 ]
 
 

@@ -1,6 +1,7 @@
 """`sparse_decode`: one sparse decode step on your own tensors."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
@@ -74,20 +75,25 @@ def check_decode_inputs(q: Tensor, k: Tensor, v: Tensor, lengths: Optional[Tenso
 
 
 def sparse_decode(q: Tensor, k: Tensor, v: Tensor, method: str = "tactic",
-                  lengths: Optional[Tensor] = None, **options) -> SparseDecodeResult:
+                  lengths: Optional[Tensor] = None, layer: int = 0, **options) -> SparseDecodeResult:
     """One sparse decode step.
 
     q: [B, Hq, D] post-RoPE queries; k, v: [B, Hkv, S, D] post-RoPE keys and values.
     lengths: optional [B] ints; request b uses k[b, :, :lengths[b]] (right padding is
         ignored). Default: all S tokens.
+    layer: the model layer these tensors come from (default 0). It picks the layer's pairs
+        of `dense_heads` ((layer, KV head) pairs), its row of a per-layer `streaming_heads`
+        pattern, and tactic's K-means seed (seed + 7919 x layer), as in a model's decode.
     method: a registered name (dense, streaming, quest, pages, tactic, lserve, hybrid);
     options: that method's config fields, e.g. threshold=0.8, budget=512.
     The method indexes k (prefill work) and selects tokens for q; the output is exact
     softmax attention over the selection.
     """
     lengths = check_decode_inputs(q, k, v, lengths)
+    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or layer < 0:
+        raise ValueError(f"layer must be an integer >= 0 (the model layer of q, k, v), got {layer!r}")
     m = make_method(method, **options)
-    state = m.prepare(k, lengths)
+    state = m.prepare(k, lengths, int(layer))
     sel = m.select(q, k, lengths, state)
     out, lse = attend(q, k, v, sel.mask)
     return SparseDecodeResult(out, sel.mask, lse, {**sel.stats, "kv_fraction": sel.read_fraction(lengths).mean()})

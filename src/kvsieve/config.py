@@ -350,6 +350,11 @@ class TacticConfig(MethodConfig):
             c = tuple(plain_scalar(x) for x in self.segment_centers)
         except TypeError:
             c = ()
+        if len(c) == 2 and all(isinstance(x, (int, float)) for x in c) and c[0] < c[1] < 1.0 \
+                and self.head_fraction >= c[0]:
+            raise ValueError(f"head_fraction={self.head_fraction!r} must be below the first segment centre "
+                             f"({c[0]!r}): the exact head ends before the fit's first segment; give a smaller "
+                             "head_fraction or move segment_centers")
         if len(c) != 2 or not all(isinstance(x, (int, float)) for x in c) or not (
             self.head_fraction < c[0] < c[1] < 1.0
         ):

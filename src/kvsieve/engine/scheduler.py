@@ -42,7 +42,7 @@ class SchedulerFullError(RuntimeError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings. temperature 0 = greedy; top_k 0 = off; top_p 1 = off;
+    """Per-request decoding settings. temperature 0 = greedy; top_k 0 (or -1) = off; top_p 1 = off;
     seed None = derived from the request id (set it to reproduce a sampled answer).
     logprobs None = off; k in [0, 20]: each generated token's log-probability under the model
     (the log-softmax of its logits, before penalties, temperature and top-k/top-p) and the k
@@ -89,8 +89,10 @@ class SamplingParams:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= 0 (0 or -1: off), got {self.top_k!r}")
+        if self.top_k == -1:  # vLLM's "off"
+            object.__setattr__(self, "top_k", 0)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -2 ** 63 <= self.seed < 2 ** 63):
             raise ValueError(f"seed must be an integer that fits in 64 bits, got {self.seed!r}")

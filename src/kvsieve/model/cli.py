@@ -19,14 +19,14 @@ def register(sub) -> None:
                                    "one planted fact) and asks for the fact.")
     p.add_argument("--model", help=MODEL_HELP)
     add_method_options(p)
-    p.add_argument("--prompt", action=_InOrder, help="prompt text (repeat for a batch; answers come in the "
-                   "order of --prompt and --prompt-file on the command line)")
+    p.add_argument("--prompt", action=_InOrder, help="prompt text, - for standard input (repeat for a batch; "
+                   "answers come in the order of --prompt and --prompt-file on the command line)")
     p.add_argument("--prompt-file", action=_InOrder, help="file holding a prompt (repeatable; - reads stdin)")
     p.add_argument("--no-chat", action="store_true", help="send prompts as raw text, without the chat template")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off; -1 too)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--compare-dense", action="store_true", help="also run dense; print both answers and agreement")
     p.add_argument("--kv-pages", type=int, help="KV pool size in 16-token pages (default: room for every prompt)")
@@ -79,8 +79,17 @@ def read_prompts(args, tok) -> tuple[list[list[int]], bool]:
         [("--prompt-file", f) for f in args.prompt_file or []]
     texts, names = [], []
     for flag, value in given:
-        texts.append(read_text_file(value, flag) if flag == "--prompt-file" else value)
         names.append(f"--prompt-file {value!r}" if flag == "--prompt-file" else f"--prompt {len(names) + 1}")
+        if flag == "--prompt-file" or value == "-":
+            texts.append(read_text_file(value, flag))
+            continue
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 arrive as lone surrogates
+            raw = value[e.start].encode("utf-8", "surrogateescape")
+            raise ValueError(f"{names[-1]} is not UTF-8 text (byte 0x{raw.hex()} at character {e.start}); give UTF-8 "
+                             "text, or a converted file to --prompt-file (e.g. iconv -f latin1 -t utf-8)") from None
+        texts.append(value)
     if not texts:
         doc, _, _ = document_prompt(lambda s: len(tok.encode(s, add_special_tokens=False)), 4000)
         return [tok.encode(doc + DEFAULT_QUESTION, add_special_tokens=True)], True

@@ -118,6 +118,10 @@ class Server(Responses):
         if req.temperature is not None and not 0 <= req.temperature <= 2:
             raise BadRequest(f"temperature must be a number in [0, 2], got {req.temperature}", "temperature")
         logprobs = self.logprobs_asked(req, chat)
+        bad = [t for t in req.stop_token_ids or () if not 0 <= t < self.vocab]
+        if bad:
+            raise BadRequest(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab})",
+                             "stop_token_ids")
         bias = {}
         for key, value in (req.logit_bias or {}).items():
             if not key.isdigit() or int(key) >= self.vocab:
@@ -127,6 +131,7 @@ class Server(Responses):
             return SamplingParams(max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None
                                   else req.temperature, top_p=1.0 if req.top_p is None else req.top_p,
                                   top_k=req.top_k or 0, seed=req.seed, ignore_eos=bool(req.ignore_eos),
+                                  stop_token_ids=tuple(req.stop_token_ids or ()),
                                   logprobs=logprobs, presence_penalty=req.presence_penalty or 0.0,
                                   frequency_penalty=req.frequency_penalty or 0.0, logit_bias=bias,
                                   prompt_logprobs=(logprobs or 0) if echo and (logprobs is not None or not max_tokens)

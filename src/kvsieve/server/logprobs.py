@@ -66,10 +66,15 @@ class ChoiceLogprobs:
         """The completions logprobs object of an echoed prompt: ids, the engine's
         prompt_logprobs (None for the first token) and the prompt's text; the completion's
         offsets then start after that text."""
-        items, det, offset = [], Detokenizer(self.tok, skip_special=False), 0  # (the echoed text keeps them)
+        items, det, pieces = [], Detokenizer(self.tok, skip_special=False), []
         for token, e in zip(ids, entries):
-            items.append((offset + _held_whole(det), token, e))
-            offset += len(det.add([token], False))
+            items.append((len("".join(pieces)) + _held_whole(det), token, e))
+            pieces.append(det.add([token], False))
+        # A string prompt is echoed as sent, without the special tokens its encoding added
+        # (a BOS): offsets count from where the sent text starts in the decoded ids.
+        decoded = "".join(pieces)
+        lead = len(decoded) - len(text) if decoded.endswith(text) else 0
+        items = [(min(max(offset - lead, 0), len(text)), token, e) for offset, token, e in items]
         self.end = self.sent = len(text)
         return {"tokens": [self.shown(t) for _, t, _ in items],
                 "token_logprobs": [None if e is None else e.logprob for _, _, e in items],

@@ -39,8 +39,10 @@ class Responses:
                     echo = None
                     yield text, None, None, None if logprobs is None else \
                         await self.on_tok(logprobs.echo, text, ids, out.prompt_logprobs)
-                text = await self.on_tok(det.add, out.new_tokens, out.finished) if out.new_tokens or out.finished \
-                    else ""
+                shown = out.new_tokens
+                if out.finished and shown and shown[-1] in stream.params.stop_token_ids:
+                    shown = shown[:-1]  # a stop token id ends the text without its own (vLLM's stop_token_ids)
+                text = await self.on_tok(det.add, shown, out.finished) if shown or out.finished else ""
                 if logprobs is not None and out.new_tokens:
                     await self.on_tok(logprobs.add, out.logprobs[len(out.tokens) - len(out.new_tokens):])
                 emit, stopped = match.feed(text, out.finished)

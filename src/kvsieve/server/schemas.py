@@ -76,9 +76,10 @@ class _Common(BaseModel):
     n: Optional[StrictInt] = None
     stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
-    # extensions (as in vLLM): top_k, ignore_eos; kvsieve: the sparse method of this request
+    # extensions (as in vLLM): top_k, ignore_eos, stop_token_ids; kvsieve: the sparse method of this request
     top_k: Optional[StrictInt] = None
     ignore_eos: Optional[StrictBool] = False
+    stop_token_ids: Optional[List[StrictInt]] = None
     kvsieve: Optional[Dict[str, Any]] = None
     frequency_penalty: Optional[Number] = None
     presence_penalty: Optional[Number] = None
@@ -125,10 +126,11 @@ def _refused(r: _Common) -> List[tuple]:
 EXPECTED = {
     "model": "a string (the served model name, see GET /v1/models)",
     "max_tokens": "an integer >= 1 (0 with echo: score the prompt only)", "max_completion_tokens": "an integer >= 1",
-    "temperature": "a number in [0, 2]", "top_p": "a number in (0, 1]", "top_k": "an integer >= 0 (0 = off)",
+    "temperature": "a number in [0, 2]", "top_p": "a number in (0, 1]", "top_k": "an integer >= 0 (0 or -1 = off)",
     "seed": "an integer", "stop": "a string or a list of up to 16 strings", "n": "an integer in [1, 128]",
     "stream": "true or false", "stream_options": 'an object like {"include_usage": true}',
     "stream_options.include_usage": "true or false", "ignore_eos": "true or false",
+    "stop_token_ids": "a list of token ids (integers)",
     "kvsieve": 'an object like {"method": "tactic", "threshold": 0.9}',
     "messages": 'a non-empty list of {"role": "user", "content": "..."} objects',
     "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
@@ -153,6 +155,26 @@ def _param(loc) -> Optional[str]:
     return ".".join(parts) or None
 
 
+def _unpaired_surrogate(obj, where: str = "") -> Optional[str]:
+    """The path of the first string (or key) in a JSON value that is not valid Unicode: JSON
+    may escape a lone surrogate ("\\ud800"), which no tokenizer can encode; None if none."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        path = f"{where}.{key}" if where else str(key)
+        if isinstance(key, str) and _unpaired_surrogate(key) is not None:
+            return path
+        found = _unpaired_surrogate(value, path)
+        if found is not None:
+            return found
+    return None
+
+
 def parse(model: type, raw: bytes):
     """The body as `model`, or BadRequest naming the first bad field and what it must be."""
     if not raw.strip():
@@ -163,6 +185,10 @@ def parse(model: type, raw: bytes):
         raise BadRequest(f"the request body is not valid JSON ({e}); send a JSON object") from None
     if not isinstance(obj, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(obj).__name__}")
+    bad = _unpaired_surrogate(obj)
+    if bad is not None:
+        raise BadRequest(f"{bad or 'the body'} holds a lone UTF-16 surrogate escape (\\ud800-\\udfff not in a pair), "
+                         "which is not text; send valid Unicode", bad or None)
     try:
         return model.model_validate(obj, strict=True)
     except ValidationError as e:
