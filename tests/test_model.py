@@ -261,7 +261,7 @@ def test_usage_errors_are_one_line_exit_2(capsys):
     (["--dense-heads", "/nonexistent/heads.json", "--prompt", "hi"], "dense-heads file '/nonexistent/heads.json' "
                                                                         "not found"),
     (["--prompt-file", "/nonexistent.txt"], "prompt file '/nonexistent.txt' not found"),
-    (["--prompt", "hi", "--max-new-tokens", "8200"], "the model allows 8192 positions; ask for at most 81"),
+    (["--prompt", "hi", "--max-new-tokens", "8200"], "--max-new-tokens is 8200, but the model allows 8192 positions; ask for at most 81"),
     (["--prompt", "hi", "--method", "quest", "--budget", "2147483648"], "budget must be at most 16,777,216"),
     (["--prompt", "hi", "--method", "tactic", "--budget", str(1 << 63)], "budget must be at most 16,777,216"),
     (["--prompt", "hi", "--method", "streaming", "--local", "99999999999"], "local must be at most 16,777,216"),

@@ -131,7 +131,10 @@ def cmd_generate(args) -> int:
     # at the longest prompt's length: kernels specialised on the context's size bucket compile here, not in the request
     warm = 0.0 if args.no_warmup or device.type != "cuda" else eng.warmup(prompt_tokens=max(map(len, prompts)))
     stream = not args.json and not args.no_progress and len(prompts) == 1
-    res = run_requests(eng, tok, prompts, params, None, stream)
+    try:
+        res = run_requests(eng, tok, prompts, params, None, stream)
+    except ValueError as e:  # the engine's refusal, in the flag's name
+        raise ValueError(str(e).replace("max_new_tokens is", "--max-new-tokens is")) from None
     texts = [tok.decode(o.tokens, skip_special_tokens=True) for o in res]
     st = eng.stats
     gen = sum(len(o.tokens) for o in res)
