@@ -26,6 +26,8 @@ CASES = {
     # YaRN over the whole max_position_embeddings (its config.json then may omit the original)
     "qwen2-yarn-whole": ("Qwen2Config", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                            "original_max_position_embeddings": 512})),
+    # a head dim that is not a power of two (H2O-Danube's 80, Phi-3's 96): kernels pad the channels
+    "llama-hd80": ("LlamaConfig", dict(head_dim=80)),
 }
 
 
@@ -80,6 +82,28 @@ def test_decode_matches_transformers_generate(tmp_path, name, paged):
                          ("quest", dict(budget=16, physical_page_size=16))]:
         out = LLMEngine(model, None, method, paged=paged, **opts).generate([ids], SamplingParams(6, ignore_eos=True))[0]
         assert len(out.tokens) == 6 and 0 < out.kv_fraction < 1
+
+
+def test_a_head_dim_not_a_power_of_two_decodes_as_transformers_in_every_kernel(tmp_path):
+    """head_dim 80 through the engine's kernels (the interpreter here, CUDA on the GPU): the
+    channels past 80 are masked, so dense decode and sparse decode at a full budget equal HF
+    generate, and sparse decode at a small budget reads part of the cache."""
+    from kvsieve.engine import LLMEngine, SamplingParams
+
+    hf = tiny_hf("llama-hd80", tmp_path)
+    model = load_weights(tmp_path)
+    ids = torch.randint(3, 300, (70,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False)[0, 70:].tolist()
+    small = dict(cluster_size=8, local=8, sink=2)
+    for method, opts in [("dense", {}), ("tactic", dict(threshold=1.0, **small)), ("quest", dict(budget=4096)),
+                         ("lserve", dict(budget=4096, streaming_heads=None))]:
+        got = LLMEngine(model, None, method, **opts).generate([ids], SamplingParams(6, ignore_eos=True))[0]
+        assert got.tokens == want, method
+    for method, opts in [("tactic", dict(budget=16, **small)), ("quest", dict(budget=16, physical_page_size=16))]:
+        got = LLMEngine(model, None, method, **opts).generate([ids], SamplingParams(6, ignore_eos=True))[0]
+        assert len(got.tokens) == 6 and 0 < got.kv_fraction < 0.8, (method, got.kv_fraction)
 
 
 def test_yarn_without_original_positions_takes_max_position_embeddings(tmp_path):

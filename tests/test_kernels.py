@@ -65,7 +65,7 @@ def paged_case(B, Hkv, G, D, page, S, dtype, seed, sparse):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(2, 2, 3, 64, 16, 97), (1, 1, 1, 128, 64, 54), (3, 2, 4, 64, 16, 1),
-                                   (1, 1, 8, 64, 16, 33)])
+                                   (1, 1, 8, 64, 16, 33), (2, 2, 4, 80, 16, 54), (1, 2, 3, 8, 16, 97)])
 @pytest.mark.parametrize("sparse", [False, True])
 def test_paged_decode_matches_reference_and_oracle(dtype, shape, sparse):
     B, Hkv, G, D, page, S = shape
@@ -134,7 +134,7 @@ def test_paged_decode_lists_far_shorter_than_capacity():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("G,D,W", [(1, 64, 54), (3, 128, 97), (4, 64, 1), (8, 128, 33)])
+@pytest.mark.parametrize("G,D,W", [(1, 64, 54), (3, 128, 97), (4, 64, 1), (8, 128, 33), (4, 96, 54)])
 def test_list_logits_matches_reference_and_oracle(dtype, G, D, W):
     """Per-query-head token lists (-1 = none), keys read through the page table."""
     B, Hkv, S = 2, 2, 97
@@ -156,7 +156,7 @@ def test_list_logits_matches_reference_and_oracle(dtype, G, D, W):
 
 
 @pytest.mark.parametrize("minmax", [False, True])
-@pytest.mark.parametrize("G,D,N", [(1, 64, 54), (3, 64, 97), (4, 128, 1), (8, 64, 33), (4, 64, 700)])
+@pytest.mark.parametrize("G,D,N", [(1, 64, 54), (3, 64, 97), (4, 128, 1), (8, 64, 33), (4, 64, 700), (3, 80, 97)])
 def test_summary_scores(minmax, G, D, N):
     g = torch.Generator().manual_seed(N + G)
     B, Hkv = 2, 2
@@ -172,7 +172,7 @@ def test_summary_scores(minmax, G, D, N):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("G,D,C", [(1, 64, 54), (3, 128, 97), (4, 64, 1), (8, 128, 300)])
+@pytest.mark.parametrize("G,D,C", [(1, 64, 54), (3, 128, 97), (4, 64, 1), (8, 128, 300), (4, 96, 97)])
 def test_cluster_scores_keys_and_bound(dtype, G, D, C):
     """One launch: sort keys (empty clusters and NaN at -inf, -0.0 as +0.0; float16 for 16-bit
     inputs) and the group's radius bound, against the float64 twin of the same (rounded)
@@ -208,7 +208,7 @@ def test_cluster_scores_keys_and_bound(dtype, G, D, C):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("G,D,C", [(1, 64, 54), (3, 128, 97), (4, 64, 1), (8, 128, 300)])
+@pytest.mark.parametrize("G,D,C", [(1, 64, 54), (3, 128, 97), (4, 64, 1), (8, 128, 300), (3, 80, 54)])
 def test_cluster_scores_box_bound_in_the_same_pass(dtype, G, D, C):
     """The box bound (group max of sum_i max(q_i hi_i, q_i lo_i) over the 8-bit box about
     each centroid, -inf on empty clusters) from the centroid launch, against the float64
@@ -498,7 +498,7 @@ def test_compact_tokens_always_range_stops_at_length():
         assert idx[0, 0, :3].tolist() == [0, 1, 2] and idx[1, 0, :8].tolist() == [0, 1, 2, 3, 4, 6, 7, 8]
 
 
-@pytest.mark.parametrize("D,S,C", [(64, 97, 7), (128, 54, 2), (64, 1, 1)])
+@pytest.mark.parametrize("D,S,C", [(64, 97, 7), (128, 54, 2), (64, 1, 1), (96, 97, 7), (8, 54, 3)])
 def test_nearest_centroid_and_update(D, S, C):
     g = torch.Generator().manual_seed(S)
     x = torch.randn(3, S, D, generator=g)

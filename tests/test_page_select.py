@@ -72,6 +72,8 @@ def oracle(q, kmin, kmax, lengths, a_end, a_start, ps, pp, reduce, skip):
     (4, 128, torch.bfloat16, "sum", 1, None, None),
     (3, 64, torch.float32, "max", 4, None, (4, 2)),
     (8, 64, torch.float16, "max", 4, "head", None),
+    (4, 96, torch.bfloat16, "max", 4, "row", None),
+    (3, 80, torch.float32, "max", 1, None, None),
 ])
 def test_kernel_matches_twin_and_oracle(G, D, dtype, reduce, r, skip, config):
     """Lengths 1/54/97/1000, capacity past the longest row, windows per (request, head),

@@ -49,3 +49,9 @@ def int32_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def padded_head_dim(D: int) -> int:
+    """The kernels' tile width for head dim D: a power of two, at least 16 (tl.dot's least
+    inner size); channels past D are masked (loaded as zeros, never stored)."""
+    return max(16, next_pow2(D))

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import interpreting, next_pow2
+from . import interpreting, next_pow2, padded_head_dim
 from .pdl import launch_args, start_after_producer
 
 TARGET_PROGRAMS = 1024  # enough (sub-request, split) programs to fill ~132 SMs several times
@@ -30,7 +30,7 @@ MERGE_CHUNK = 16
 def _split_kernel(Q, K, V, BT, IDX, CNT, OUT, LSE,
                   sq_b, sq_h, sk_p, sk_h, sk_s, sv_p, sv_h, sv_s, sbt, si_b, si_h,
                   Hkv, NS, SPLIT, scale,
-                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
                   BLOCK_N: tl.constexpr, DENSE: tl.constexpr,
                   UPCAST: tl.constexpr, IEEE: tl.constexpr, LOWP_PV: tl.constexpr,
                   POOL_ROWS: tl.constexpr, PDL: tl.constexpr):
@@ -43,14 +43,16 @@ def _split_kernel(Q, K, V, BT, IDX, CNT, OUT, LSE,
     start = s * SPLIT
     end = tl.minimum(count, start + SPLIT)
     offs_g = tl.arange(0, GP)
-    offs_d = tl.arange(0, D)
-    q = tl.load(Q + b * sq_b + (h * G + offs_g)[:, None] * sq_h + offs_d[None, :],
-                mask=offs_g[:, None] < G, other=0.0)
+    offs_d = tl.arange(0, DP)  # DP: D padded to a power of two, the pad masked (zeros)
+    qmask = offs_g[:, None] < G
+    if DP != D:
+        qmask = qmask & (offs_d[None, :] < D)
+    q = tl.load(Q + b * sq_b + (h * G + offs_g)[:, None] * sq_h + offs_d[None, :], mask=qmask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
+    acc = tl.zeros([GP, DP], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
@@ -63,10 +65,13 @@ def _split_kernel(Q, K, V, BT, IDX, CNT, OUT, LSE,
         else:
             page = tl.load(BT + b * sbt + tok // PAGE, mask=valid, other=0).to(tl.int64)
         slot = tok % PAGE
+        kmask = valid[:, None]
+        if DP != D:
+            kmask = kmask & (offs_d[None, :] < D)
         k = tl.load(K + page[:, None] * sk_p + h * sk_h + slot[:, None] * sk_s + offs_d[None, :],
-                    mask=valid[:, None], other=0.0)
+                    mask=kmask, other=0.0)
         v = tl.load(V + page[:, None] * sv_p + h * sv_h + slot[:, None] * sv_s + offs_d[None, :],
-                    mask=valid[:, None], other=0.0)
+                    mask=kmask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -95,12 +100,15 @@ def _split_kernel(Q, K, V, BT, IDX, CNT, OUT, LSE,
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     base = (row * NS + s) * G
     gmask = offs_g < G
-    tl.store(OUT + (base + offs_g)[:, None] * D + offs_d[None, :], out, mask=gmask[:, None])
+    omask = gmask[:, None]
+    if DP != D:
+        omask = omask & (offs_d[None, :] < D)
+    tl.store(OUT + (base + offs_g)[:, None] * D + offs_d[None, :], out, mask=omask)
     tl.store(LSE + base + offs_g, lse, mask=gmask)
 
 
 @triton.jit(do_not_specialize=('NS', 'SPLIT'))
-def _merge_kernel(PART, PLSE, CNT, OUT, LSE, NS, SPLIT, G: tl.constexpr, D: tl.constexpr,
+def _merge_kernel(PART, PLSE, CNT, OUT, LSE, NS, SPLIT, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                   CHUNK: tl.constexpr, PDL: tl.constexpr):
     """One program per (sub-request, query head): merge the split results that hold
     tokens (a list far shorter than the capacity leaves most splits empty), CHUNK splits
@@ -109,17 +117,19 @@ def _merge_kernel(PART, PLSE, CNT, OUT, LSE, NS, SPLIT, G: tl.constexpr, D: tl.c
     pid = tl.program_id(0)
     row = pid // G
     g = pid % G
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, DP)
+    dmask = offs_d < D
     offs_s = tl.arange(0, CHUNK)
     m = tl.full([1], float("-inf"), tl.float32)
     l = tl.zeros([1], tl.float32)
-    acc = tl.zeros([D], tl.float32)
+    acc = tl.zeros([DP], tl.float32)
     used = tl.minimum(tl.cdiv(tl.load(CNT + row), SPLIT), NS)
     for s0 in range(0, used, CHUNK):
         s = s0 + offs_s
         base = (row * NS + s) * G + g
         lse_s = tl.load(PLSE + base, mask=s < used, other=float("-inf"))
-        o_s = tl.load(PART + base[:, None] * D + offs_d[None, :], mask=(s < used)[:, None], other=0.0)
+        o_s = tl.load(PART + base[:, None] * D + offs_d[None, :], mask=(s < used)[:, None] & dmask[None, :],
+                      other=0.0)
         m_new = tl.maximum(m, tl.max(lse_s, 0))
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN if every split is -inf
         w_s = tl.exp(lse_s - safe)
@@ -129,7 +139,7 @@ def _merge_kernel(PART, PLSE, CNT, OUT, LSE, NS, SPLIT, G: tl.constexpr, D: tl.c
         m = m_new
     has = l > 0
     out = acc / tl.where(has, l, 1.0)
-    tl.store(OUT + pid * D + offs_d, out.to(OUT.dtype.element_ty))
+    tl.store(OUT + pid * D + offs_d, out.to(OUT.dtype.element_ty), mask=dmask)
     tl.store(LSE + pid + tl.arange(0, 1), tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf")))
 
 
@@ -198,8 +208,6 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
     G = Hq // Hkv
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("paged_decode needs the head dimension contiguous in q, k_pool and v_pool")
-    if D != next_pow2(D) or D < 16:
-        raise ValueError(f"paged_decode supports power-of-two head_dim >= 16, got {D}")
     scale = D ** -0.5 if scale is None else scale
     dense = indices is None
     if dense:
@@ -227,11 +235,12 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), block_table.stride(0), si_b, si_h,
         Hkv, ns, split, scale,
-        G=G, GP=max(16, next_pow2(G)), D=D, PAGE=page, BLOCK_N=block_n, DENSE=dense,
+        G=G, GP=max(16, next_pow2(G)), D=D, DP=padded_head_dim(D), PAGE=page, BLOCK_N=block_n, DENSE=dense,
         UPCAST=upcast, IEEE=ieee and not interpreting(), LOWP_PV=cfg["lowp_pv"] and not upcast,
         POOL_ROWS=pool_rows and not dense, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
-    _merge_kernel[(B * Hq,)](part, plse, counts, out, lse, ns, split, G=G, D=D, CHUNK=MERGE_CHUNK, num_warps=1,
+    _merge_kernel[(B * Hq,)](part, plse, counts, out, lse, ns, split, G=G, D=D, DP=next_pow2(D), CHUNK=MERGE_CHUNK,
+                             num_warps=1,
                              **pdl)
     return out, lse

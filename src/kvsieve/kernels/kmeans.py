@@ -10,23 +10,29 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import interpreting
+from . import interpreting, next_pow2, padded_head_dim
 
 
 @triton.jit(do_not_specialize=('S', 'NC'))
 def _nearest_kernel(X, C, CN, OUT, S, NC, sx_r, sx_s, sc_r, sc_c,
-                    D: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, UPCAST: tl.constexpr):
+                    D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, UPCAST: tl.constexpr):
     r = tl.program_id(0)
     offs_m = tl.program_id(1) * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, D)
-    x = tl.load(X + r * sx_r + offs_m[:, None] * sx_s + offs_d[None, :], mask=offs_m[:, None] < S, other=0.0)
+    offs_d = tl.arange(0, DP)  # D padded to a power of two: the pad loads as zeros
+    xmask = offs_m[:, None] < S
+    if DP != D:
+        xmask = xmask & (offs_d[None, :] < D)
+    x = tl.load(X + r * sx_r + offs_m[:, None] * sx_s + offs_d[None, :], mask=xmask, other=0.0)
     if UPCAST:
         x = x.to(tl.float32)
     best = tl.full([BM], float("inf"), tl.float32)
     arg = tl.zeros([BM], tl.int32)
     for c0 in range(0, NC, BC):
         offs_c = c0 + tl.arange(0, BC)
-        c = tl.load(C + r * sc_r + offs_c[:, None] * sc_c + offs_d[None, :], mask=offs_c[:, None] < NC, other=0.0)
+        cmask = offs_c[:, None] < NC
+        if DP != D:
+            cmask = cmask & (offs_d[None, :] < D)
+        c = tl.load(C + r * sc_r + offs_c[:, None] * sc_c + offs_d[None, :], mask=cmask, other=0.0)
         cn = tl.load(CN + r * NC + offs_c, mask=offs_c < NC, other=float("inf"))  # inf: invalid cluster
         if UPCAST:
             dot = tl.dot(x, tl.trans(c.to(tl.float32)), input_precision="ieee")
@@ -59,28 +65,29 @@ def nearest_centroid(x: Tensor, centroids: Tensor, cluster_valid: Tensor, _confi
         BM, BC, warps, stages = 64, 32, 4, 2
     _nearest_kernel[(R, triton.cdiv(S, BM))](
         x, c, cn, out, S, NC, x.stride(0), x.stride(1), c.stride(0), c.stride(1),
-        D=D, BM=BM, BC=BC, UPCAST=interpreting(), num_warps=warps, num_stages=stages)
+        D=D, DP=padded_head_dim(D), BM=BM, BC=BC, UPCAST=interpreting(), num_warps=warps, num_stages=stages)
     return out.long()
 
 
 @triton.jit(do_not_specialize=('S', 'NC'))
 def _segment_mean_kernel(X, ORDER, START, CNT, OLD, OUT, S, NC, sx_r, sx_s,
-                         D: tl.constexpr, BM: tl.constexpr):
+                         D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr):
     pid = tl.program_id(0)
     r = pid // NC
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, DP)
+    dmask = offs_d < D
     start = tl.load(START + pid)
     n = tl.load(CNT + pid)
-    acc = tl.zeros([D], tl.float32)
+    acc = tl.zeros([DP], tl.float32)
     for m0 in range(0, n, BM):
         offs = m0 + tl.arange(0, BM)
         ok = offs < n
         t = tl.load(ORDER + r * S + start + offs, mask=ok, other=0).to(tl.int64)
-        x = tl.load(X + r * sx_r + t[:, None] * sx_s + offs_d[None, :], mask=ok[:, None], other=0.0)
+        x = tl.load(X + r * sx_r + t[:, None] * sx_s + offs_d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
         acc += tl.sum(x.to(tl.float32), 0)
-    old = tl.load(OLD + pid * D + offs_d).to(tl.float32)
+    old = tl.load(OLD + pid * D + offs_d, mask=dmask).to(tl.float32)
     out = tl.where(n > 0, acc / tl.maximum(n, 1).to(tl.float32), old)
-    tl.store(OUT + pid * D + offs_d, out.to(OUT.dtype.element_ty))
+    tl.store(OUT + pid * D + offs_d, out.to(OUT.dtype.element_ty), mask=dmask)
 
 
 def update_centroids(x: Tensor, assign: Tensor, token_valid: Tensor, centroids: Tensor) -> Tensor:
@@ -98,5 +105,5 @@ def update_centroids(x: Tensor, assign: Tensor, token_valid: Tensor, centroids: 
     old = centroids.contiguous()
     out = torch.empty_like(old)
     _segment_mean_kernel[(R * NC,)](x, order, start, cnt, old, out, S, NC, x.stride(0), x.stride(1),
-                                    D=D, BM=32, num_warps=4)
+                                    D=D, DP=next_pow2(D), BM=32, num_warps=4)
     return out

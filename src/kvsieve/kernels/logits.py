@@ -40,7 +40,8 @@ def _ranked_token(p, CS, RK, ORD, EST, MEM, row, kv, NC, M, ROUNDS: tl.constexpr
 @triton.jit(do_not_specialize=('st_b', 'st_h', 'W', 'NC', 'M'))
 def _list_logits_kernel(Q, K, BT, TOK, OUT, CS, RK, ORD, EST, MEM,
                         sq_b, sq_h, sk_p, sk_h, sk_s, sbt, st_b, st_h,
-                        Hq, G, W, NC, M, scale, D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+                        Hq, G, W, NC, M, scale, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
+                        BLOCK: tl.constexpr,
                         RANKED: tl.constexpr, ROUNDS: tl.constexpr, FAN_BITS: tl.constexpr,
                         ROW_AXIS: tl.constexpr):
     row = tl.program_id(ROW_AXIS)
@@ -48,7 +49,8 @@ def _list_logits_kernel(Q, K, BT, TOK, OUT, CS, RK, ORD, EST, MEM,
     h = row % Hq
     kv = b * (Hq // G) + h // G
     offs = tl.program_id(1 - ROW_AXIS) * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, DP)  # D padded to a power of two: the pad loads as zeros
+    dmask = offs_d < D
     inside = offs < W
     tok = tl.load(TOK + b * st_b + h * st_h + offs, mask=inside, other=-1)
     valid = tok >= 0
@@ -56,9 +58,12 @@ def _list_logits_kernel(Q, K, BT, TOK, OUT, CS, RK, ORD, EST, MEM,
         tok, valid = _ranked_token(tok, CS, RK, ORD, EST, MEM, row, kv, NC, M, ROUNDS, FAN_BITS)
     tok = tl.where(valid, tok, 0)
     page = tl.load(BT + b * sbt + tok // PAGE, mask=valid, other=0).to(tl.int64)
+    kmask = valid[:, None]
+    if DP != D:
+        kmask = kmask & dmask[None, :]
     k = tl.load(K + page[:, None] * sk_p + (h // G) * sk_h + (tok % PAGE)[:, None] * sk_s + offs_d[None, :],
-                mask=valid[:, None], other=0.0).to(tl.float32)
-    q = tl.load(Q + b * sq_b + h * sq_h + offs_d).to(tl.float32)
+                mask=kmask, other=0.0).to(tl.float32)
+    q = tl.load(Q + b * sq_b + h * sq_h + offs_d, mask=dmask, other=0.0).to(tl.float32)
     logit = tl.sum(k * q[None, :], 1) * scale
     tl.store(OUT + row * W + offs, tl.where(valid, logit, float("-inf")), mask=inside)
 
@@ -118,8 +123,6 @@ def _launch(q, k_pool, block_table, tokens, scale, ranked=None, _config=None, _r
     W = tokens.shape[-1]
     if k_pool.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("list_logits needs the head dimension contiguous in q and k_pool")
-    if D != next_pow2(D):
-        raise ValueError(f"list_logits supports power-of-two head_dim, got {D}")
     if tokens.stride(-1) != 1:
         tokens = tokens.contiguous()
     out = torch.empty(B, Hq, W, dtype=torch.float32, device=q.device)
@@ -142,7 +145,8 @@ def _launch(q, k_pool, block_table, tokens, scale, ranked=None, _config=None, _r
             q, k_pool, block_table, tokens, out, cs, rk, order, est, mem,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
             k_pool.stride(2), block_table.stride(0), tokens.stride(0), tokens.stride(1),
-            Hq, Hq // Hkv, W, NC, M, D ** -0.5 if scale is None else scale, D=D, PAGE=page, BLOCK=block,
+            Hq, Hq // Hkv, W, NC, M, D ** -0.5 if scale is None else scale, D=D, DP=next_pow2(D), PAGE=page,
+            BLOCK=block,
             RANKED=ranked is not None, ROUNDS=search_rounds(NC, fan_bits), FAN_BITS=fan_bits,
             ROW_AXIS=0 if _rows_first else 1, num_warps=warps)
     return out

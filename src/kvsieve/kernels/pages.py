@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import interpreting, next_pow2
+from . import interpreting, next_pow2, padded_head_dim
 from .pdl import launch_args, start_after_producer
 
 
@@ -24,7 +24,8 @@ _use_dot = True  # the tensor-core form by default (scripts/profile_plan.py --me
 @triton.jit(do_not_specialize=('P', 'NP', 'sae_b', 'sae_h', 'sas_b', 'sas_h', 'ssk_b', 'ssk_h', 'SINK_END', 'LOCAL'))
 def _physical_scores_kernel(Q, LO, HI, LEN, AEND, ASTART, SKIP, OUT, Hkv, P, NP,
                             sq_b, sq_h, sl_b, sl_h, sl_n, sae_b, sae_h, sas_b, sas_h, ssk_b, ssk_h, SINK_END, LOCAL,
-                            G: tl.constexpr, D: tl.constexpr, R: tl.constexpr, WIDTH: tl.constexpr,
+                            G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr,
+                            WIDTH: tl.constexpr,
                             BLOCK: tl.constexpr, SUM: tl.constexpr, HAS_SKIP: tl.constexpr, DOT: tl.constexpr,
                             GP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
                             PDL: tl.constexpr):
@@ -43,7 +44,8 @@ def _physical_scores_kernel(Q, LO, HI, LEN, AEND, ASTART, SKIP, OUT, Hkv, P, NP,
     b = row // Hkv
     h = row % Hkv
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, DP)  # D padded to a power of two: the pad loads as zeros
+    dmask = offs_d < D
     length = tl.load(LEN + b).to(tl.int64)
     if WINDOW:
         a_end = tl.minimum(length, SINK_END)
@@ -64,8 +66,10 @@ def _physical_scores_kernel(Q, LO, HI, LEN, AEND, ASTART, SKIP, OUT, Hkv, P, NP,
         # products per tile, exact products summed in float32 (in another order than the twin)
         base = b.to(tl.int64) * sl_b + h * sl_h
         offs_g = tl.arange(0, GP)
-        qt = tl.load(Q + b * sq_b + (h * G + offs_g)[:, None] * sq_h + offs_d[None, :], mask=offs_g[:, None] < G,
-                     other=0.0)
+        qmask = offs_g[:, None] < G
+        if DP != D:
+            qmask = qmask & dmask[None, :]
+        qt = tl.load(Q + b * sq_b + (h * G + offs_g)[:, None] * sq_h + offs_d[None, :], mask=qmask, other=0.0)
         if UPCAST:
             qt = qt.to(tl.float32)
         qp = tl.where(qt > 0, qt, 0.0).to(qt.dtype)
@@ -74,8 +78,11 @@ def _physical_scores_kernel(Q, LO, HI, LEN, AEND, ASTART, SKIP, OUT, Hkv, P, NP,
             page = offs * R + r
             ok = cand & (page < P)
             ptr = base + page[:, None].to(tl.int64) * sl_n + offs_d[None, :]
-            lo = tl.load(LO + ptr, mask=ok[:, None], other=0.0)
-            hi = tl.load(HI + ptr, mask=ok[:, None], other=0.0)
+            lmask = ok[:, None]
+            if DP != D:
+                lmask = lmask & dmask[None, :]
+            lo = tl.load(LO + ptr, mask=lmask, other=0.0)
+            hi = tl.load(HI + ptr, mask=lmask, other=0.0)
             if UPCAST:
                 lo, hi = lo.to(tl.float32), hi.to(tl.float32)
             if IEEE:
@@ -94,12 +101,12 @@ def _physical_scores_kernel(Q, LO, HI, LEN, AEND, ASTART, SKIP, OUT, Hkv, P, NP,
             page = offs * R + r
             ok = cand & (page < P)
             ptr = base + page[:, None].to(tl.int64) * sl_n + offs_d[None, :]
-            lo = tl.load(LO + ptr, mask=ok[:, None], other=0.0).to(tl.float32)
-            hi = tl.load(HI + ptr, mask=ok[:, None], other=0.0).to(tl.float32)
-            q = tl.load(Q + b * sq_b + h * G * sq_h + offs_d).to(tl.float32)
+            lo = tl.load(LO + ptr, mask=ok[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+            hi = tl.load(HI + ptr, mask=ok[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+            q = tl.load(Q + b * sq_b + h * G * sq_h + offs_d, mask=dmask, other=0.0).to(tl.float32)
             red = tl.sum(tl.maximum(q[None, :] * hi, q[None, :] * lo), 1)
             for g in tl.static_range(1, G):
-                q = tl.load(Q + b * sq_b + (h * G + g) * sq_h + offs_d).to(tl.float32)
+                q = tl.load(Q + b * sq_b + (h * G + g) * sq_h + offs_d, mask=dmask, other=0.0).to(tl.float32)
                 s = tl.sum(tl.maximum(q[None, :] * hi, q[None, :] * lo), 1)
                 if SUM:
                     red = red + s
@@ -170,7 +177,7 @@ def _page_scores(q, kmin, kmax, lengths, ends, page_size, physical_page_size, gq
     _physical_scores_kernel[(B * Hkv, max(1, triton.cdiv(NP, block)))](  # (a program to write the windows)
         q, kmin, kmax, lengths, ae, ast, sk, out, Hkv, P, NP, q.stride(0), q.stride(1), kmin.stride(0),
         kmin.stride(1), kmin.stride(2), ae.stride(0), ae.stride(1), ast.stride(0), ast.stride(1), *sk_strides,
-        sink_end, local, G=G, D=D, R=r, WIDTH=physical_page_size, BLOCK=block, SUM=gqa_reduce == "sum",
+        sink_end, local, G=G, D=D, DP=padded_head_dim(D), R=r, WIDTH=physical_page_size, BLOCK=block, SUM=gqa_reduce == "sum",
         HAS_SKIP=skip is not None, DOT=dot, GP=16, UPCAST=upcast, IEEE=upcast and not interpreting(),
         WINDOW=window is not None, num_warps=warps, **launch_args(out))
     return out

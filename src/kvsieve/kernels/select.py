@@ -14,29 +14,33 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import int32_contiguous, interpreting, next_pow2
+from . import int32_contiguous, interpreting, next_pow2, padded_head_dim
 from .pdl import launch_args, start_after_producer
 from ..ops.select import ChosenList, key_dtype
 
 
 @triton.jit(do_not_specialize=('N', 'snv_b', 'snv_h'))
 def _scores_kernel(Q, LO, HI, NV, OUT, GMAX, Hkv, N, sq_b, sq_h, sl_b, sl_h, sl_n, snv_b, snv_h,
-                   G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, MINMAX: tl.constexpr,
+                   G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, MINMAX: tl.constexpr,
                    PER_HEAD: tl.constexpr):
     row = tl.program_id(0)
     b = row // Hkv
     h = row % Hkv
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, DP)  # D padded to a power of two: the pad loads as zeros
+    dmask = offs_d < D
     nv = tl.load(NV + b * snv_b + h * snv_h)
     valid = offs < nv
     ptr = b * sl_b + h * sl_h + offs[:, None] * sl_n + offs_d[None, :]
-    lo = tl.load(LO + ptr, mask=valid[:, None], other=0.0).to(tl.float32)
+    lmask = valid[:, None]
+    if DP != D:
+        lmask = lmask & dmask[None, :]
+    lo = tl.load(LO + ptr, mask=lmask, other=0.0).to(tl.float32)
     if MINMAX:
-        hi = tl.load(HI + ptr, mask=valid[:, None], other=0.0).to(tl.float32)
+        hi = tl.load(HI + ptr, mask=lmask, other=0.0).to(tl.float32)
     gmax = tl.full([BLOCK], float("-inf"), tl.float32)
     for g in tl.static_range(G):
-        q = tl.load(Q + b * sq_b + (h * G + g) * sq_h + offs_d).to(tl.float32)
+        q = tl.load(Q + b * sq_b + (h * G + g) * sq_h + offs_d, mask=dmask, other=0.0).to(tl.float32)
         if MINMAX:
             s = tl.sum(tl.maximum(q[None, :] * hi, q[None, :] * lo), 1)
         else:
@@ -51,7 +55,7 @@ def _scores_kernel(Q, LO, HI, NV, OUT, GMAX, Hkv, N, sq_b, sq_h, sl_b, sl_h, sl_
 @triton.jit(do_not_specialize=('N', 'snv_b', 'snv_h'))
 def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Z, RAD, BX, STEP, Hkv, N, sq_b, sq_h, sc_b, sc_h, sc_n, snv_b, snv_h,
                        sb_b, sb_h, sb_n,
-                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
                        PER_PROGRAM: tl.constexpr, PER_HEAD: tl.constexpr, UPCAST: tl.constexpr,
                        IEEE: tl.constexpr, STAGES: tl.constexpr, KEYS: tl.constexpr, BOUND: tl.constexpr,
                        BOX: tl.constexpr, KEY16: tl.constexpr, PDL: tl.constexpr):
@@ -71,10 +75,12 @@ def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Z, RAD, BX, STEP, Hkv, N, sq_b, sq_h
     b = row // Hkv
     h = row % Hkv
     offs_g = tl.arange(0, GP)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, DP)  # D padded to a power of two: the pad loads as zeros
     nv = tl.load(NV + b * snv_b + h * snv_h)
-    q = tl.load(Q + b * sq_b + (h * G + offs_g)[:, None] * sq_h + offs_d[None, :], mask=offs_g[:, None] < G,
-                other=0.0)
+    qmask = offs_g[:, None] < G
+    if DP != D:
+        qmask = qmask & (offs_d[None, :] < D)
+    q = tl.load(Q + b * sq_b + (h * G + offs_g)[:, None] * sq_h + offs_d[None, :], mask=qmask, other=0.0)
     if BOUND:
         qf = q.to(tl.float32)
         qn = tl.sqrt(tl.sum(qf * qf, 1))
@@ -90,8 +96,10 @@ def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Z, RAD, BX, STEP, Hkv, N, sq_b, sq_h
             valid = tl.load(Z + row * N + offs, mask=offs < N, other=0) > 0
         else:
             valid = offs < nv
-        c = tl.load(C + b * sc_b + h * sc_h + offs[:, None] * sc_n + offs_d[None, :], mask=valid[:, None],
-                    other=0.0)
+        cmask = valid[:, None]
+        if DP != D:
+            cmask = cmask & (offs_d[None, :] < D)
+        c = tl.load(C + b * sc_b + h * sc_h + offs[:, None] * sc_n + offs_d[None, :], mask=cmask, other=0.0)
         if UPCAST:
             c = c.to(tl.float32)
         if IEEE:
@@ -115,8 +123,8 @@ def _dot_scores_kernel(Q, C, NV, OUT, GMAX, Z, RAD, BX, STEP, Hkv, N, sq_b, sq_h
             s = s + qn[:, None] * r[None, :]
         if BOX:
             box = b * sb_b + h * sb_h + offs[:, None] * sb_n + offs_d[None, :]
-            up = tl.load(BX + box, mask=valid[:, None], other=0).to(q.dtype)
-            down = tl.load(BX + box + D, mask=valid[:, None], other=0).to(q.dtype)
+            up = tl.load(BX + box, mask=cmask, other=0).to(q.dtype)
+            down = tl.load(BX + box + D, mask=cmask, other=0).to(q.dtype)
             if IEEE:
                 w = tl.dot(q_pos, tl.trans(up), input_precision="ieee")
                 w = tl.dot(q_neg, tl.trans(down), w, input_precision="ieee")
@@ -153,7 +161,7 @@ def summary_scores(q: Tensor, lo: Tensor, hi: Optional[Tensor] = None,
     block, warps = _config or (128, 8 if D >= 128 else 4)  # H200 sweep: 128 x 8 best at D = 128
     _scores_kernel[(B * Hkv, triton.cdiv(N, block))](
         q, lo, lo if hi is None else hi, nv, gmax if out is None else out, gmax, Hkv, N, q.stride(0),
-        q.stride(1), lo.stride(0), lo.stride(1), lo.stride(2), *snv, G=G, D=D, BLOCK=block,
+        q.stride(1), lo.stride(0), lo.stride(1), lo.stride(2), *snv, G=G, D=D, DP=next_pow2(D), BLOCK=block,
         MINMAX=hi is not None, PER_HEAD=out is not None, num_warps=warps)
     return out, gmax
 
@@ -172,7 +180,7 @@ def _dot_scores(q, cent, nv, snv, out, gmax, sizes=None, radius=None, box=None, 
         q, cent, nv, gmax if out is None else out, gmax, gmax if sizes is None else sizes,
         gmax if radius is None else radius, codes, step, Hkv, N, q.stride(0), q.stride(1), cent.stride(0),
         cent.stride(1), cent.stride(2), *snv, codes.stride(0), codes.stride(1), codes.stride(2), G=Hq // Hkv,
-        GP=max(16, next_pow2(Hq // Hkv)), D=D, BLOCK=block, PER_PROGRAM=per_program, PER_HEAD=out is not None,
+        GP=max(16, next_pow2(Hq // Hkv)), D=D, DP=padded_head_dim(D), BLOCK=block, PER_PROGRAM=per_program, PER_HEAD=out is not None,
         UPCAST=upcast, IEEE=upcast and not interpreting(), STAGES=stages, KEYS=sizes is not None,
         BOUND=radius is not None, BOX=box is not None, KEY16=out is not None and out.dtype == torch.float16,
         num_warps=warps, **launch_args(q))
