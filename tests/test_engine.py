@@ -460,6 +460,26 @@ def test_sampling_filters_and_greedy():
         assert set(toks.tolist()) == want, t
 
 
+def test_sampling_noise_is_finite_so_filtered_tokens_are_never_drawn():
+    """The hash's largest draw rounded to u = 1.0 in float32: +inf Gumbel noise, so that entry
+    won whatever its logit, or, cut by top-k/top-p (-inf + inf = NaN), won argmax anyway
+    (seed 5, position 39, entry 13709 of a 49,152 vocabulary; ~0.4% of steps)."""
+    from kvsieve.engine.sampling import gumbel_noise, uniform_noise
+
+    V = 49152
+    u = uniform_noise(torch.tensor([5]), torch.tensor([39]), V)
+    assert 0 < u.min() and u.max() < 1 and u[0, 13709] == 1 - 2.0 ** -25
+    n = 512
+    seeds, positions = torch.arange(n) % 16, torch.arange(n) // 16
+    g = gumbel_noise(seeds, positions, V)
+    assert torch.isfinite(g).all() and g.max() < 17.4 and g.min() > -3.0
+    logits = torch.zeros(n, V)
+    logits[:, 100] = 50.0
+    for top_k, top_p in ((1, 1.0), (0, 0.5), (0, 1.0)):
+        toks = sample(logits, torch.full((n,), 1.5), torch.full((n,), top_k), torch.full((n,), top_p), seeds, positions)
+        assert (toks == 100).all(), (top_k, top_p)
+
+
 def test_bad_requests_raise_one_clear_error(tiny_model):
     eng = LLMEngine(tiny_model, None, "tactic")
     with pytest.raises(ValueError, match="empty"):
