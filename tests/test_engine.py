@@ -829,3 +829,67 @@ def test_a_finished_requests_setting_is_released_while_others_run(tiny_model):
         done.update({o.id: o.tokens for o in eng.step() if o.finished})
     assert eng.runner.composes == composes + 1  # one rebuild, without the released group
     assert done[long_id] == alone(tiny_model, "quest", {"budget": 32}, [ps[0]], long_p, paged=True)[0]
+
+
+def test_threads_generating_on_one_engine_get_their_own_outputs(tiny_model):
+    """Two threads' generate() on one engine (each thread's step may produce the other's
+    tokens) equal each request alone; an abort() from another thread mid-generate ends that
+    request with finish_reason "abort" while the others finish (was a KeyError in step)."""
+    import threading
+
+    g = torch.Generator().manual_seed(41)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (60, 90, 40, 70)]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    alone = [LLMEngine(tiny_model, None, "dense").generate([p], params)[0].tokens for p in prompts]
+    eng = LLMEngine(tiny_model, None, "dense")
+    got, errors = {}, []
+
+    def run(name, idx):
+        try:
+            got[name] = [o.tokens for o in eng.generate([prompts[i] for i in idx], params)]
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run, args=(n, idx)) for n, idx in (("a", [0, 1]), ("b", [2, 3]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors and got == {"a": alone[:2], "b": alone[2:]}
+    long = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(r=eng.generate(prompts[:2], long)))
+    worker.start()
+    while True:
+        with eng._lock:
+            if any(r.output for r in eng.scheduler.requests.values()):
+                eng.abort(min(eng.scheduler.requests))
+                break
+    worker.join(timeout=300)
+    assert [o.finish_reason for o in out["r"]] == ["abort", "length"] and len(out["r"][1].tokens) == 200
+    assert len(eng.scheduler.free_pages) == eng.scheduler.num_pages
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"kv_page_size": 0}, "kv_page_size must be an integer >= 1, got 0"),
+    ({"kv_pages": 2.5}, "kv_pages must be an integer >= 1"), ({"kv_pages": True}, "kv_pages must be"),
+    ({"prefill_chunk": -5}, "prefill_chunk must be an integer >= 1"), ({"dense_below": -1}, "dense_below must be"),
+    ({"cpu_kv_gib": 0}, "cpu_kv_gib must be a number > 0"), ({"gpu_memory_fraction": 1.5}, r"in \(0, 1\]"),
+])
+def test_engine_sizes_are_checked_with_one_error(tiny_model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLMEngine(tiny_model, None, "dense", **kwargs)
+
+
+def test_requests_of_the_wrong_kind_are_named(tiny_model):
+    eng = LLMEngine(tiny_model, None, "dense")
+    ids = list(range(5, 25))
+    for call, match in [(lambda: eng.generate([ids], {"max_new_tokens": 5}), "params must be a SamplingParams or a list"),
+                        (lambda: eng.add_request(ids, None), "params must be a SamplingParams, got NoneType"),
+                        (lambda: eng.generate(torch.tensor([ids, ids])), "got a 2-D Tensor; pass one list"),
+                        (lambda: eng.generate([b"hello"]), "got bytes; decode it first"),
+                        (lambda: eng.generate([[True, False, True]]), "got booleans"),
+                        (lambda: eng.score(ids, ids[:3]), "score\\(\\) takes a list of prompts.*wrap it in a list")]:
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert not eng.has_unfinished and len(eng.generate([ids], SamplingParams(3))[0].tokens) == 3

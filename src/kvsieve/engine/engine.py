@@ -11,8 +11,11 @@ the engine records tokens, timings and the KV fraction each request read.
 """
 from __future__ import annotations
 
+import functools
+import numbers
 import operator
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -83,6 +86,31 @@ class EngineStats:
     kv_fraction: Dict[str, List[float]] = field(default_factory=dict)  # method -> [sum, steps]
 
 
+def _check_sizes(**given) -> None:
+    """One clear error for a constructor size that is not a count (or a fraction) in range."""
+    counts = {"kv_pages": 1, "kv_page_size": 1, "prefill_chunk": 1, "dense_below": 0}
+    for name, v in given.items():
+        if v is None and name != "kv_page_size":
+            continue
+        if name in counts:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < counts[name]:
+                raise ValueError(f"{name} must be an integer >= {counts[name]}"
+                                 + ("" if name == "kv_page_size" else " (or None: the default)") + f", got {v!r}")
+        elif isinstance(v, bool) or not isinstance(v, numbers.Real) or not (
+                0 < v <= 1 if name == "gpu_memory_fraction" else 0 < v < float("inf")):
+            raise ValueError(f"{name} must be a number {'in (0, 1]' if name == 'gpu_memory_fraction' else '> 0'}, "
+                             f"got {v!r}")
+
+
+def _locked(fn):
+    """Run the method under the engine's lock: one thread at a time steps, adds or aborts."""
+    @functools.wraps(fn)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return fn(self, *args, **kwargs)
+    return run
+
+
 class LLMEngine(BatchCrossover):
     """model: a kvsieve model (model.cfg, forward, logits); tokenizer: optional (for text);
     method + options: the default sparse method (validated like CLI options); requests may
@@ -91,13 +119,20 @@ class LLMEngine(BatchCrossover):
     free GPU memory on CUDA, by cpu_kv_gib GiB and half the free RAM on the CPU).
     dense_below: prompts shorter than this many tokens attend densely, the others always
     plan (default on CUDA: the request's method's crossovers, see dense_below_for and
-    dense_step_below_for; 0 on the CPU). Prompts are token ids or text (prompt_ids)."""
+    dense_step_below_for; 0 on the CPU). Prompts are token ids or text (prompt_ids).
+    Thread-safe: step, add_request, abort and the calls built on them take one lock, and
+    generate / stream in several threads each get their own requests' outputs, whichever
+    thread's step produced them."""
 
     def __init__(self, model, tokenizer=None, method: str = "dense", kv_pages: Optional[int] = None,
                  kv_page_size: int = 16, max_num_seqs: int = 64, step_tokens: int = 2048, max_waiting: Optional[int] = None,
                  dense_below: Optional[int] = None, prefill_chunk: Optional[int] = None, paged: Optional[bool] = None,
                  graphs: Optional[bool] = None, gpu_memory_fraction: float = 0.9, cpu_kv_gib: float = 2.0,
                  **method_options):
+        self._lock = threading.RLock()
+        self._inbox: Dict[int, List[RequestOutput]] = {}  # outputs of generate's and stream's requests
+        _check_sizes(kv_pages=kv_pages, kv_page_size=kv_page_size, prefill_chunk=prefill_chunk, dense_below=dense_below,
+                     gpu_memory_fraction=gpu_memory_fraction, cpu_kv_gib=cpu_kv_gib)
         self.model, self.tokenizer = model, tokenizer
         cfg = model.cfg
         self.default_method = method
@@ -221,6 +256,7 @@ class LLMEngine(BatchCrossover):
                              "calibrate this model with `kvsieve calibrate`")
         return opts
 
+    @_locked
     def drop_methods(self, keys) -> List[str]:
         """Forget the per-request methods of `keys` (method_key's) that no unfinished request
         uses: their method objects, rules and caches. Returns the keys dropped; the others are
@@ -242,12 +278,16 @@ class LLMEngine(BatchCrossover):
             self._reads_most.discard(k)
         return dropped
 
+    @_locked
     def add_request(self, prompt: Prompt, params: SamplingParams = SamplingParams(),
                     method: Optional[str] = None, method_options: Optional[dict] = None) -> int:
         """Queue one request (token ids, or text: prompt_ids); returns its id. Raises
         ValueError for input that can never run (not token ids of the model's vocabulary,
         empty, longer than the model allows, bigger than the pool) and SchedulerFullError past
         the waiting-queue limit."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {str(params)[:40]}; "
+                             "e.g. SamplingParams(max_new_tokens=64)")
         prompt = self.prompt_ids(prompt)
         vocab = self.model.cfg.vocab_size
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
@@ -268,6 +308,8 @@ class LLMEngine(BatchCrossover):
         """A prompt as a list of token ids: a str is encoded with the engine's tokenizer as it
         stands (no chat template); token ids (a list, or a 1-D integer tensor or array) must lie
         in the model's vocabulary. Raises ValueError naming the first bad one."""
+        if isinstance(prompt, (bytes, bytearray)):
+            raise ValueError("a prompt must be text (str) or token ids, got bytes; decode it first (e.g. .decode())")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer: build the engine with one, or pass token ids")
@@ -281,11 +323,15 @@ class LLMEngine(BatchCrossover):
         except TypeError:
             raise ValueError(f"a prompt must be text or a sequence of integer token ids, got {type(prompt).__name__} "
                              f"{str(prompt)[:40]!r}") from None
+        raw = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+        if any(isinstance(t, bool) for t in raw):
+            raise ValueError("a prompt's token ids must be integers, got booleans (True/False); pass the ids")
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})")
         return ids
 
+    @_locked
     def abort(self, rid: int) -> None:
         """Cancel a request; its KV pages are free when this returns."""
         req = self.scheduler.abort(rid)
@@ -299,8 +345,20 @@ class LLMEngine(BatchCrossover):
         return self.scheduler.has_unfinished
 
     # ------------------------------------------------------------------ one step
+    @_locked
     def step(self) -> List[RequestOutput]:
-        """Run one scheduler step; returns an output for each request that produced a token."""
+        """Run one scheduler step; returns an output for each request that produced a token.
+        If it raises (or is interrupted), abort the requests it was running before stepping
+        again, as generate() and the server do: a step cut short may have counted a token for
+        a request's penalties that it never recorded."""
+        outs = self._step()
+        for o in outs:
+            box = self._inbox.get(o.id)
+            if box is not None:
+                box.append(o)
+        return outs
+
+    def _step(self) -> List[RequestOutput]:
         plan = self.scheduler.schedule()
         for r in plan.preempted:
             self.runner.release(r.id)
@@ -404,24 +462,36 @@ class LLMEngine(BatchCrossover):
         comes back with finish_reason "abort"; on an error none of these requests is left
         queued. Other requests queued with add_request advance too, but their outputs are not
         returned: drive several requests with step()."""
-        if not prompts or isinstance(prompts, str):
+        if getattr(prompts, "ndim", 1) != 1:  # (a [B, S] input_ids tensor: rows may be padded)
+            raise ValueError(f"generate() takes a list of prompts, got a {getattr(prompts, 'ndim')}-D "
+                             f"{type(prompts).__name__}; pass one list of token ids per prompt, without padding "
+                             "(e.g. [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)])")
+        if isinstance(prompts, (str, bytes)) or not len(prompts):
             raise ValueError("generate() takes a list of prompts (each text or token ids); got "
-                             + ("one str: wrap it in a list" if prompts else "none"))
+                             + ("one str: wrap it in a list" if len(prompts) else "none"))
         if isinstance(prompts[0], int):
             raise ValueError("generate() takes a list of prompts; got one list of token ids: wrap it in a list")
+        if not isinstance(params, SamplingParams) and not (
+                isinstance(params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in params)):
+            raise ValueError(f"params must be a SamplingParams or a list of them (one per prompt), got "
+                             f"{type(params).__name__} {str(params)[:40]}")
         per = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per) != len(prompts):
             raise ValueError(f"got {len(per)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
         ids: List[int] = []
         try:  # a bad prompt (or an error, an interrupt) leaves none of this call's requests behind
-            for p, sp in zip(prompts, per):
-                ids.append(self.add_request(p, sp, method, method_options))
-            reqs = {rid: self.scheduler.requests[rid] for rid in ids}
+            with self._lock:
+                for p, sp in zip(prompts, per):
+                    ids.append(self.add_request(p, sp, method, method_options))
+                    self._inbox[ids[-1]] = []
+                reqs = {rid: self.scheduler.requests[rid] for rid in ids}
             final: Dict[int, RequestOutput] = {}
             while len(final) < len(ids):
-                for o in self.step():
-                    if o.finished and o.id in reqs:
-                        final[o.id] = o
+                self.step()
+                for rid in ids:  # (another thread's step may have produced them)
+                    box = self._inbox[rid]
+                    final.update((rid, o) for o in box if o.finished)
+                    box.clear()
                 for rid, req in reqs.items():  # aborted meanwhile (by another thread's abort())
                     if rid not in final and req.finish_reason == "abort":
                         final[rid] = RequestOutput(rid, [], list(req.output), len(req.prompt), True, "abort", 1.0,
@@ -431,7 +501,11 @@ class LLMEngine(BatchCrossover):
             for rid in ids:
                 self.abort(rid)
             raise
+        finally:
+            for rid in ids:
+                self._inbox.pop(rid, None)
 
+    @_locked
     def score(self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
               method: Optional[str] = None, method_options: Optional[dict] = None,
               observe=None) -> Tuple[List[torch.Tensor], List[RequestOutput]]:
@@ -445,6 +519,10 @@ class LLMEngine(BatchCrossover):
         engine must have no other unfinished request."""
         if not prompts:
             raise ValueError("no prompt given; pass at least one prompt")
+        for name, given in (("prompts", prompts), ("continuations", continuations)):
+            if isinstance(given, str) or isinstance(given[0] if len(given) else None, int):
+                raise ValueError(f"score() takes a list of {name} (each token ids or text); got one "
+                                 f"{'str' if isinstance(given, str) else 'list of token ids'}: wrap it in a list")
         if len(continuations) != len(prompts):
             raise ValueError(f"got {len(continuations)} continuations for {len(prompts)} prompts; pass one per prompt")
         if any(len(c) < 1 for c in continuations):
@@ -491,20 +569,26 @@ class LLMEngine(BatchCrossover):
         """One request; yields an output each time it produces tokens (the last one finished;
         none more once the request is aborted). Other requests queued with add_request advance
         too, but their outputs are not returned: drive several requests with step()."""
-        rid = self.add_request(prompt, params, method, method_options)
+        with self._lock:
+            rid = self.add_request(prompt, params, method, method_options)
+            self._inbox[rid] = []
         try:
             while True:
-                for o in self.step():
-                    if o.id == rid:
-                        yield o
-                        if o.finished:
-                            return
+                self.step()
+                box = self._inbox[rid]
+                got, box[:] = list(box), []
+                for o in got:  # (another thread's step may have produced them)
+                    yield o
+                    if o.finished:
+                        return
                 if rid not in self.scheduler.requests:  # aborted (abort() emits no output)
                     return
         finally:
+            self._inbox.pop(rid, None)
             if rid in self.scheduler.requests:
                 self.abort(rid)
 
+    @_locked
     def warmup(self, prompt_tokens=1100, decode_tokens: int = 6) -> float:
         """Compile every kernel the default method uses (prefill, index, plan, attention,
         step-graph capture) on a dummy request of `prompt_tokens` tokens (an int, or a list of
