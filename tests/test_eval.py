@@ -342,6 +342,8 @@ def test_suite_summary_counts_only_what_dense_answers(tmp_path):
     assert "| tactic default | 20.0% | 50% (2/4) | 50% (1/2) | 50% (1/2) | 66.7% (2/3) | 0% (0/1) | 30.0% | 10.0% |" in table
     assert suite_curve({"cells": cells, "model": "m"}, tmp_path / "c.png") == "c.png"
     assert (tmp_path / "c.png").stat().st_size > 10_000
+    none_right = [cell(512, "dense", "dense", [0.0, 0.0, 0.0], 1.0), cell(512, "quest", "quest", [0.0, 1.0, 0.0], 0.4)]
+    assert "| quest | 40.0% | — | — | — | — | 40.0% |" in suite_section({"cells": none_right})  # (divided by 0)
 
 
 def test_pool_suite_sums_found_over_seeds_and_counts_a_point_once(tmp_path):

@@ -135,8 +135,10 @@ def suite_section(results: Dict) -> str:
 
     def found(row, key) -> str:
         hit, tot = row["found"].get(key, (0, 0))
+        if not tot:  # dense answered no case there (a base or tiny model)
+            return "—"
         share = f"{hit / tot:.1%}".replace(".0%", "%")  # 98.6% is not the 99% target
-        return f"{share} ({hit}/{tot})" if tot else "—"
+        return f"{share} ({hit}/{tot})"
 
     rows = [[r["label"], _fmt(r["kv"]["all"], ".1%"), found(r, "all")] + [found(r, L) for L in lengths]
             + [found(r, k) for k in kinds] + [_fmt(r["kv"].get(L), ".1%") for L in lengths]
