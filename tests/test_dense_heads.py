@@ -46,6 +46,9 @@ def test_choose_dense_heads_takes_the_largest_losses_never_a_lossless_head():
     assert choose_dense_heads(lost, 2) == [(0, 1), (1, 0)]
     assert choose_dense_heads(lost, 5) == [(0, 1), (1, 0), (1, 2)]
     assert choose_dense_heads(lost, 0) == []
+    # a sliding-window layer (1 here) attends its window: no method runs there to protect
+    assert choose_dense_heads(lost, 2, window_layers=[1]) == [(0, 1)]
+    assert choose_dense_heads(lost, 2, window_layers=[0, 1]) == []
 
 
 def test_pattern_file_dense_heads_are_read_and_checked(tmp_path):

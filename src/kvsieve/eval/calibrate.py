@@ -94,9 +94,11 @@ def measure_needle_loss(model, tok, cases, method: str = "tactic", options: Opti
     return obs.lost / max(obs.steps, 1)
 
 
-def choose_dense_heads(lost, count: int):
-    """The `count` (layer, KV head) pairs with the largest needle loss (those with none never)."""
-    flat = sorted(((-float(x), i, j) for i, row in enumerate(lost.tolist()) for j, x in enumerate(row)))
+def choose_dense_heads(lost, count: int, window_layers=()):
+    """The `count` (layer, KV head) pairs with the largest needle loss (those with none never),
+    on global layers only: a sliding-window layer attends its window, and no method runs there."""
+    flat = sorted((-float(x), i, j) for i, row in enumerate(lost.tolist()) for j, x in enumerate(row)
+                  if i not in window_layers)
     return sorted((i, j) for x, i, j in flat[:count] if x < 0)
 
 
@@ -283,6 +285,11 @@ def cmd_calibrate(args) -> int:
     model, tok, model_dir = load_model(args.model, device=device)
     limit = model.cfg.max_positions
     length = args.length if args.length is not None else min(4096, limit // 2)
+    most = limit - args.steps - 1
+    if args.sink + args.local >= most:  # no --length fits: the window is the thing to change
+        raise ValueError(f"--sink + --local ({args.sink + args.local}) must be below --length, which can be "
+                         f"at most {most} on this model ({limit} positions, --steps {args.steps}); lower --sink and "
+                         f"--local (the window streaming heads see), e.g. --sink 4 --local {max(1, most // 4)}")
     if not args.sink + args.local < length < limit - args.steps:
         raise ValueError(f"--length must exceed sink + local ({args.sink + args.local}) and leave room for "
                          f"--steps ({args.steps}) and one more token within the model's {limit} positions "
@@ -299,6 +306,14 @@ def cmd_calibrate(args) -> int:
                          "longer --text-file")
     # each window: a prompt of `length` tokens, then --steps teacher-forced decode steps
     windows = text_windows(ids, length, args.steps, args.windows, prefix)
+    cases = []
+    if args.dense_heads:  # built before any measurement: a length too short for them fails now
+        try:
+            cases = [c for n in dense_lengths for c in calibration_cases(tok, n, args.dense_cases)]
+        except ValueError as e:
+            raise ValueError(f"--dense-lengths {','.join(map(str, dense_lengths))}: {e} (at most {limit - 16} on "
+                             f"this model's {limit} positions); or pass --dense-heads 0 to choose no dense "
+                             "heads") from None
     mass, err = measure_lambda_mass(model, [w[:length] for w in windows], [w[length:] for w in windows],
                                     args.sink, args.local)
     tables = {"lambda_mass_text": mass.tolist(), "lambda_err_text": err.tolist()}
@@ -307,21 +322,20 @@ def cmd_calibrate(args) -> int:
         r_mass, r_err = measure_lambda_mass(model, *make(tok, length, args.retrieval), args.sink, args.local)
         tables.update(lambda_mass_retrieval=r_mass.tolist(), lambda_err_retrieval=r_err.tolist())
         mass = torch.minimum(mass, r_mass)
+    window = getattr(model.cfg, "layer_window", None)
+    local = [i for i in range(model.cfg.num_layers) if window and window(i) is not None]
     dense = {}
     if args.dense_heads:
-        cases = [c for n in dense_lengths for c in calibration_cases(tok, n, args.dense_cases)]
         lost = measure_needle_loss(model, tok, cases)
         tables["tactic_needle_lost"] = lost.tolist()
-        dense = {"dense_heads": [list(h) for h in choose_dense_heads(lost, args.dense_heads)],
+        dense = {"dense_heads": [list(h) for h in choose_dense_heads(lost, args.dense_heads, local)],
                  "dense_heads_criterion": "the --dense-heads KV heads whose dense needle mass tactic's selection "
                                           "(defaults) leaves out is largest (tactic_needle_lost: max over the query "
                                           f"group, mean over answer steps of {args.dense_cases} suite cases per "
-                                          f"length, seed {CALIBRATION_SEED})",
+                                          f"length, seed {CALIBRATION_SEED}); global layers only",
                  "dense_heads_calibration": {"cases": args.dense_cases, "lengths": list(dense_lengths),
                                              "seed": CALIBRATION_SEED,
                                              "device": str(model.device), "dtype": str(model.dtype)}}
-    window = getattr(model.cfg, "layer_window", None)
-    local = [i for i in range(model.cfg.num_layers) if window and window(i) is not None]
     pattern = choose_streaming(mass.tolist(), args.ratio, local)
     save_pattern(out, pattern, {"score": mass.tolist(), **tables}, {
         "model": model_dir.name, "ratio": args.ratio, "sink": args.sink, "local": args.local,
