@@ -136,6 +136,9 @@ def test_yarn_config_takes_its_scaled_positions():
     assert ModelConfig.from_hf({**d, "rope_scaling": yarn}).max_positions == 131072
     linear = {"type": "linear", "factor": 4.0}
     assert ModelConfig.from_hf({**d, "rope_scaling": linear}).max_positions == 32768
+    for plain in ({"rope_type": "default"}, {"type": "default"}, {"rope_type": "default", "rope_theta": 1e6}):
+        cfg = ModelConfig.from_hf({**d, "rope_scaling": plain})  # transformers reads it as plain RoPE (was refused)
+        assert cfg.rope_scaling is None and cfg == ModelConfig.from_hf(d)
 
 
 def test_hub_id_resolves_through_the_hub_cache(tmp_path, monkeypatch, capsys):

@@ -121,7 +121,9 @@ class ModelConfig:
         if mt in GEMMA3:
             return cls._from_gemma3(d)
         rope = d.get("rope_parameters") or {}
-        scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        scaling = d.get("rope_scaling") or rope
+        if scaling.get("rope_type", scaling.get("type", "default")) == "default":  # plain RoPE, as transformers reads it
+            scaling = None
         if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn" \
                 and not scaling.get("original_max_position_embeddings"):  # transformers' fallback
             scaling = {**scaling, "original_max_position_embeddings": d.get("max_position_embeddings", 4096)}
