@@ -120,6 +120,16 @@ def test_waiting_when_the_pool_is_full_then_admitted():
     assert a.finished and b.finished
 
 
+def test_a_scored_prompt_that_fills_the_pool_is_admitted():
+    """max_new_tokens 0 (score the prompt): its pages hold the prompt only; admission asked
+    for one more token's room too, so a prompt of exactly the pool waited forever."""
+    sched = S.Scheduler(num_pages=8, page_size=4, max_num_seqs=4, step_tokens=64, max_model_len=100)
+    a = sched.add(list(range(32)), S.SamplingParams(max_new_tokens=0, prompt_logprobs=0))
+    assert sched.admissible() == [a]
+    p = sched.schedule()
+    assert [(r, s, e) for r, s, e in p.chunks] == [(a, 0, 32)] and len(a.pages) == 8
+
+
 def test_cancel_frees_pages_at_once():
     sched = S.Scheduler(num_pages=50, page_size=16, max_num_seqs=4, step_tokens=512, max_model_len=1000)
     a = sched.add(list(range(100)), S.SamplingParams(max_new_tokens=50))

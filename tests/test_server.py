@@ -582,6 +582,11 @@ def test_full_queue_answers_503_with_retry_after_and_admitted_requests_finish(en
     with LiveServer(small) as s:
         r = s.post("/v1/completions", {"prompt": "hi", "max_tokens": 200})  # bigger than the pool
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        full = list(range(1000, 1128))  # fills the pool's 128 tokens: scored (echo, max_tokens 0), no room to generate
+        r = s.post("/v1/completions", {"prompt": full, "max_tokens": 0, "echo": True, "logprobs": 0})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["tokens"]) == 128, r.text
+        r = s.post("/v1/completions", {"prompt": full, "max_tokens": 1, "echo": True, "logprobs": 0})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         body = {"prompt": "Tell me a story about a dog.", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         for _ in range(3):  # arrivals are nearly simultaneous; retry the burst if the engine kept up
             with ThreadPoolExecutor(10) as pool:

@@ -177,6 +177,12 @@ class Request:
         return len(self.prompt) + max(len(self.output) - 1, 0)
 
     @property
+    def admit_tokens(self) -> int:
+        """Tokens its pages must hold to be admitted: the prefill and the first decode token
+        (the prefill alone for a prompt only scored, max_new_tokens 0)."""
+        return self.prefill_target + (self.params.max_new_tokens > 0)
+
+    @property
     def prefilling(self) -> bool:
         return self.num_cached < self.prefill_target
 
@@ -295,7 +301,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             # admit only when the whole prefill (+ the first decode token) fits right now
-            if not self._grow(req, req.prefill_target + 1):
+            if not self._grow(req, req.admit_tokens):
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -372,7 +378,7 @@ class Scheduler:
         out: List[Request] = []
         free = len(self.free_pages)
         for r in itertools.islice(self.waiting, max(0, self.max_num_seqs - len(self.running))):
-            free -= self.pages_for(r.prefill_target + 1) - len(r.pages)
+            free -= self.pages_for(r.admit_tokens) - len(r.pages)
             if free < 0:
                 break
             out.append(r)

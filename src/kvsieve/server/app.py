@@ -99,7 +99,7 @@ class Server(Responses):
             field, max_tokens = "max_completion_tokens", req.max_completion_tokens
         sch = self.engine.scheduler
         room = min(self.max_positions, sch.num_pages * sch.page_size) - prompt_len
-        if room < 1:
+        if room < 1 and not (echo and max_tokens == 0 and room == 0):  # (scoring a prompt that fills the context)
             raise self.too_long(
                 f"The prompt has {prompt_len} tokens but this server allows at most "
                 f"{min(self.max_positions, sch.num_pages * sch.page_size) - 1} (the model's {self.max_positions} "
