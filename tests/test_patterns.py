@@ -65,6 +65,12 @@ def test_pattern_for_methods_and_the_shipped_default(tmp_path):
         hybrid = pattern_for("hybrid", None, tmp_path / "smollm2-135m-instruct", 30, 3)
         assert hybrid == choose_streaming(doc["score"], doc["method_ratios"]["hybrid"]) != shipped
         assert sum(map(sum, hybrid)) == round(doc["method_ratios"]["hybrid"] * 90)
+        # another model in a directory of that name (a copy, a fine-tune of another shape) gets
+        # no shipped heads, not an error about a file it never asked for
+        assert pattern_for("lserve", None, tmp_path / "smollm2-135m-instruct", 2, 2) is None
+        from kvsieve.patterns import model_head_options
+        assert model_head_options("tactic", {}, tmp_path / "smollm2-135m-instruct", 2, 2) == {}
+        assert model_head_options("tactic", {}, tmp_path / "smollm2-135m-instruct", 30, 3)["dense_heads"]
 
 
 def test_method_ratios_rechoose_the_heads_of_one_method(tmp_path):

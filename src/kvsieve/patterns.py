@@ -22,6 +22,7 @@ lserve or hybrid drops those its pattern streams.
 """
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from pathlib import Path
@@ -139,9 +140,21 @@ def warn_window(pattern, sink: int, local: int) -> None:
                   "and pass --streaming-heads FILE", stacklevel=3)
 
 
-def default_pattern(model_dir) -> Optional[Path]:
-    """The shipped pattern for a known model directory (the embedded default), else None."""
-    return EMBEDDED_PATTERN if Path(model_dir).name == "smollm2-135m-instruct" and EMBEDDED_PATTERN.is_file() else None
+def default_pattern(model_dir, num_layers: Optional[int] = None, num_kv_heads: Optional[int] = None) -> Optional[Path]:
+    """The shipped pattern for a known model directory (the embedded default, by its name),
+    else None; given the model's counts, only where they are the file's (another model in a
+    directory of that name gets none, not an error about a file it never asked for)."""
+    if Path(model_dir).name != "smollm2-135m-instruct" or not EMBEDDED_PATTERN.is_file():
+        return None
+    if num_layers is not None and _file_shape(EMBEDDED_PATTERN) != (num_layers, num_kv_heads):
+        return None
+    return EMBEDDED_PATTERN
+
+
+@functools.lru_cache(maxsize=4)
+def _file_shape(path: Path) -> Tuple[Optional[int], Optional[int]]:
+    doc = json.loads(path.read_text())
+    return doc.get("num_layers"), doc.get("num_kv_heads")
 
 
 STREAMING_METHODS = ("lserve", "hybrid")
@@ -158,7 +171,7 @@ def pattern_for(method: str, path: Optional[str], model_dir, num_layers: int, nu
         return None
     if path is not None and not path.strip():
         raise ValueError("--streaming-heads is empty; give a pattern file from `kvsieve calibrate`, or none")
-    path = path or default_pattern(model_dir)
+    path = path or default_pattern(model_dir, num_layers, num_kv_heads)
     return load_pattern(path, num_layers, num_kv_heads, method) if path else None
 
 
@@ -269,7 +282,7 @@ def dense_heads_for(method: str, options: Dict, model_dir, num_layers: int, num_
         return None
     if method not in DENSE_HEAD_METHODS or budget_drops_dense_heads(method, options):
         return None
-    path = default_pattern(model_dir)
+    path = default_pattern(model_dir, num_layers, num_kv_heads)
     return (load_dense_heads(path, num_layers, num_kv_heads) or None) if path else None
 
 
