@@ -334,3 +334,38 @@ def test_a_released_setting_rebuilds_the_graph_batch_without_it(tiny_cuda):
         assert short_key not in {g for g, _, _ in eng.runner.batch.groups}
         runs.append(done[long_id])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_head_dim_not_a_power_of_two_on_cuda(tmp_path, dtype):
+    """head_dim 80 (H2O-Danube's; 96 is Phi-3's): every CUDA kernel pads the channels to 128
+    and masks them. fp32: dense on graphs equals HF generate; each method on graphs equals
+    its eager steps, and full budgets equal dense."""
+    transformers = pytest.importorskip("transformers")
+    from kvsieve.model.loader import load_weights
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=2, head_dim=80,
+                                   max_position_embeddings=2048)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    model = load_weights(tmp_path, device="cuda", dtype=dtype)
+    ps, lens = prompts(3, lo=200, hi=700, seed=3), [20, 9, 14]
+    dense = staggered(LLMEngine(model, None, "dense", dense_below=0), ps, lens)
+    if dtype == torch.float32:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).cuda().eval()
+        for p, n, got in zip(ps, lens, dense):
+            x = torch.tensor([p], device="cuda")
+            with torch.no_grad():
+                want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False)
+            assert got == want[0, len(p):].tolist()
+        full = [("tactic", {"threshold": 1.0, "cluster_size": 8}), ("quest", {"budget": 4096}),
+                ("lserve", {"budget": 4096, "streaming_heads": None})]
+        for method, opts in full:
+            assert staggered(LLMEngine(model, None, method, dense_below=0, **opts), ps, lens) == dense, method
+    for method, opts in METHODS:
+        plain = LLMEngine(model, None, method, graphs=False, dense_below=0, **opts)
+        plain.runner.keep_dead_rows = True
+        eng = LLMEngine(model, None, method, dense_below=0, **opts)
+        assert staggered(eng, ps, lens) == staggered(plain, ps, lens), method
+        assert eng.runner.captures >= 1
