@@ -41,6 +41,14 @@ def test_bad_lengths(lengths, match):
         sparse_decode(*qkv(), method="dense", lengths=lengths)
 
 
+def test_inputs_whose_logits_overflow_float32_are_refused():
+    """q, k around 1e19 are finite but q.k is not in float32: NaN came back with no error."""
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="past float32's range"):
+        sparse_decode(q * 1e19, k * 1e19, v)
+    assert sparse_decode(q.double() * 1e19, k.double() * 1e19, v.double(), method="dense").out.isfinite().all()
+
+
 @pytest.mark.parametrize("method,opts,match", [
     ("nope", {}, "unknown method 'nope'; choose one of: dense, streaming"),
     ("tactic", {"threshold": 0.0}, r"threshold must be a number in \(0, 1\], got 0.0"),

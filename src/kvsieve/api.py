@@ -71,6 +71,11 @@ def check_decode_inputs(q: Tensor, k: Tensor, v: Tensor, lengths: Optional[Tenso
         if not bool(torch.isfinite(t).all()):
             raise ValueError(f"{name} holds NaN or infinite values; give finite ones (positions past a request's "
                              "length too, e.g. zeros: a NaN there would reach the output)")
+    if q.dtype != torch.float64:  # logits are computed in float32: finite inputs must stay finite there
+        reach = float(q.double().abs().amax()) * float(k.double().abs().amax()) * D
+        if reach > torch.finfo(torch.float32).max / 16:
+            raise ValueError(f"q.k can reach {reach:.3g}, past float32's range (3.4e38), in which the logits are "
+                             "computed; scale q or k down, or pass float64 tensors")
     return lengths
 
 
