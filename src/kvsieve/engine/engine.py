@@ -12,8 +12,6 @@ the engine records tokens, timings and the KV fraction each request read.
 from __future__ import annotations
 
 import functools
-import numbers
-import operator
 import os
 import threading
 import time
@@ -27,11 +25,11 @@ from ..methods.base import DENSE_BELOW_KV_BYTES  # noqa: F401 (re-exported by kv
 from ..methods.hybrid import normalize_pattern
 from ..patterns import check_dense_heads, load_pattern
 from .crossover import DENSE_ABOVE, DENSE_AFTER, BatchCrossover
+from .inputs import Prompt, check_params, check_score_lists, check_sizes, params_per_prompt, prompt_token_ids
 from .runner import ModelRunner
 from .sampling import TokenLogprob
 from .scheduler import Request, SamplingParams, Scheduler
 
-Prompt = Union[str, Sequence[int]]  # text (encoded with the engine's tokenizer) or token ids
 
 
 @dataclass
@@ -86,22 +84,6 @@ class EngineStats:
     kv_fraction: Dict[str, List[float]] = field(default_factory=dict)  # method -> [sum, steps]
 
 
-def _check_sizes(**given) -> None:
-    """One clear error for a constructor size that is not a count (or a fraction) in range."""
-    counts = {"kv_pages": 1, "kv_page_size": 1, "prefill_chunk": 1, "dense_below": 0}
-    for name, v in given.items():
-        if v is None and name != "kv_page_size":
-            continue
-        if name in counts:
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < counts[name]:
-                raise ValueError(f"{name} must be an integer >= {counts[name]}"
-                                 + ("" if name == "kv_page_size" else " (or None: the default)") + f", got {v!r}")
-        elif isinstance(v, bool) or not isinstance(v, numbers.Real) or not (
-                0 < v <= 1 if name == "gpu_memory_fraction" else 0 < v < float("inf")):
-            raise ValueError(f"{name} must be a number {'in (0, 1]' if name == 'gpu_memory_fraction' else '> 0'}, "
-                             f"got {v!r}")
-
-
 def _locked(fn):
     """Run the method under the engine's lock: one thread at a time steps, adds or aborts."""
     @functools.wraps(fn)
@@ -131,7 +113,7 @@ class LLMEngine(BatchCrossover):
                  **method_options):
         self._lock = threading.RLock()
         self._inbox: Dict[int, List[RequestOutput]] = {}  # outputs of generate's and stream's requests
-        _check_sizes(kv_pages=kv_pages, kv_page_size=kv_page_size, prefill_chunk=prefill_chunk, dense_below=dense_below,
+        check_sizes(kv_pages=kv_pages, kv_page_size=kv_page_size, prefill_chunk=prefill_chunk, dense_below=dense_below,
                      gpu_memory_fraction=gpu_memory_fraction, cpu_kv_gib=cpu_kv_gib)
         self.model, self.tokenizer = model, tokenizer
         cfg = model.cfg
@@ -285,9 +267,7 @@ class LLMEngine(BatchCrossover):
         ValueError for input that can never run (not token ids of the model's vocabulary,
         empty, longer than the model allows, bigger than the pool) and SchedulerFullError past
         the waiting-queue limit."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {str(params)[:40]}; "
-                             "e.g. SamplingParams(max_new_tokens=64)")
+        check_params(params)
         prompt = self.prompt_ids(prompt)
         vocab = self.model.cfg.vocab_size
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
@@ -308,28 +288,7 @@ class LLMEngine(BatchCrossover):
         """A prompt as a list of token ids: a str is encoded with the engine's tokenizer as it
         stands (no chat template); token ids (a list, or a 1-D integer tensor or array) must lie
         in the model's vocabulary. Raises ValueError naming the first bad one."""
-        if isinstance(prompt, (bytes, bytearray)):
-            raise ValueError("a prompt must be text (str) or token ids, got bytes; decode it first (e.g. .decode())")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer: build the engine with one, or pass token ids")
-            return list(self.tokenizer.encode(prompt))
-        if getattr(prompt, "ndim", 1) != 1:
-            raise ValueError(f"a prompt of token ids must be 1-D, got shape {tuple(prompt.shape)}; "
-                             "pass one request's ids (e.g. input_ids[0])")
-        vocab = self.model.cfg.vocab_size
-        try:
-            ids = [operator.index(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
-        except TypeError:
-            raise ValueError(f"a prompt must be text or a sequence of integer token ids, got {type(prompt).__name__} "
-                             f"{str(prompt)[:40]!r}") from None
-        raw = prompt.tolist() if hasattr(prompt, "tolist") else prompt
-        if any(isinstance(t, bool) for t in raw):
-            raise ValueError("a prompt's token ids must be integers, got booleans (True/False); pass the ids")
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})")
-        return ids
+        return prompt_token_ids(prompt, self.tokenizer, self.model.cfg.vocab_size)
 
     @_locked
     def abort(self, rid: int) -> None:
@@ -462,22 +421,7 @@ class LLMEngine(BatchCrossover):
         comes back with finish_reason "abort"; on an error none of these requests is left
         queued. Other requests queued with add_request advance too, but their outputs are not
         returned: drive several requests with step()."""
-        if getattr(prompts, "ndim", 1) != 1:  # (a [B, S] input_ids tensor: rows may be padded)
-            raise ValueError(f"generate() takes a list of prompts, got a {getattr(prompts, 'ndim')}-D "
-                             f"{type(prompts).__name__}; pass one list of token ids per prompt, without padding "
-                             "(e.g. [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)])")
-        if isinstance(prompts, (str, bytes)) or not len(prompts):
-            raise ValueError("generate() takes a list of prompts (each text or token ids); got "
-                             + ("one str: wrap it in a list" if len(prompts) else "none"))
-        if isinstance(prompts[0], int):
-            raise ValueError("generate() takes a list of prompts; got one list of token ids: wrap it in a list")
-        if not isinstance(params, SamplingParams) and not (
-                isinstance(params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in params)):
-            raise ValueError(f"params must be a SamplingParams or a list of them (one per prompt), got "
-                             f"{type(params).__name__} {str(params)[:40]}")
-        per = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(per) != len(prompts):
-            raise ValueError(f"got {len(per)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
+        per = params_per_prompt(prompts, params)
         ids: List[int] = []
         try:  # a bad prompt (or an error, an interrupt) leaves none of this call's requests behind
             with self._lock:
@@ -517,16 +461,7 @@ class LLMEngine(BatchCrossover):
         lengths [B], out [B, Hq, D]) sees every layer's attention: it needs the reference
         path (an engine built with paged=False). Steps run eagerly; the
         engine must have no other unfinished request."""
-        if not prompts:
-            raise ValueError("no prompt given; pass at least one prompt")
-        for name, given in (("prompts", prompts), ("continuations", continuations)):
-            if isinstance(given, str) or isinstance(given[0] if len(given) else None, int):
-                raise ValueError(f"score() takes a list of {name} (each token ids or text); got one "
-                                 f"{'str' if isinstance(given, str) else 'list of token ids'}: wrap it in a list")
-        if len(continuations) != len(prompts):
-            raise ValueError(f"got {len(continuations)} continuations for {len(prompts)} prompts; pass one per prompt")
-        if any(len(c) < 1 for c in continuations):
-            raise ValueError("every continuation needs at least one token to feed")
+        check_score_lists(prompts, continuations)
         prompts = [self.prompt_ids(p) for p in prompts]  # (text or token ids of the vocabulary)
         try:
             continuations = [self.prompt_ids(c) for c in continuations]
