@@ -125,6 +125,27 @@ def test_enable_rejects_bad_options(hf_model):
             khf.enable(hf_model[0], "tactic", dense_below=bad)
 
 
+def test_enable_takes_none_heads_and_numpy_counts_and_refuses_what_it_cannot_give(tiny_llama):
+    """streaming_heads="none" is no streaming head (as the CLI's --streaming-heads none; it was
+    looked for as a file); dense_below takes a NumPy integer; output_attentions and a model
+    whose weights are on the meta device are refused with one error (attention weights came
+    back empty, meta weights failed inside transformers)."""
+    import numpy as np
+
+    model, enc = tiny_llama
+    try:
+        state = khf.enable(model, "lserve", streaming_heads="none", dense_below=np.int64(0), budget=32)
+        assert state.method.config.streaming_heads is None and state.dense_below == 0
+        with pytest.raises(ValueError, match="returns no attention weights"):
+            model.generate(**enc, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True)
+    finally:
+        khf.disable(model)
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(model.config)
+    with pytest.raises(ValueError, match="weights are on the meta device"):
+        khf.enable(meta, "tactic")
+
+
 @pytest.fixture(scope="module")
 def tiny_llama():
     """A 2-layer random-weight Llama (GQA 4:2, head dim 16): the kernels' path under the

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
+import numbers
 import threading
 import warnings
 import weakref
@@ -41,7 +41,7 @@ from . import dispatch
 from .methods import SparseMethod, make_method
 from .ops.attention import attend
 from .ops.paged import PagedKeys
-from .patterns import load_pattern
+from .patterns import read_streaming_heads
 
 ATTN_NAME = "kvsieve"
 _active = threading.local()  # the cache layer most recently updated: read by the attention call that follows
@@ -349,12 +349,16 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
     the method everywhere). A model kvsieve cannot decode (_unsupported) or a bad option is
     refused with ValueError, leaving the model as it was.
     Returns the state object, whose kv_fraction reports the fraction of KV read."""
-    if dense_below is not None and (isinstance(dense_below, bool) or not isinstance(dense_below, int)
+    if dense_below is not None and (isinstance(dense_below, bool) or not isinstance(dense_below, numbers.Integral)
                                     or dense_below < 0):
         raise ValueError(f"dense_below must be an integer >= 0 (tokens), got {dense_below!r}")
+    dense_below = None if dense_below is None else int(dense_below)
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "generate"):
         raise ValueError(f"kvsieve.hf.enable takes a transformers causal LM (AutoModelForCausalLM), got "
                          f"{type(model).__name__}")
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(f"{type(model).__name__}'s weights are on the meta device (not loaded); load them first, "
+                         "e.g. AutoModelForCausalLM.from_pretrained(path)")
     mods = _attention_modules(model)
     why = _unsupported(model, mods)
     if why:
@@ -362,9 +366,9 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
                          "decoder-only models (Llama, Qwen2/3, Mistral, SmolLM2, Gemma 3, ...)")
     cfg = _text_config(model)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    if isinstance(options.get("streaming_heads"), (str, os.PathLike)):  # a `kvsieve calibrate` file
-        options = {**options, "streaming_heads": load_pattern(options["streaming_heads"], cfg.num_hidden_layers,
-                                                              kv_heads, method)}
+    if "streaming_heads" in options:  # "none", or a `kvsieve calibrate` file
+        options = {**options, "streaming_heads": read_streaming_heads(options["streaming_heads"],
+                                                                      cfg.num_hidden_layers, kv_heads, method)}
     state = HFState(make_method(method, **{**model_head_defaults(model, method, options), **options}), dense_below)
     _check_streaming_heads(state.method, cfg.num_hidden_layers, kv_heads)
     if getattr(model, "_kvsieve", None) is not None:
@@ -403,6 +407,9 @@ class _Generate:
         if new_tokens is None and kwargs.get("max_length") is not None and prompt is not None:
             new_tokens = kwargs["max_length"] - prompt
         _check_length(model, prompt, new_tokens)
+        if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
+            raise ValueError("kvsieve.hf returns no attention weights (output_attentions=True): its attention reads a "
+                             "selection of the cache; call kvsieve.hf.disable(model) to get them")
         ours = (kwargs.get("cache") is None and kwargs.get("past_key_values") is None and impl in (None, "hybrid")
                 and kwargs.get("use_cache", getattr(config, "use_cache", True)) is not False)
         if ours:  # else: no cache, or the caller's (decoded densely, with a warning)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -69,6 +70,17 @@ def save_pattern(path, pattern: Pattern, tables: Dict[str, Sequence[Sequence[flo
     rows.update({k: [json.dumps([round(float(x), 4) for x in r]) for r in t] for k, t in tables.items()})
     body = ",".join(f'\n "{k}": [\n  ' + ",\n  ".join(r) + "\n ]" for k, r in rows.items())
     Path(path).write_text(json.dumps(head, indent=1)[:-2] + "," + body + "\n}\n")
+
+
+def read_streaming_heads(value, num_layers: int, num_kv_heads: int, method: Optional[str] = None):
+    """A streaming_heads option as the Python entry points take it: "none" (no streaming
+    head, as the CLI's --streaming-heads none), a `kvsieve calibrate` file's path (load_pattern),
+    or flags (returned as given)."""
+    if isinstance(value, str) and value.strip().lower() == "none":
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        return load_pattern(value, num_layers, num_kv_heads, method)
+    return value
 
 
 def load_pattern(path, num_layers: Optional[int] = None, num_kv_heads: Optional[int] = None,

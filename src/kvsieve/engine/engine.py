@@ -23,7 +23,7 @@ import torch
 from ..methods import config_for, make_method, merge_options
 from ..methods.base import DENSE_BELOW_KV_BYTES  # noqa: F401 (re-exported by kvsieve.engine)
 from ..methods.hybrid import normalize_pattern
-from ..patterns import check_dense_heads, load_pattern
+from ..patterns import check_dense_heads, read_streaming_heads
 from .crossover import DENSE_ABOVE, DENSE_AFTER, BatchCrossover
 from .inputs import Prompt, check_params, check_score_lists, check_sizes, params_per_prompt, prompt_token_ids
 from .runner import ModelRunner
@@ -165,8 +165,8 @@ class LLMEngine(BatchCrossover):
         device, dt = resolve_device(device, dtype)
         m, tok, model_dir = load_model(model, dtype=dt, device=device)
         L, H = m.cfg.num_layers, m.cfg.num_kv_heads
-        if isinstance(kwargs.get("streaming_heads"), (str, os.PathLike)):  # a `kvsieve calibrate` file
-            kwargs["streaming_heads"] = load_pattern(kwargs["streaming_heads"], L, H, kwargs.get("method"))
+        if "streaming_heads" in kwargs:  # "none", or a `kvsieve calibrate` file
+            kwargs["streaming_heads"] = read_streaming_heads(kwargs["streaming_heads"], L, H, kwargs.get("method"))
         eng = cls(m, tok, **kwargs, **head_defaults(kwargs.get("method", "dense"), kwargs, model_dir, L, H))
         eng.head_defaults = lambda name, opts: head_defaults(name, opts, model_dir, L, H)  # per-request methods too
         return eng
@@ -230,7 +230,7 @@ class LLMEngine(BatchCrossover):
         check_dense_heads(opts.get("dense_heads", ()), L, H, "dense_heads")
         heads = opts.get("streaming_heads")
         if isinstance(heads, (str, os.PathLike)):
-            return {**opts, "streaming_heads": load_pattern(heads, L, H, method)}
+            return {**opts, "streaming_heads": read_streaming_heads(heads, L, H, method)}
         rows = normalize_pattern(heads)
         if rows is not None and (len(rows) not in (1, L) or any(len(r) != H for r in rows)):
             raise ValueError(f"streaming_heads has {len(rows)} rows of {len(rows[0])} flags, but this model has {L} "
