@@ -216,6 +216,30 @@ def test_eval_seed_reaches_the_plan():
     assert build_plan(build_parser().parse_args(["eval"]), 8192).seed == 0
 
 
+def test_eval_lists_labels_and_fingerprints_keep_settings_apart():
+    """2.5% was labelled 2% (the label is part of a cell's id, so 0.025 reused 0.02's cell);
+    an empty list ran nothing or crashed, a repeated value ran twice; another passkey depth,
+    needle depth, suite case count or source reused cells measured at the old one."""
+    from kvsieve.cli import build_parser
+    from kvsieve.eval.cli import build_plan, run_fingerprint
+    from kvsieve.eval.sweep import MethodPoint
+
+    labels = [MethodPoint("quest", f).label for f in (0.02, 0.025, 0.05, 0.12, 0.125)]
+    assert labels == ["quest 2%", "quest 2.5%", "quest 5%", "quest 12%", "quest 12.5%"]
+    plan = lambda *argv: build_plan(build_parser().parse_args(["eval", *argv]), 8192)  # noqa: E731
+    for flag in ("--lengths", "--methods", "--thresholds", "--passkey-depths", "--suite-sources"):
+        with pytest.raises(ValueError, match=f"{flag} is empty"):
+            plan(flag, "")
+    assert plan("--suite-thresholds", "").suite_thresholds == ()  # (extra points: none is the default)
+    p = plan("--lengths", "256,256", "--methods", "tactic,dense,tactic", "--thresholds", "0.9,0.9")
+    assert p.lengths == (256,) and p.methods == ("tactic", "dense") and p.thresholds == (0.9,)
+    fp = lambda *argv: run_fingerprint(plan(*argv), "m", "t", 1, "float32", {})  # noqa: E731
+    base = fp()
+    for argv in (("--passkey-depths", "0.1,0.9"), ("--needle-depths", "0.2"), ("--suite-cases", "5"),
+                 ("--suite-sources", "stdlib")):
+        assert fp(*argv) != base, argv
+
+
 @pytest.mark.parametrize("value", ["0", "1.5", "-0.2"])
 def test_eval_gpu_memory_fraction_out_of_range(capsys, tmp_path, value):
     code, out = run_cli(capsys, "eval", "--quick", "--out", str(tmp_path / "o"), "--gpu-memory-fraction", value)

@@ -207,3 +207,5 @@ def test_a_short_suite_generates_less_of_the_models_own_text(tmp_path, monkeypat
     for _ in range(2):
         out = suite_task.suite_sources(["generated"], None, None, tmp_path, 0, 4096)
     assert asked == [4096] and out["generated"].startswith("x x") and (tmp_path / "generated-4096.txt").is_file()
+    suite_task.suite_sources(["generated"], None, None, tmp_path, 3, 4096)  # another seed (or model): its own text
+    assert asked == [4096, 4096]

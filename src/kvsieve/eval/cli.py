@@ -6,6 +6,7 @@ import json
 import platform
 import sys
 import time
+from typing import Optional
 
 from ..config import MODEL_HELP
 from .harness import SUITE_SOURCES, TASKS, EvalPlan, quick_plan
@@ -68,7 +69,25 @@ def _list(text: str, flag: str, kind=float) -> tuple:
         raise ValueError(f"{flag} must be a comma-separated list of {kind.__name__}s, got {text!r}") from None
     if not vals:
         raise ValueError(f"{flag} is empty; give at least one value")
-    return vals
+    return tuple(dict.fromkeys(vals))  # a value given twice runs once
+
+
+def listed(args, name: str, kind=float, may_be_empty: bool = False) -> Optional[tuple]:
+    """The list option `name` (None when not given), checked: empty only where allowed."""
+    text = getattr(args, name)
+    if text is None or (may_be_empty and not text.strip()):
+        return None if text is None else ()
+    return _list(text, "--" + name.replace("_", "-"), kind)
+
+
+def run_fingerprint(plan: EvalPlan, model_dir, text: str, text_tokens: int, dtype: str, versions: dict) -> dict:
+    """What a stored cell must share with this run to be reused: the model, text, dtype and
+    versions, and the plan's settings that a cell's id does not name (another passkey depth
+    or suite case count must not reuse cells measured at the old one)."""
+    return {"model": str(model_dir), "text": text, "text_tokens": text_tokens, "dtype": dtype,
+            "decode_tokens": plan.decode_tokens, "samples": plan.samples, "seed": plan.seed, "versions": versions,
+            "streaming_heads": None, "passkey_depths": plan.passkey_depths, "needle_depths": plan.needle_depths,
+            "suite_cases": plan.suite_cases, "suite_sources": plan.suite_sources}
 
 
 def build_plan(args, max_positions: int) -> EvalPlan:
@@ -77,24 +96,24 @@ def build_plan(args, max_positions: int) -> EvalPlan:
     plan = quick_plan() if args.quick else EvalPlan(lengths=lengths, retrieval_lengths=lengths,
                                                     suite_lengths=(1024,) + lengths)
     given = {
-        "tasks": args.tasks and _list(args.tasks, "--tasks", str),
-        "methods": args.methods and _list(args.methods, "--methods", str),
-        "lengths": args.lengths and _list(args.lengths, "--lengths", int),
+        "tasks": listed(args, "tasks", str),
+        "methods": listed(args, "methods", str),
+        "lengths": listed(args, "lengths", int),
         "samples": args.samples, "decode_tokens": args.decode_tokens,
-        "thresholds": args.thresholds and _list(args.thresholds, "--thresholds"),
-        "fractions": args.fractions and _list(args.fractions, "--fractions"),
-        "retrieval_thresholds": args.retrieval_thresholds and _list(args.retrieval_thresholds, "--retrieval-thresholds"),
+        "thresholds": listed(args, "thresholds"),
+        "fractions": listed(args, "fractions"),
+        "retrieval_thresholds": listed(args, "retrieval_thresholds"),
         "retrieval_fraction": args.retrieval_fraction,
-        "variants": args.variants and _list(args.variants, "--variants", str),
-        "retrieval_lengths": args.retrieval_lengths and _list(args.retrieval_lengths, "--retrieval-lengths", int),
-        "passkey_depths": args.passkey_depths and _list(args.passkey_depths, "--passkey-depths"),
-        "needle_depths": args.needle_depths and _list(args.needle_depths, "--needle-depths"),
-        "suite_lengths": args.suite_lengths and _list(args.suite_lengths, "--suite-lengths", int),
+        "variants": listed(args, "variants", str),
+        "retrieval_lengths": listed(args, "retrieval_lengths", int),
+        "passkey_depths": listed(args, "passkey_depths"),
+        "needle_depths": listed(args, "needle_depths"),
+        "suite_lengths": listed(args, "suite_lengths", int),
         "suite_cases": args.suite_cases,
         "seed": args.seed,
-        "suite_sources": args.suite_sources and _list(args.suite_sources, "--suite-sources", str),
-        "suite_thresholds": args.suite_thresholds and _list(args.suite_thresholds, "--suite-thresholds"),
-        "suite_fractions": args.suite_fractions and _list(args.suite_fractions, "--suite-fractions"),
+        "suite_sources": listed(args, "suite_sources", str),
+        "suite_thresholds": listed(args, "suite_thresholds", may_be_empty=True),
+        "suite_fractions": listed(args, "suite_fractions", may_be_empty=True),
     }
     plan = dataclasses.replace(plan, **{k: v for k, v in given.items() if v is not None})
     plan.validate(max_positions)
@@ -139,8 +158,8 @@ def cmd_eval(args) -> int:
     if not 0 < args.gpu_memory_fraction <= 1:
         raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {args.gpu_memory_fraction}")
     # fail fast on what needs no model: unknown names, output directory, text file
-    EvalPlan(**{k: v for k, v in {"tasks": args.tasks and _list(args.tasks, "--tasks", str),
-                                  "methods": args.methods and _list(args.methods, "--methods", str)}.items()
+    EvalPlan(**{k: v for k, v in {"tasks": listed(args, "tasks", str),
+                                  "methods": listed(args, "methods", str)}.items()
                 if v}).validate(10**9)
     ResultStore(args.out, {})
     text = read_text(args.text_file)
@@ -158,9 +177,7 @@ def cmd_eval(args) -> int:
     versions = {"kvsieve": getattr(kvsieve, "__version__", "?"), "torch": torch.__version__,
                 "transformers": __import__("transformers").__version__, "python": platform.python_version()}
     text_source = args.text_file or "pydoc_data.topics"
-    store = ResultStore(args.out, {"model": str(model_dir), "text": text_source, "text_tokens": len(text_ids),
-                                   "dtype": args.dtype, "decode_tokens": plan.decode_tokens, "samples": plan.samples,
-                                   "seed": plan.seed, "versions": versions, "streaming_heads": None})
+    store = ResultStore(args.out, run_fingerprint(plan, model_dir, text_source, len(text_ids), args.dtype, versions))
     ids = plan_cell_ids(plan, heads)
     bar = _bar(len(ids), not args.no_progress)
 

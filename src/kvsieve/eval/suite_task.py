@@ -60,6 +60,17 @@ def generated_text(engine: LLMEngine, tokenizer, tokens: int = GENERATED_TOKENS,
     return "\n\n".join(tokenizer.decode(o.tokens, skip_special_tokens=True).strip() for o in outs)
 
 
+def _model_tag(model) -> str:
+    """A short name for the model's weights: its config and a sample of its embeddings."""
+    import hashlib
+
+    if model is None:
+        return "none"
+    emb = model.w["model.embed_tokens.weight"] if "model.embed_tokens.weight" in getattr(model, "w", {}) else None
+    sample = "" if emb is None else repr(emb.flatten()[:64].float().tolist())
+    return hashlib.sha1((repr(model.cfg) + sample).encode()).hexdigest()[:10]
+
+
 def suite_sources(names: Sequence[str], engine: LLMEngine, tokenizer, cache_dir: Path, seed: int,
                   tokens: int = GENERATED_TOKENS) -> Dict[str, str]:
     """The filler texts named (pydoc, stdlib, files, generated); the model's own text
@@ -67,10 +78,13 @@ def suite_sources(names: Sequence[str], engine: LLMEngine, tokenizer, cache_dir:
     generated = None
     if "generated" in names:
         path = Path(cache_dir) / ("generated.txt" if tokens == GENERATED_TOKENS else f"generated-{tokens}.txt")
-        if not path.is_file():
+        key = path.with_name(path.name + ".key")  # whose text it is: another model or seed writes its own
+        want = f"model {_model_tag(getattr(engine, 'model', None))} seed {seed}"
+        if not path.is_file() or not key.is_file() or key.read_text() != want:
             print(f"kvsieve: generating {tokens} tokens of the model's own text for the suite's filler (once, kept "
                   f"in {path}); --suite-sources without 'generated' skips it", file=sys.stderr, flush=True)
             path.write_text(generated_text(engine, tokenizer, tokens, seed=seed))
+            key.write_text(want)
         generated = path.read_text()
     available = filler_sources(generated)
     missing = [n for n in names if n not in available]

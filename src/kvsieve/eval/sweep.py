@@ -36,7 +36,7 @@ class MethodPoint:
             return self.method + (" default" if self.method != "dense" else "") + extra
         if self.method in THRESHOLD_METHODS:
             return f"{self.method} P={self.knob:g}{extra}"
-        return f"{self.method} {self.knob:.0%}{extra}"
+        return f"{self.method} {self.knob * 100:g}%{extra}"  # 2.5% is not 2% (the label is part of a cell's id)
 
     def options(self, context: int, streaming_heads=None) -> Dict:
         """Method options for a prompt of `context` tokens. streaming_heads: the model's
