@@ -583,6 +583,8 @@ def resolve_device(device: Optional[str], dtype: Optional[str]):
         raise ValueError(f"--device {device} was asked for but no CUDA GPU is available; use --device cpu")
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"--device {device}: kvsieve runs on cpu or cuda devices; use --device cpu or --device cuda")
+    if dev.type == "cpu":  # (one CPU device: "cpu:0" reached the weights' loader, which refused it)
+        dev = torch.device("cpu")
     if dtype is None:
         dtype = "bfloat16" if dev.type == "cuda" else "float32"
     if dtype not in ("float32", "bfloat16", "float16"):

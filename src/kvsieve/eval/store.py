@@ -35,6 +35,8 @@ class ResultStore:
                     cell = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line cut short by an interrupted run
+                if not isinstance(cell, dict) or not isinstance(cell.get("id"), str):
+                    continue  # not a cell this store wrote: measured again
                 if cell.get("fingerprint") == self.fingerprint:
                     self.cells[cell["id"]] = cell
 
@@ -43,7 +45,10 @@ class ResultStore:
 
     def put(self, cell_id: str, cell: Dict) -> Dict:
         cell = {"id": cell_id, "fingerprint": self.fingerprint, **cell}
-        with open(self.dir / "cells.jsonl", "a") as f:
+        path = self.dir / "cells.jsonl"
+        with open(path, "a") as f:
+            if path.stat().st_size and not _ends_with_newline(path):  # (a line cut short by a kill)
+                f.write("\n")
             f.write(json.dumps(cell) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -56,8 +61,13 @@ class ResultStore:
         path = self.dir / "runs.jsonl"
         with open(path, "a") as f:
             f.write(json.dumps({**run, "fingerprint": self.fingerprint}) + "\n")
-        runs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return [r for r in runs if r.get("fingerprint") == self.fingerprint]
+        runs = []
+        for line in path.read_text().splitlines():
+            try:
+                runs.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by an interrupted run
+        return [r for r in runs if isinstance(r, dict) and r.get("fingerprint") == self.fingerprint]
 
     # dense next-token distributions, kept so KL can be computed for cells run later
     def _tensor_path(self, name: str) -> Path:
@@ -71,3 +81,9 @@ class ResultStore:
         p = self._tensor_path(name)
         p.parent.mkdir(exist_ok=True)
         torch.save(t, p)
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
