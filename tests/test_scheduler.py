@@ -169,11 +169,17 @@ def test_requests_that_can_never_run_are_refused(prompt, new, msg):
 
 
 def test_queue_limit():
-    sched = S.Scheduler(num_pages=40, page_size=16, max_model_len=1000, max_waiting=2)
-    sched.add([1], S.SamplingParams(max_new_tokens=1))
-    sched.add([1], S.SamplingParams(max_new_tokens=1))
+    """max_waiting requests wait beyond those the free running slots take at the next step (a
+    burst to an idle server was cut at max_waiting with every slot free)."""
+    sched = S.Scheduler(num_pages=40, page_size=16, max_num_seqs=2, max_model_len=1000, max_waiting=2)
+    for _ in range(4):  # 2 free slots + 2 waiting
+        sched.add([1], S.SamplingParams(max_new_tokens=5))
     with pytest.raises(S.SchedulerFullError):
-        sched.add([1], S.SamplingParams(max_new_tokens=1))
+        sched.add([1], S.SamplingParams(max_new_tokens=5))
+    sched.schedule()  # two of them run; two still wait, the limit
+    assert len(sched.running) == 2 and len(sched.waiting) == 2
+    with pytest.raises(S.SchedulerFullError):
+        sched.add([1], S.SamplingParams(max_new_tokens=5))
     for bad in (0, -1, 2.5, True):  # every request waits a step first: a limit of 0 refused them all
         with pytest.raises(ValueError, match="max_waiting must be None .* or an integer >= 1"):
             S.Scheduler(num_pages=40, page_size=16, max_waiting=bad)

@@ -509,6 +509,10 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": 2}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "top_k": -2}, "top_k"),
     ("/v1/completions", b'{"prompt": "a\\udc00"}', "prompt"),
+    ("/v1/completions", b'{"prompt": "hi", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),  # (was a 500)
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", None),
+    ("/v1/completions", {"prompt": "hi", "n": 100}, "n"),  # more than the server queues: a 503 retried forever
+    ("/v1/completions", {"prompt": "x" * (64 * 8192 + 1)}, "prompt"),  # refused before tokenizing
 ]
 
 
@@ -525,6 +529,8 @@ def test_bad_requests_get_400_naming_the_field_and_the_server_keeps_serving(live
         assert err["param"] == param, (body, err)
         if param:
             assert param.split(".")[-1] in err["message"], err
+    r = live.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "top_k": 2 ** 63})  # off: past any vocabulary
+    assert r.status_code == 200, r.text  # (it failed the engine step, and every request in flight with it)
     r = live.post("/v1/completions", {"prompt": "hi", "model": "gpt-4"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     assert live.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1}).status_code == 200

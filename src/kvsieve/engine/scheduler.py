@@ -91,7 +91,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= 0 (0 or -1: off), got {self.top_k!r}")
-        if self.top_k == -1:  # vLLM's "off"
+        if self.top_k == -1 or self.top_k >= 2 ** 31:  # vLLM's "off"; past any vocabulary, off too (and int32)
             object.__setattr__(self, "top_k", 0)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -2 ** 63 <= self.seed < 2 ** 63):
@@ -255,8 +255,11 @@ class Scheduler:
             raise ValueError(
                 f"a request of {total} tokens needs {self.pages_for(total)} KV pages of {self.page_size} tokens but "
                 f"the pool has {self.num_pages}; give the engine more KV pages (--kv-pages) or ask for fewer tokens")
-        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
-            raise SchedulerFullError(f"{len(self.waiting)} requests are already waiting (limit {self.max_waiting})")
+        # the free running slots take as many of the waiting at the next step: those do not queue
+        if self.max_waiting is not None and \
+                len(self.waiting) >= self.max_waiting + max(0, self.max_num_seqs - len(self.running)):
+            raise SchedulerFullError(f"{len(self.waiting)} requests are already waiting (limit {self.max_waiting} "
+                                     f"beyond the {self.max_num_seqs} running)")
         rid = next(self._ids) if request_id is None else request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid} is already in use")

@@ -40,6 +40,7 @@ log = logging.getLogger("kvsieve.server")
 MAX_STOPS = 16  # OpenAI allows 4; evaluation harnesses send more (their stop words and the EOS)
 MAX_CHOICES = 128  # completions per request (n x prompts), OpenAI's limit on n
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's /v1/completions default (chat's: the rest of the context)
+TEXT_CHARS_PER_POSITION = 64  # text longer than this many characters a position cannot fit (tokens hold fewer)
 
 
 class Server(Responses):
@@ -203,11 +204,20 @@ class Server(Responses):
         if not getattr(self.tok, "chat_template", None):
             raise BadRequest("this model has no chat template; use /v1/completions with a prompt", "messages")
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        self.check_text_size(sum(len(m["content"]) for m in msgs), "messages")
         try:
             text = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # the template refuses this conversation (e.g. role order)
             raise BadRequest(f"the model's chat template refused these messages ({e})", "messages") from None
         return self.tok.encode(text, add_special_tokens=False)
+
+    def check_text_size(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, text no tokenizer fits in the context (it held the
+        tokenizer thread, every request's, for seconds a megabyte)."""
+        most = TEXT_CHARS_PER_POSITION * self.max_positions
+        if chars > most:
+            raise self.too_long(f"The {param} text has {chars:,} characters, more than {TEXT_CHARS_PER_POSITION} a "
+                                f"position could hold ({most:,}); shorten it (kvsieve never truncates)", param)
 
     def completion_prompts(self, req: CompletionRequest) -> List[List[int]]:
         """The token ids of each prompt: a string, a list of strings, a list of token ids, or a
@@ -231,6 +241,7 @@ class Server(Responses):
                                      "prompt")
                 ids = list(one)
             else:  # raw text: the tokenizer's BOS, as generate does
+                self.check_text_size(len(one), "prompt")
                 ids = self.tok.encode(one, add_special_tokens=True) if one else []
             if not ids:
                 raise BadRequest(f"{where} is empty; give some text", "prompt")
@@ -275,6 +286,12 @@ class Server(Responses):
             self.metrics.rejected.labels("shutting_down" if e.code == "shutting_down" else "invalid").inc()
             return _error(e)
         n = req.n or 1
+        sch = self.engine.scheduler
+        if sch.max_waiting is not None and len(prompts) * n > sch.max_waiting + sch.max_num_seqs:
+            self.metrics.rejected.labels("invalid").inc()  # (a 503 would have the client retry forever)
+            return _error(BadRequest(f"{len(prompts)} prompts x n = {n} ask for {len(prompts) * n} completions, more "
+                                     f"than this server queues at once ({sch.max_num_seqs} running + "
+                                     f"{sch.max_waiting} waiting); send fewer per request", "n"))
         streams: List[RequestStream] = []
         echo = [e for e in echoes for _ in range(n)] if echoes else None  # per choice: (text, ids) or none
         try:

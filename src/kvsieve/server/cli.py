@@ -1,6 +1,8 @@
 """`kvsieve serve`: an OpenAI-compatible HTTP server on the engine."""
 from __future__ import annotations
 
+import errno
+import signal
 import socket
 import sys
 
@@ -47,9 +49,14 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def _positive(name: str, value, zero_ok: bool = False) -> None:
-    if value is not None and (value < 0 if zero_ok else value <= 0):
-        raise ValueError(f"--{name} must be {'>= 0' if zero_ok else '>= 1'}, got {value}")
+def _positive(name: str, value, zero_ok: bool = False, real: bool = False) -> None:
+    """A count >= 1 (>= 0 with zero_ok); real: a finite number > 0. NaN and inf are refused."""
+    if value is None:
+        return
+    if not (value >= 0 if zero_ok else value > 0) or value == float("inf"):
+        want = ">= 0" if zero_ok else "> 0" if real else ">= 1"
+        finite = "a finite number " if real or value != value or value == float("inf") else ""
+        raise ValueError(f"--{name} must be {finite}{want}, got {value}")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -65,8 +72,9 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind(addr)
     except OSError as e:
         sock.close()
-        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or stop the "
-                         "process using it") from None
+        fix = "pick another --port or stop the process using it" if e.errno == errno.EADDRINUSE else \
+            "give a --host address of this machine (127.0.0.1, or 0.0.0.0 for every interface)"
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); {fix}") from None
     sock.set_inheritable(True)
     return sock
 
@@ -94,7 +102,7 @@ def cmd_serve(args) -> int:
         _positive(name.replace("_", "-"), getattr(args, name), zero_ok=True)
     if not 0 < args.gpu_memory_fraction <= 1:
         raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {args.gpu_memory_fraction}")
-    _positive("cpu-kv-gib", args.cpu_kv_gib)
+    _positive("cpu-kv-gib", args.cpu_kv_gib, real=True)
     opts = method_options(args)
     config_for(args.method, **opts)  # bad options fail before anything loads
     device, dtype = resolve_device(args.device, args.dtype)
@@ -127,11 +135,24 @@ def cmd_serve(args) -> int:
     # finish the engine step it is in at the deadline (seconds on a CPU) and end them with "abort"
     config = uvicorn.Config(app, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_STEP_MARGIN_S)
+    # uvicorn re-raises the signal that stopped it once it has shut down: Ctrl-C as
+    # KeyboardInterrupt, SIGTERM through the handler in place before run(), this one
+    previous = signal.signal(signal.SIGTERM, _stopped_by_sigterm)
     try:
         _make_server(config, app, args.shutdown_timeout).run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+    except (KeyboardInterrupt, _SigTerm):  # (a graceful shutdown: exit 0)
         pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+class _SigTerm(Exception):
+    pass
+
+
+def _stopped_by_sigterm(signum, frame):
+    raise _SigTerm()
 
 
 def _make_server(config, app, shutdown_timeout: float):

@@ -183,6 +183,9 @@ def parse(model: type, raw: bytes):
         obj = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"the request body is not valid JSON ({e}); send a JSON object") from None
+    except (RecursionError, ValueError) as e:  # nesting past Python's stack, an integer past 4300 digits
+        raise BadRequest(f"the request body cannot be read ({type(e).__name__}: {str(e)[:80]}); send a plain "
+                         "JSON object") from None
     if not isinstance(obj, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(obj).__name__}")
     bad = _unpaired_surrogate(obj)
