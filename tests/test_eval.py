@@ -233,6 +233,12 @@ def test_eval_lists_labels_and_fingerprints_keep_settings_apart():
     assert plan("--suite-thresholds", "").suite_thresholds == ()  # (extra points: none is the default)
     p = plan("--lengths", "256,256", "--methods", "tactic,dense,tactic", "--thresholds", "0.9,0.9")
     assert p.lengths == (256,) and p.methods == ("tactic", "dense") and p.thresholds == (0.9,)
+    small = build_plan(build_parser().parse_args(["eval", "--quick"]), 2048)  # preset lengths fit the model
+    assert small.lengths == (1984,) and small.retrieval_lengths == (1024,) and small.suite_lengths == (1024,)
+    small = build_plan(build_parser().parse_args(["eval", "--tasks", "suite"]), 1024)
+    assert max(small.suite_lengths) == 960
+    with pytest.raises(ValueError, match="--lengths value 2048"):  # the user's own lengths are not changed
+        build_plan(build_parser().parse_args(["eval", "--quick", "--lengths", "2048"]), 2048)
     fp = lambda *argv: run_fingerprint(plan(*argv), "m", "t", 1, "float32", {})  # noqa: E731
     base = fp()
     for argv in (("--passkey-depths", "0.1,0.9"), ("--needle-depths", "0.2"), ("--suite-cases", "5"),

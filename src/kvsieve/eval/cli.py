@@ -116,8 +116,25 @@ def build_plan(args, max_positions: int) -> EvalPlan:
         "suite_fractions": listed(args, "suite_fractions", may_be_empty=True),
     }
     plan = dataclasses.replace(plan, **{k: v for k, v in given.items() if v is not None})
+    plan = dataclasses.replace(plan, **fit_preset_lengths(plan, max_positions, [k for k, v in given.items() if v]))
     plan.validate(max_positions)
     return plan
+
+
+def fit_preset_lengths(plan: EvalPlan, max_positions: int, given) -> dict:
+    """The preset's lengths the user did not give, fitted to a model of fewer positions (a
+    2K-position model's --quick asked for 2,048 + 8 tokens and blamed --lengths): each
+    capped at the model's positions less what it decodes, rounded down to 64."""
+    from .harness import MAX_NEW_TOKENS, SUITE_ANSWER_TOKENS
+
+    room = {"lengths": plan.decode_tokens, "retrieval_lengths": max(MAX_NEW_TOKENS[v] for v in plan.variants),
+            "suite_lengths": SUITE_ANSWER_TOKENS}
+    out = {}
+    for name, extra in room.items():
+        cap = (max_positions - extra) // 64 * 64
+        if name not in given and cap >= 64 and any(L > cap for L in getattr(plan, name)):
+            out[name] = tuple(dict.fromkeys(min(L, cap) for L in getattr(plan, name)))
+    return out
 
 
 def default_lengths(max_positions: int) -> tuple:
