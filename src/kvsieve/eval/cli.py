@@ -235,7 +235,7 @@ def cmd_eval(args) -> int:
             "methods": {m: {"tag": pattern_tag(heads[m]), "streaming": sum(map(sum, heads[m]))}
                         for m in STREAMING_METHODS if heads[m] is not None}},
         "dense_heads": {**{m: [list(h) for h in d] for m, d in heads["dense"].items()},
-                        "file": args.dense_heads or "shipped pattern"},
+                        "file": args.dense_heads or ("shipped pattern" if any(heads["dense"].values()) else None)},
         "cells": [store.get(i) for i in ids if store.get(i)],
     }
     with open(store.dir / "results.json", "w") as f:

@@ -182,7 +182,8 @@ def _dense_heads_note(results: Dict) -> List[str]:
         if m in dense:
             by_list.setdefault(", ".join(f"{a}:{b}" for a, b in dense[m]) or "none", []).append(m)
     names = {h: ms[0] if len(ms) == 1 else f"{', '.join(ms[:-1])} and {ms[-1]}" for h, ms in by_list.items()}
-    return [f"- dense KV heads of {names[h]} (layer:head, attended densely): {h} ({dense['file']})" for h in by_list]
+    source = f" ({dense['file']})" if dense.get("file") else ""
+    return [f"- dense KV heads of {names[h]} (layer:head, attended densely): {h}{source}" for h in by_list]
 
 
 def write_report(results: Dict, out_dir) -> Report:
