@@ -214,6 +214,8 @@ def test_calibrate_cli_refuses_more_bad_input_in_one_line(capsys, tmp_path):
              (["--dense-lengths", ""], "give at least one"),
              (["--steps", "8000"], "--sink + --local (384) must be below --length, which can be at most 191"),
              (["--dense-lengths", "64"], "--dense-lengths 64: suite length 64 is too short"),  # before measuring
+             (["--dense-heads", "99"], "--dense-heads 99 is more than this model's 90 KV heads"),
+             (["--text-file", "/dev/null"], "--text-file '/dev/null' is not a regular file"),
              (["--sink", "0", "--local", "0"], "--sink and --local are both 0"),
              (["--text-file", str(tiny), "--length", "512"], "the calibration text has 4 tokens but --length 512")]
     if Path("/proc/self").is_dir():

@@ -283,6 +283,10 @@ def cmd_calibrate(args) -> int:
     text = read_text(args.text_file)
     t0 = time.time()
     model, tok, model_dir = load_model(args.model, device=device)
+    heads = model.cfg.num_layers * model.cfg.num_kv_heads
+    if args.dense_heads > heads:
+        raise ValueError(f"--dense-heads {args.dense_heads} is more than this model's {heads} KV heads "
+                         f"({model.cfg.num_layers} layers x {model.cfg.num_kv_heads}); give a few (default 1)")
     limit = model.cfg.max_positions
     length = args.length if args.length is not None else min(4096, limit // 2)
     most = limit - args.steps - 1

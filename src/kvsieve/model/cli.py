@@ -62,6 +62,8 @@ def read_text_file(f: str, flag: str, what: str = "prompt file") -> str:
     path = Path(f)
     if path.is_dir():
         raise ValueError(f"{flag} {f!r} is a directory; pass a text file")
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{flag} {f!r} is not a regular file; pass a text file")
     if not path.is_file():
         raise FileNotFoundError(f"{what} {f!r} not found; pass an existing text file to {flag}")
     try:
