@@ -66,10 +66,11 @@ class ChoiceLogprobs:
         """The completions logprobs object of an echoed prompt: ids, the engine's
         prompt_logprobs (None for the first token) and the prompt's text; the completion's
         offsets then start after that text."""
-        items, det, pieces = [], Detokenizer(self.tok, skip_special=False), []
+        items, det, pieces, offset = [], Detokenizer(self.tok, skip_special=False), [], 0
         for token, e in zip(ids, entries):
-            items.append((len("".join(pieces)) + _held_whole(det), token, e))
+            items.append((offset + _held_whole(det), token, e))
             pieces.append(det.add([token], False))
+            offset += len(pieces[-1])
         # A string prompt is echoed as sent, without the special tokens its encoding added
         # (a BOS): offsets count from where the sent text starts in the decoded ids.
         decoded = "".join(pieces)
