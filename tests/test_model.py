@@ -172,7 +172,8 @@ def test_compare_dense_reports_both_answers_and_speeds(capsys):
     rc, _, err = run_cli(capsys, *argv[:-1], "--method", "streaming", "--compare-dense", "--no-progress")
     assert rc == 0 and "--- dense on cpu float32: prefill" in err and "decode" in err
     rates = [float(r) for r in re.findall(r"decode ([0-9.]+) tok/s", err)]  # the method's, then dense's
-    assert len(rates) == 2 and ("on the CPU a sparse plan runs as torch reference code" in err) == (rates[0] < rates[1])
+    note = "on the CPU a sparse plan runs as torch reference code" in err
+    assert len(rates) == 2 and (rates[0] == rates[1] or note == (rates[0] < rates[1]))  # (printed to 0.1 tok/s)
 
 
 def test_streamed_answer_is_the_json_text_with_characters_over_several_tokens(capsys):
