@@ -1,6 +1,8 @@
 """LLMEngine on a tiny random Llama (CPU): continuous batching equals running each request
 alone, full pools queue or preempt without losing a request, cancel frees pages, seeds
 reproduce, and dead rows (kept in a captured batch after a request leaves) change nothing."""
+import time
+
 import pytest
 import torch
 
@@ -860,11 +862,13 @@ def test_threads_generating_on_one_engine_get_their_own_outputs(tiny_model):
     out = {}
     worker = threading.Thread(target=lambda: out.update(r=eng.generate(prompts[:2], long)))
     worker.start()
-    while True:
+    deadline = time.monotonic() + 120  # (a clear failure, never a hang, if the worker ran to the end first)
+    while time.monotonic() < deadline and worker.is_alive():
         with eng._lock:
             if any(r.output for r in eng.scheduler.requests.values()):
                 eng.abort(min(eng.scheduler.requests))
                 break
+        time.sleep(0.001)
     worker.join(timeout=300)
     assert [o.finish_reason for o in out["r"]] == ["abort", "length"] and len(out["r"][1].tokens) == 200
     assert len(eng.scheduler.free_pages) == eng.scheduler.num_pages
