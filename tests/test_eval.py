@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvsieve.eval.metrics import AttentionFidelity, attention_fidelity, next_token_metrics
+from kvsieve.eval.metrics import AttentionFidelity, attention_fidelity, next_token_metrics, pool_next_token_metrics
 from kvsieve.eval.needles import VARIANTS, make_task
 from kvsieve.eval.store import ResultStore
 from kvsieve.eval.sweep import MethodPoint, headline_points, parse_methods, sweep_points
@@ -152,6 +152,20 @@ def test_next_token_metrics():
     want_kl = (dense.exp() * (dense + math.log(11))).sum(-1).mean().item()
     assert m["kl"] == pytest.approx(want_kl, rel=1e-5) and m["ppl"] == pytest.approx(11, rel=1e-5)
     assert m["dense_ppl"] == pytest.approx(same["ppl"])
+
+
+def test_a_cells_ppl_pools_its_windows_nll_and_kl_max_is_the_largest():
+    """Two windows of 4 tokens each: the cell's ppl is exp of the mean NLL of all 8 tokens
+    (the mean of the windows' perplexities is larger, by Jensen), kl_max the largest KL."""
+    g = torch.Generator().manual_seed(1)
+    windows = [(torch.log_softmax(3 * torch.randn(4, 7, generator=g), -1),
+                torch.log_softmax(torch.randn(4, 7, generator=g), -1), torch.randint(0, 7, (4,), generator=g))
+               for _ in range(2)]
+    pooled = pool_next_token_metrics([next_token_metrics(*w) for w in windows])
+    lp, dense, targets = (torch.cat(t) for t in zip(*windows))
+    whole = next_token_metrics(lp, dense, targets)
+    for key in ("nll", "ppl", "dense_nll", "dense_ppl", "kl", "kl_max", "top1_agree"):
+        assert pooled[key] == pytest.approx(whole[key], rel=1e-6), key
 
 
 # ------------------------------------------------------------------ store

@@ -87,7 +87,8 @@ def run_fingerprint(plan: EvalPlan, model_dir, text: str, text_tokens: int, dtyp
     return {"model": str(model_dir), "text": text, "text_tokens": text_tokens, "dtype": dtype,
             "decode_tokens": plan.decode_tokens, "samples": plan.samples, "seed": plan.seed, "versions": versions,
             "streaming_heads": None, "passkey_depths": plan.passkey_depths, "needle_depths": plan.needle_depths,
-            "suite_cases": plan.suite_cases, "suite_sources": plan.suite_sources}
+            "suite_cases": plan.suite_cases, "suite_sources": plan.suite_sources,
+            "metrics": 2}  # 2: a cell's ppl pools its windows' NLL, kl_max is their maximum
 
 
 def build_plan(args, max_positions: int) -> EvalPlan:

@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 
 from .needles import MAX_NEW_TOKENS, VARIANTS, make_task
-from .metrics import AttentionFidelity, next_token_metrics
+from .metrics import AttentionFidelity, next_token_metrics, pool_next_token_metrics
 from .store import ResultStore
 from ..patterns import STREAMING_METHODS, dense_heads_of, heads_for, pattern_tag
 from .sweep import EVAL_METHODS, MethodPoint, headline_points, sweep_points
@@ -200,7 +200,7 @@ def run_fidelity(engine, text_ids: Sequence[int], plan: EvalPlan, store: ResultS
                 dense_lp = lp
                 store.save_tensor(f"fidelity-{L}", lp)
             per_sample = [next_token_metrics(lp[b], dense_lp[b], targets[b]) for b in range(len(windows))]
-            lm = {k: sum(m[k] for m in per_sample) / len(per_sample) for k in per_sample[0]}
+            lm = pool_next_token_metrics(per_sample)
             store.put(cid, {"task": "fidelity", "length": L, "method": p.method, "knob": p.knob, "label": p.label,
                             "options": _jsonable(p.options(L, streaming_heads)), "samples": len(windows),
                             "decode_tokens": N, **attn, **lm, "per_sample": per_sample,

@@ -93,11 +93,22 @@ def next_token_metrics(logprobs: Tensor, dense_logprobs: Tensor, targets: Tensor
     return {
         "nll": nll.mean().item(),
         "ppl": math.exp(nll.mean().item()),
+        "dense_nll": dense_nll.mean().item(),
         "dense_ppl": math.exp(dense_nll.mean().item()),
         "kl": kl.mean().item(),
         "kl_max": kl.max().item(),
         "top1_agree": (logprobs.argmax(-1) == dense_logprobs.argmax(-1)).double().mean().item(),
     }
+
+
+def pool_next_token_metrics(per_sample: List[Dict]) -> Dict:
+    """One cell's metrics from its windows' next_token_metrics. Every window scores the same
+    number of tokens, so the pooled mean NLL is the windows' mean: ppl is exp of it (not the
+    mean of per-window perplexities), kl_max the largest KL of any position in any window."""
+    mean = lambda k: sum(m[k] for m in per_sample) / len(per_sample)
+    nll, dense_nll, kl, top1 = mean("nll"), mean("dense_nll"), mean("kl"), mean("top1_agree")
+    return {"nll": nll, "ppl": math.exp(nll), "dense_nll": dense_nll, "dense_ppl": math.exp(dense_nll), "kl": kl,
+            "kl_max": max(m["kl_max"] for m in per_sample), "top1_agree": top1}
 
 
 def _rows(t: Tensor) -> List[List[float]]:
