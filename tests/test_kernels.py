@@ -5,6 +5,7 @@ on the GPU machine `scripts/gpu_tests.sh` runs the same tests on CUDA tensors (m
 `gpu` variants use larger sizes). The interpreter rounds bf16 casts by truncation, which
 doubles bf16 output error, hence the looser bf16 factor there.
 """
+import numpy as np
 import pytest
 import torch
 
@@ -748,6 +749,32 @@ def test_keep_clusters_kernel_matches_twin(threshold, min_budget, max_budget, de
     want, got = _keep_twin_and_kernel(case, threshold, min_budget, max_budget, views)
     assert torch.equal(got, want)
     assert 0 < want.float().mean() < C  # neither nothing nor everything
+
+
+def test_keep_clusters_kernel_reads_the_threshold_in_float64():
+    """Triton passes float scalars as fp32: a threshold just past one of the twin's cluster
+    boundaries, whose fp32 rounding falls below it, must keep the twin's clusters (one more
+    than its fp32 rounding would). Thresholds found by bisecting the twin in float64."""
+    from kvsieve.ops.threshold import keep_clusters
+
+    case = fit_case(11, 6, 120, 40, 0.5, 37, torch.float32)
+    args = [case[k] for k in ("read", "positions", "always", "layout", "n", "csize", "head_w")]
+    row = 3  # its count grows 3 -> 120 over these thresholds
+    kept = lambda t: int(keep_clusters(*args, t, 0, None)[row])  # noqa: E731
+    tried = 0
+    for lo in (0.3, 0.45, 0.6, 0.75, 0.9):
+        hi, k0 = 0.999, kept(lo)
+        if kept(hi) == k0:
+            continue
+        while lo < (lo + hi) / 2 < hi:  # to adjacent float64s: kept(lo) == k0 < kept(hi)
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if kept(mid) == k0 else (lo, mid)
+        if not float(np.float32(hi)) < hi:
+            continue  # its fp32 rounding is above the boundary: both keep the same
+        tried += 1
+        want, got = _keep_twin_and_kernel(case, hi, 0, None)
+        assert int(want[row]) == kept(hi) > k0 and torch.equal(got, want), (lo, hi)
+    assert tried >= 1
 
 
 @pytest.mark.parametrize("C,max_size,samples,head_cap,threshold,min_budget,max_budget", [

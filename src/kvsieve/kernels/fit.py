@@ -9,8 +9,9 @@ torch launches per step.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -21,22 +22,34 @@ from .search import FAN_BITS, count_at_most, search_rounds
 from ..ops.fit import FitLayout
 from ..ops.threshold import EULER_GAMMA
 
-_PARAMS: dict = {}  # (device, threshold) -> float64 PARAMS (fp32 scalars would round them)
+_PARAMS: dict = {}  # device -> float64 PARAMS (one small table per device, whatever the thresholds)
 HARMONIC_SERIES_FROM = 16  # below: a table of H(0..15); from here: asymptotic series (error < 1e-12)
 BLOCK = 256  # lanes of a program: scores per pass, probes per search round (H200 sweep at 128K x 8/32:
 NUM_WARPS = 4  # 256/4 and 512/4 best, 29-31 us / 58-62 us; 1024/8 33 / 97 us, 2048/8 79 / 230 us)
 
 
-def _params(threshold: float, device) -> Tensor:
-    """float64 [threshold, Euler's gamma, H(0), ..., H(HARMONIC_SERIES_FROM - 1)], made once per
-    (device, threshold) outside any CUDA-graph capture (capture warms up first)."""
-    key = (device, float(threshold))
+def _params(device) -> Tensor:
+    """float64 [unused, Euler's gamma, H(0), ..., H(HARMONIC_SERIES_FROM - 1)], made once per
+    device outside any CUDA-graph capture (capture warms up first) and kept, since graphs hold
+    its address."""
+    key = str(torch.device(device))
     if key not in _PARAMS:
         table = [0.0]
         for i in range(1, HARMONIC_SERIES_FROM):
             table.append(table[-1] + 1.0 / i)
-        _PARAMS[key] = torch.tensor([float(threshold), EULER_GAMMA] + table, dtype=torch.float64, device=device)
+        _PARAMS[key] = torch.tensor([0.0, EULER_GAMMA] + table, dtype=torch.float64, device=device)
     return _PARAMS[key]
+
+
+def split_threshold(threshold: float) -> Tuple[float, float, float]:
+    """threshold as three fp32-exact parts (Triton passes float scalars as fp32, which would
+    round it): (hi + mid) + lo in float64 is the threshold exactly (24 + 24 + 5 bits)."""
+    t = float(threshold)
+    hi = float(np.float32(t))
+    mid = float(np.float32(t - hi))
+    lo = float(np.float32(t - hi - mid))
+    assert (hi + mid) + lo == t, t
+    return hi, mid, lo
 
 
 @triton.jit
@@ -84,13 +97,14 @@ def _segment(READ, POS, row, W, SR, start, SW, shift, BLOCK: tl.constexpr):
 
 @triton.jit(do_not_specialize=('W', 'A', 'SR', 'SA', 'C', 'HW', 'SW', 'min_budget', 'max_budget'))
 def _keep_kernel(READ, POS, ALW, HLEN, EXACT, NL, CS, SCR, PARAMS, OUT, W, A, SR, SA, C, HW, SW,
-                 min_budget, max_budget,
+                 min_budget, max_budget, THR_HI, THR_MID, THR_LO,
                  ALL: tl.constexpr, HAS_MIN: tl.constexpr, HAS_MAX: tl.constexpr, BLOCK: tl.constexpr,
                  BLOCK_BITS: tl.constexpr, SMALL: tl.constexpr, ROUNDS: tl.constexpr, CS_ROUNDS: tl.constexpr,
                  FAN_BITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    threshold = tl.load(PARAMS)
+    one = tl.full([], 1.0, tl.float64)  # (a product, not .to(): the interpreter passes Python floats)
+    threshold = (THR_HI * one + THR_MID * one) + THR_LO * one
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     for w0 in range(0, W, BLOCK):
         m = tl.maximum(m, tl.load(READ + row * SR + w0 + offs, mask=w0 + offs < W, other=float("-inf")))
@@ -174,13 +188,14 @@ def keep_clusters(read: Tensor, positions: Tensor, always: Tensor, layout: FitLa
 
     scratch = torch.empty(R, max(head_w, 1), dtype=torch.float64, device=read.device)
     out = torch.empty(R, dtype=torch.long, device=read.device)
-    params = _params(threshold, read.device)
+    params = _params(read.device)
+    thr = split_threshold(threshold)
     i32 = int32_contiguous
     read, always = (t if t.stride(-1) == 1 else t.contiguous() for t in (read, always))
     _keep_kernel[(R,)](read, i32(positions), always, layout.head_len.contiguous(),
                        layout.exact.contiguous(), n.contiguous(), i32(csize), scratch, params, out, W, A,
                        read.stride(0), always.stride(0), C, head_w, seg_w,
-                       int(min_budget), -1 if max_budget is None else int(max_budget),
+                       int(min_budget), -1 if max_budget is None else int(max_budget), *thr,
                        ALL=threshold >= 1.0, HAS_MIN=min_budget > 0, HAS_MAX=max_budget is not None, BLOCK=BLOCK,
                        SMALL=HARMONIC_SERIES_FROM, BLOCK_BITS=BLOCK.bit_length() - 1,
                        ROUNDS=search_rounds_for(C, BLOCK),
