@@ -84,6 +84,21 @@ def test_tiny_gemma3_matches_transformers(tmp_path):
     assert diff < 1e-4, (diff, scale)
 
 
+def test_dense_heads_on_a_window_layer_refused(tmp_path):
+    """A window layer attends its window densely and runs no method: a dense head named there
+    is one clear error naming the global layers; one on a global layer runs."""
+    from kvsieve.engine import LLMEngine, SamplingParams
+
+    torch.manual_seed(0)
+    transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**TINY, initializer_range=0.1)).save_pretrained(tmp_path)
+    eng = LLMEngine(load_weights(tmp_path), None, "tactic")
+    with pytest.raises(ValueError, match=r"names 2:0, but layer 2 is a sliding-window layer \(window 16\).*"
+                                         r"global layers \[1, 3\]"):
+        eng.generate([list(range(1, 40))], SamplingParams(2), "tactic", {"dense_heads": "1:0,2:0"})
+    out = eng.generate([list(range(1, 40))], SamplingParams(2), "tactic", {"dense_heads": "3:0"})
+    assert len(out[0].tokens) == 2
+
+
 def test_yarn_on_global_layers_matches_transformers(tmp_path):
     """YaRN on the global layers only (blended frequencies, a factor on cos/sin), default RoPE
     on the local ones."""

@@ -20,6 +20,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Un
 
 import torch
 
+from ..config import dense_head_pairs
 from ..methods import config_for, make_method, merge_options
 from ..methods.base import DENSE_BELOW_KV_BYTES  # noqa: F401 (re-exported by kvsieve.engine)
 from ..methods.hybrid import normalize_pattern
@@ -226,8 +227,17 @@ class LLMEngine(BatchCrossover):
         """opts with its head options checked against the model: dense_heads name its heads;
         streaming_heads (flags, or a `kvsieve calibrate` file's path, read as the CLI reads it
         for `method`) hold one row of KV-head flags for every layer or one for each."""
-        L, H = self.model.cfg.num_layers, self.model.cfg.num_kv_heads
+        cfg = self.model.cfg
+        L, H = cfg.num_layers, cfg.num_kv_heads
         check_dense_heads(opts.get("dense_heads", ()), L, H, "dense_heads")
+        windowed = [(a, b) for a, b in dense_head_pairs(opts.get("dense_heads", ())) if cfg.layer_window(a)]
+        if windowed:
+            a, b = windowed[0]
+            glob = [i for i in range(L) if not cfg.layer_window(i)]
+            raise ValueError(f"dense_heads names {a}:{b}, but layer {a} is a sliding-window layer (window "
+                             f"{cfg.layer_window(a)}), which attends its window densely and runs no method; "
+                             + (f"name heads of the global layers {glob}" if glob else
+                                "this model has no global layer: give no dense heads"))
         heads = opts.get("streaming_heads")
         if isinstance(heads, (str, os.PathLike)):
             return {**opts, "streaming_heads": read_streaming_heads(heads, L, H, method)}
