@@ -140,6 +140,22 @@ def test_demo_bad_input_is_one_line(capsys, argv, message):
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch):
+    """Ctrl-C in any command (a long generate, a model conversion) printed a traceback of
+    wherever the step was; it is one line now, with the shell's status for SIGINT."""
+    import kvsieve.cli
+
+    def interrupted(args):
+        print("partial answ", end="")
+        raise KeyboardInterrupt
+
+    monkeypatch.delenv("KVSIEVE_DEBUG", raising=False)
+    monkeypatch.setattr(kvsieve.cli, "cmd_demo", interrupted)
+    assert kvsieve.cli.main(["demo"]) == 130
+    out, err = capsys.readouterr()
+    assert out == "partial answ" and err == "\nkvsieve: interrupted\n", err
+
+
 def test_numpy_numbers_are_numbers():
     """Options and sampling settings swept with NumPy (np.arange, np.linspace) validate as the
     numbers they hold, as Python's do."""

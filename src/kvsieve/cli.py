@@ -158,3 +158,9 @@ def _run(argv) -> int:
             e = f"missing dependency {e.name!r}: run `bash scripts/setup.sh` or `pip install 'kvsieve[model]'`"
         print(f"kvsieve: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback from wherever the step was
+        if os.environ.get("KVSIEVE_DEBUG"):
+            raise
+        sys.stdout.flush()
+        print("\nkvsieve: interrupted", file=sys.stderr)
+        return 130

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import signal
 import socket
 import sys
@@ -144,7 +145,16 @@ def cmd_serve(args) -> int:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+        # shut down: another Ctrl-C while Python exits (torch's teardown takes a moment) ends it
+        # at once, not with a KeyboardInterrupt in interpreter shutdown (status 130)
+        signal.signal(signal.SIGINT, _quit_now)
     return 0
+
+
+def _quit_now(signum, frame):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class _SigTerm(Exception):
@@ -161,9 +171,19 @@ def _make_server(config, app, shutdown_timeout: float):
     import uvicorn
 
     class Server(uvicorn.Server):
+        signals = 0
+
         def handle_exit(self, sig, frame) -> None:
             server = app.state.server
             server.draining = True
+            self.signals += 1
+            if self.signals == 2 and sig == signal.SIGINT:
+                # uvicorn would force-quit here and cut the streams mid-body: abort them now
+                # instead (each ends with finish_reason "abort" within one engine step)
+                print("kvsieve serve: aborting the requests in flight (Ctrl-C again to quit at once)",
+                      file=sys.stderr)
+                server.driver.stop(drain_s=0.0, wait=False)
+                return
             # requests still running at the deadline are aborted by the driver, so their
             # clients get a clean end (503 / finish_reason "abort") before uvicorn gives up
             server.driver.stop(drain_s=shutdown_timeout, wait=False)
