@@ -139,6 +139,66 @@ def test_tactic_appended_tokens_are_attended_until_folded():
         assert a.max() < st.num_clusters[0]
 
 
+def _decode_both_paths(opts, prompt_lengths, steps, Hkv=2, Hq=4, D=16):
+    """Decode `steps` tokens through tactic's two paths, as their callers drive them:
+    select() after append() (the reference), and plan() after maintain() + append_token()
+    (the engine's: maintain runs before the step writes its token's key, so read_keys never
+    returns a key past the tokens written). Yields (select mask, plan mask, lengths) per step."""
+    from kvsieve.ops.paged import PagedKeys
+
+    B, PS = len(prompt_lengths), 16
+    S_max = max(prompt_lengths) + steps
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(B, Hkv, S_max, D, generator=g, dtype=torch.float64)
+    qs = torch.randn(steps, B, Hq, D, generator=g, dtype=torch.float64)
+    P = -(-S_max // PS)
+    pool = torch.nn.functional.pad(k, (0, 0, 0, P * PS - S_max)).view(B, Hkv, P, PS, D).permute(0, 2, 1, 3, 4)
+    keys = PagedKeys(pool.reshape(B * P, Hkv, PS, D).contiguous(), torch.arange(B * P, dtype=torch.int32).view(B, P))
+    ref, fast = make_method("tactic", **opts), make_method("tactic", **opts)
+    lengths = torch.tensor(prompt_lengths)
+    k0 = k[:, :, :max(prompt_lengths)]
+    st_ref, st_fast = ref.prepare(k0, lengths), fast.prepare(k0, lengths)
+    for t in range(steps):
+        written = lengths.tolist()  # keys in the cache before this step's token is stored
+        lengths = lengths + 1
+        host = lengths.tolist()
+        visible = torch.arange(max(host))[None, None, :, None] < lengths[:, None, None, None]
+        kk = (k[:, :, :max(host)] * visible).clone()
+
+        def read_keys(b, s, e):
+            assert e <= written[b], f"read the key of token {e - 1}, not yet written (row {b} holds {written[b]})"
+            return k[b, :, s:e]
+
+        st_ref = ref.append(st_ref, kk, lengths)
+        want = ref.select(qs[t], kk, lengths, st_ref).mask
+        fast.maintain(st_fast, lengths, host, read_keys)
+        st_fast = fast.append_token(st_fast, k[torch.arange(B), :, lengths - 1], lengths, host, read_keys)
+        plan = fast.plan(qs[t], st_fast, lengths, host, keys)
+        got = torch.zeros_like(want)
+        for b in range(B):
+            for h in range(Hkv):
+                n = int(plan.counts[b, h])
+                got[b, h, plan.indices[b, h, :n].long() if plan.indices is not None else torch.arange(n)] = True
+        yield want, got, lengths
+
+
+@pytest.mark.parametrize("opts,prompt_lengths,steps", [
+    ({"budget": 64, "fold_every": 0}, (300, 200), 60),  # nothing folds: the tail outgrew the list
+    ({"budget": 64, "local": 8, "fold_every": 16}, (12, 10), 100),  # prompts within sink + local: no cluster
+    ({"budget": 64, "local": 0, "fold_every": 8}, (300, 131), 30),  # the fold must not take the new token
+    ({"budget": 64, "fold_every": 16}, (300, 200), 40),
+    ({"threshold": 0.8, "local": 0, "fold_every": 8}, (300, 131), 30),
+])
+def test_tactic_plan_attends_what_select_does_over_decode_steps(opts, prompt_lengths, steps):
+    """The engine's plan lists what select() attends at every step, the newest token
+    included. A fixed budget's list was capped at budget + sink + local + fold_every + 1,
+    so with fold_every = 0, or prompts too short to cluster, the newest tokens fell off it;
+    with local = 0, maintain() folded the token being decoded before its key was written."""
+    for want, got, lengths in _decode_both_paths(opts, prompt_lengths, steps):
+        assert torch.equal(got, want), (lengths.tolist(), (got != want).sum().item())
+        assert want[torch.arange(len(lengths)), :, lengths - 1].all()
+
+
 @pytest.mark.parametrize("method,opts", [
     ("dense", {}), ("streaming", {"sink": 4, "local": 16}), ("quest", {"budget": 32}),
     ("pages", {"budget": 64}), ("tactic", {}), ("lserve", {"budget": 64, "streaming_heads": [1, 0]}),

@@ -165,13 +165,18 @@ class Tactic(SparseMethod):
             state.assign = torch.nn.functional.pad(state.assign, (0, S - state.assign.shape[-1]), value=-1)
         for b, n in enumerate(lengths.tolist()):
             if self._fold_due(state, b, n):
-                self._fold(state, k[b], b, int(state.num_indexed[b]), n - self.config.local)
+                self._fold(state, k[b], b, int(state.num_indexed[b]), self._fold_end(n))
         return state
+
+    def _fold_end(self, length: int) -> int:
+        """Tokens before this are folded: all but the local window, and never the token being
+        decoded (with local = 0 the engine folds before that step has written its key)."""
+        return length - max(self.config.local, 1)
 
     def _fold_due(self, st: ClusterIndex, b: int, length: int) -> bool:
         every = self.config.fold_every
         done = st.host_indexed[b] if st.host_indexed is not None else int(st.num_indexed[b])
-        return every > 0 and length - self.config.local - done >= every
+        return every > 0 and self._fold_end(length) - done >= every
 
     def _fold(self, st: ClusterIndex, k: Tensor, b: int, start: int, end: int) -> None:
         """Assign tokens [start, end) of request b (keys k [Hkv, >=end, D]) to their nearest
@@ -302,8 +307,9 @@ class Tactic(SparseMethod):
             changed = True
         for b, n in enumerate(host_lengths):
             if self._fold_due(state, b, n):
-                self._fold(state, read_keys(b, 0, n - self.config.local), b, int(state.num_indexed[b]),
-                           n - self.config.local)  # in place: a captured step stays valid
+                end = self._fold_end(n)
+                self._fold(state, read_keys(b, 0, end), b, int(state.num_indexed[b]), end)  # in place: a
+                # captured step stays valid
         if state.members is None or state.csr_stale:
             changed |= state.build_csr()
         c = state.consts
@@ -382,12 +388,14 @@ class Tactic(SparseMethod):
 
     def plan_capacity(self, state: ClusterIndex, host_lengths: List[int]) -> int:
         """Largest list a step can produce. Fixed budget: the budget (or the best cluster
-        alone), the sinks, and the unfolded tail (local window + up to fold_every tokens).
-        Threshold: every token (the union of the group's prefixes may cover the list)."""
+        alone), the sinks, and the unindexed tail (_tail_width: the local window + up to
+        fold_every tokens while folding keeps up, else all of it: fold_every = 0, or an index
+        with no cluster to fold into). Threshold: every token (the union of the group's
+        prefixes may cover the list)."""
         cfg = self.config
         if cfg.budget is None:
             return capacity_bucket(max(host_lengths))
-        cap = max(cfg.budget, state.max_size) + cfg.sink + cfg.local + cfg.fold_every + 1
+        cap = max(cfg.budget, state.max_size) + cfg.sink + self._tail_width(state, host_lengths)
         return budget_capacity(cap, host_lengths)
 
     def plan(self, q, state: ClusterIndex, lengths, host_lengths, keys: Optional[PagedKeys] = None,
