@@ -31,8 +31,9 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, help="quest/lserve: logical page size in tokens")
     p.add_argument("--physical-page-size", type=int, help="quest/lserve: physical page size in tokens, a multiple "
                                                           "of the page size (quest: the page size; lserve: 64)")
-    p.add_argument("--sink", type=int, help="streaming/lserve/hybrid: sink tokens")
-    p.add_argument("--local", type=int, help="streaming/lserve/hybrid: local window tokens")
+    p.add_argument("--sink", type=int, help="sink tokens always attended (lserve/hybrid: of the streaming heads)")
+    p.add_argument("--local", type=int, help="local window tokens always attended (lserve/hybrid: of the streaming "
+                   "heads)")
     p.add_argument("--streaming-heads", metavar="FILE", help="lserve/hybrid: streaming-heads pattern from `kvsieve "
                    "calibrate` ('none': no streaming head; default: the shipped pattern of the embedded model)")
     p.add_argument("--prefill-local", type=int, help="lserve/hybrid: local window of streaming heads during "
