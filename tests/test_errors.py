@@ -156,6 +156,31 @@ def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch):
     assert out == "partial answ" and err == "\nkvsieve: interrupted\n", err
 
 
+def test_version_and_missing_dependency_messages(capsys, monkeypatch):
+    """--version prints the package's version. A missing module gets one line naming the
+    install; a message of ours that names its own extra (bench: kvsieve[triton]) is kept,
+    not replaced by the generic kvsieve[model] advice."""
+    import kvsieve
+    import kvsieve.cli
+
+    with pytest.raises(SystemExit) as stop:
+        kvsieve.cli.main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out == f"kvsieve {kvsieve.__version__}\n"
+    monkeypatch.delenv("KVSIEVE_DEBUG", raising=False)
+    for raised, want in [(ModuleNotFoundError("No module named 'gguf'", name="gguf"),
+                          "kvsieve: error: missing dependency 'gguf': run `bash scripts/setup.sh` or "
+                          "`pip install 'kvsieve[model]'`"),
+                         (ModuleNotFoundError("kvsieve bench needs triton: pip install 'kvsieve[triton]'",
+                                              name="triton"),
+                          "kvsieve: error: kvsieve bench needs triton: pip install 'kvsieve[triton]'")]:
+        def missing(args, raised=raised):
+            raise raised
+
+        monkeypatch.setattr(kvsieve.cli, "cmd_demo", missing)
+        assert kvsieve.cli.main(["demo"]) == 2
+        assert capsys.readouterr().err == want + "\n"
+
+
 def test_numpy_numbers_are_numbers():
     """Options and sampling settings swept with NumPy (np.arange, np.linspace) validate as the
     numbers they hold, as Python's do."""

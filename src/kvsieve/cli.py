@@ -100,6 +100,9 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvsieve", description="Adaptive sparse attention for long-context decoding.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"kvsieve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="sparse_decode on one synthetic decode step: KV read and error per method")
     d.add_argument("--seq-len", type=int, default=8192, help="cached tokens of the synthetic decode step (8192)")
@@ -155,7 +158,7 @@ def _run(argv) -> int:
     except (ValueError, FileNotFoundError, UsageError, ModuleNotFoundError) as e:
         if os.environ.get("KVSIEVE_DEBUG"):
             raise
-        if isinstance(e, ModuleNotFoundError):
+        if isinstance(e, ModuleNotFoundError) and "pip install" not in str(e):  # (ours name their extra)
             e = f"missing dependency {e.name!r}: run `bash scripts/setup.sh` or `pip install 'kvsieve[model]'`"
         print(f"kvsieve: error: {e}", file=sys.stderr)
         return 2
