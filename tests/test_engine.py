@@ -333,6 +333,35 @@ def test_logprobs_are_the_models_own_and_only_where_asked(tiny_model, paged):
         SamplingParams(logprobs=21)
 
 
+@pytest.mark.parametrize("paged", [True, False])
+def test_logprobs_stay_the_models_own_under_logit_bias_and_penalties(tiny_model, paged):
+    """Pins SamplingParams' contract that logprobs are the log-softmax of the model's logits
+    *before* logit_bias and presence/frequency penalties: the shaped logits choose the token,
+    but the reported log-probability (and the top alternatives) must match teacher-forced
+    score() of the same tokens, for the prefill's first token and every decode step. One
+    request is forced to token 7 by a +30 bias (its model log-probability is far below 0, so
+    reporting the biased distribution would show ~0); another, sampled, has strong penalties
+    only, which reshape the distribution after its first token."""
+    eng = LLMEngine(tiny_model, None, "dense", paged=paged)
+    ps = prompts(2, seed=13)
+    params = [SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=3, logit_bias={7: 30.0, 11: -50.0},
+                             presence_penalty=1.0, frequency_penalty=0.5),
+              SamplingParams(max_new_tokens=5, temperature=1.0, seed=4, ignore_eos=True, logprobs=3,
+                             presence_penalty=2.0, frequency_penalty=2.0)]
+    outs = eng.generate(ps, params)
+    assert outs[0].tokens == [7] * 5  # the bias did steer sampling
+    for p, o in zip(ps, outs):
+        rows, _ = eng.score([p[:-1]], [[p[-1]] + o.tokens[:-1]])  # row j: the model's distribution of token j
+        assert len(o.logprobs) == len(o.tokens) == 5
+        for j, e in enumerate(o.logprobs):
+            want = rows[0][j].double()
+            top = want.topk(3)
+            assert e.token == o.tokens[j] and e.logprob == pytest.approx(want[e.token].item(), abs=1e-4), (j, e)
+            assert [t for t, _ in e.top] == top.indices.tolist(), j
+            assert [v for _, v in e.top] == pytest.approx(top.values.tolist(), abs=1e-4), j
+    assert max(e.logprob for e in outs[0].logprobs) < -1  # far from the biased distribution's ~0
+
+
 def causal_logprobs(model, ids):
     """[len(ids), vocab] float64 log-probabilities of one plain causal forward over ids."""
     import torch.nn.functional as F
@@ -460,6 +489,29 @@ def test_sampling_filters_and_greedy():
         toks = sample(lg, torch.full((n,), t), torch.zeros(n, dtype=torch.long), torch.full((n,), 0.8), torch.arange(n),
                       torch.zeros(n))
         assert set(toks.tolist()) == want, t
+
+
+def test_top_p_stops_at_the_first_prefix_whose_mass_reaches_it_exactly():
+    """Pins filter_logits' top-p boundary: the nucleus is the *smallest* prefix of the sorted
+    probabilities reaching top_p, so a prefix whose mass equals top_p exactly ends it (the
+    next token is out; keeping it would be `<=` instead of `<` on the mass ranked above).
+    Probabilities 1/2, 1/4, 1/8, 1/16, 1/16 are exact in float32, so the prefix masses 0.5,
+    0.75, 0.875 are hit exactly (checked first); a top_p just above a prefix mass lets the
+    next token in. The last two tokens tie, so whichever is the cut-off both stay."""
+    lg = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.0625, 0.0625]]))
+    probs = lg.softmax(-1)[0]
+    assert probs.tolist() == [0.5, 0.25, 0.125, 0.0625, 0.0625]  # the boundary below is exact
+    assert (probs.cumsum(0) - probs).tolist() == [0.0, 0.5, 0.75, 0.875, 0.9375]
+    cases = {0.5: 1, 0.75: 2, 0.875: 3, 0.5 + 2 ** -20: 2, 0.75 + 2 ** -20: 3, 0.875 + 2 ** -20: 5, 1.0: 5,
+             0.25: 1}
+    for top_p, n in cases.items():
+        kept = torch.isfinite(filter_logits(lg, torch.tensor([0]), torch.tensor([top_p])))[0].tolist()
+        assert kept == [True] * n + [False] * (5 - n), (top_p, kept)
+    # shuffled vocabulary order and a batch of rows, each with its own top_p
+    perm = torch.tensor([3, 0, 4, 2, 1])
+    rows = filter_logits(lg[:, perm].expand(3, 5), torch.zeros(3, dtype=torch.long), torch.tensor([0.5, 0.75, 0.875]))
+    assert torch.isfinite(rows).tolist() == [[False, True, False, False, False], [False, True, False, False, True],
+                                             [False, True, False, True, True]]
 
 
 def test_sampling_noise_is_finite_so_filtered_tokens_are_never_drawn():

@@ -159,6 +159,11 @@ def test_list_logits_matches_reference_and_oracle(dtype, G, D, W):
 @pytest.mark.parametrize("minmax", [False, True])
 @pytest.mark.parametrize("G,D,N", [(1, 64, 54), (3, 64, 97), (4, 128, 1), (8, 64, 33), (4, 64, 700), (3, 80, 97)])
 def test_summary_scores(minmax, G, D, N):
+    """Both outputs of kernels.select.summary_scores against the float64 twin: the per-head
+    scores `a` and the group maxima `b` (max over a KV head's G query heads, what page and
+    cluster selection rank by) are -inf exactly where the twin's are and equal it elsewhere.
+    `b` is compared by value too, not only its -inf pattern: a group max that kept only the
+    last head's score (or any one head's) has the same -inf pattern."""
     g = torch.Generator().manual_seed(N + G)
     B, Hkv = 2, 2
     q = torch.randn(B, Hkv * G, D, generator=g).to(DEV)
@@ -170,6 +175,11 @@ def test_summary_scores(minmax, G, D, N):
     assert torch.equal(torch.isinf(a), torch.isinf(a64)) and torch.equal(torch.isinf(b), torch.isinf(b64))
     fin = torch.isfinite(a64)
     assert (a[fin].double() - a64[fin]).abs().max().item() < 1e-4 * D if fin.any() else True
+    fin_b = torch.isfinite(b64)
+    assert fin_b.sum() * G == fin.sum()  # a group max is finite exactly where its heads' scores are
+    if fin_b.any():
+        err_b = (b[fin_b].double() - b64[fin_b]).abs().max().item()
+        assert err_b < 1e-4 * D, f"group max off the float64 twin's by {err_b}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -518,6 +528,35 @@ def test_nearest_centroid_and_update(D, S, C):
     upd_k = kkmeans.update_centroids(junk.to(DEV), want.to(DEV), tv.to(DEV), cent.to(DEV)).cpu()
     upd_r = rkmeans.update_centroids(junk, want, tv, cent)
     assert torch.allclose(upd_k, upd_r, atol=1e-5)
+
+
+def test_nearest_centroid_exact_ties_go_to_the_first_cluster():
+    """Pins the tie rule of the K-means assignment: the reference takes "the first of tied
+    minima, as argmin" (ops.kmeans.nearest_centroid), and the kernel, its twin, must do the
+    same on exact ties (its documented freedom is only for *near*-ties, from rounding).
+    Small-integer keys and centroids make every distance exact in float32 (and tf32), so
+    ties are exact in both; centroids 64..127 duplicate 0..63 and 128..149 duplicate 10..31,
+    so every minimum is tied across the kernel's 64-cluster tiles (a running argmin that
+    lets a later tile win an equal distance picks the duplicate), and integer data ties
+    distinct centroids within a tile too. An invalid cluster never wins, even when it ties."""
+    g = torch.Generator().manual_seed(3)
+    R, S, D, C = 2, 97, 16, 150
+    x = torch.randint(-2, 3, (R, S, D), generator=g).float()
+    cent = torch.randint(-2, 3, (R, C, D), generator=g).float()
+    cent[:, 64:128] = cent[:, :64]
+    cent[:, 128:] = cent[:, 10:32]
+    valid = torch.ones(R, C, dtype=torch.bool)
+    valid[1, 0] = False  # its duplicate 64 is valid: the tie goes to 64, never to 0
+    x[1, :8] = cent[1, 0]  # keys sitting exactly on that invalid centroid
+    d = ((x.double()[:, :, None] - cent.double()[:, None]) ** 2).sum(-1).masked_fill(~valid[:, None, :], float("inf"))
+    first = d.argmin(-1)  # the first of tied minima (exact: integers in float64)
+    ties = (d == d.amin(-1, keepdim=True)).sum(-1)
+    assert (ties[0] >= 2).all() and (ties[1] >= 2).float().mean() > 0.8  # (row 1: cluster 0's twin is alone)
+    want = rkmeans.nearest_centroid(x, cent, valid)
+    assert torch.equal(want, first)  # the reference's documented rule
+    assert (want[1, :8] == 64).all()
+    got = kkmeans.nearest_centroid(x.to(DEV), cent.to(DEV), valid.to(DEV)).cpu()
+    assert torch.equal(got, first), (got != first).nonzero()[:8].tolist()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

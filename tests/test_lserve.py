@@ -77,6 +77,32 @@ def test_kernel_matches_reference_and_oracle(dtype, T, S, Hkv, G, D, sink, local
     assert (out.transpose(0, 1)[empty] == 0).all()
 
 
+def test_kernel_window_bounds_at_every_alignment_of_local():
+    """Pins the streaming-window block bounds of the prefill kernel (`second`, the first block
+    of the Λ range, and `c_lo`, the first block every query of an m-block sees whole): with
+    T = S = 128 (4 blocks of 32 under the interpreter) `local` sweeps one full block period of
+    windows 1-2 blocks wide (32..64) plus a few wider or tiny ones, so the window's edge falls
+    at every offset inside a key block. An off-by-one in either bound only shows at one
+    alignment (local = 2 mod 32 misses a key the first query needs; local = 31 mod 32 with
+    local >= 63 lets the last query see a key outside its window), which the parametrized
+    sizes above never hit. Each output is compared with the float64 reference."""
+    from kvsieve.kernels.prefill import block_sparse_prefill
+
+    T = S = 128
+    sink = 5
+    q, k, v = case(T, S, 1, 2, 16, torch.float32, seed=7)
+    streaming = torch.tensor([True], device=DEV)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    bad = {}
+    for local in [*range(32, 65), 2, 95, 98]:
+        out = block_sparse_prefill(q, k, v, streaming, sink, local)
+        want = block_sparse_prefill_reference(q64, k64, v64, streaming, sink, local)
+        err = (out.double() - want).abs().max().item()
+        if not err < 1e-5:
+            bad[local] = err
+    assert not bad, f"kernel != float64 reference at local (max abs err): {bad}"
+
+
 def test_kernel_on_strided_inputs_and_without_streaming_heads():
     """Chunks of the runner: q a [T, Hq, D] view of a projection, k/v views of a longer buffer."""
     from kvsieve.kernels.prefill import block_sparse_prefill

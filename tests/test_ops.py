@@ -150,6 +150,28 @@ def test_budget_is_smallest_prefix_reaching_threshold_on_exact_curves():
         assert budget.item() == expected
 
 
+def test_fit_segments_are_centred_at_10_and_60_percent_with_the_documented_widths():
+    """Pins the fit's geometry as docs/methods.md (tactic, step 3) states it: an exact head of
+    ceil(2% of n) tokens and two segments of max(1% of n, 16) tokens centred at 10% and 60% of
+    the list, on the layout Tactic itself uses (its default config). fit_layout is shared by
+    Tactic.select, the threshold plan's torch twin and the Triton keep kernel, so the twin
+    comparisons cannot see a shifted segment, and exact a/x + b curves are fitted exactly
+    wherever the segments sit: only this test notices if they move."""
+    from kvsieve.methods import make_method
+
+    n = torch.tensor([200, 1000, 3001, 4096, 100_000, 131_036])
+    lay = make_method("tactic")._fit_layout(n)
+    assert not lay.exact.any()
+    assert lay.head_len.tolist() == [math.ceil(0.02 * m) for m in n.tolist()]
+    assert lay.seg_len.tolist() == [max(math.ceil(0.01 * m), 16) for m in n.tolist()]
+    for j, c in enumerate((0.1, 0.6)):
+        for r, m in enumerate(n.tolist()):
+            start, width = int(lay.seg_start[j][r]), int(lay.seg_len[r])
+            assert abs(start + width / 2 - c * m) <= 1, (j, m, start, width)  # centred, to the token
+            assert lay.head_len[r] <= start and start + width <= m
+    assert (lay.seg_start[0] + lay.seg_len <= lay.seg_start[1]).all()  # disjoint, in order
+
+
 def test_fit_flat_fallback_when_segments_rise():
     a, b = fit_inverse(torch.tensor([0.5]), torch.tensor([1.0]), torch.tensor([0.1]), torch.tensor([3.0]))
     assert a.item() == 0 and b.item() == 2.0

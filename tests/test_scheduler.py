@@ -110,6 +110,45 @@ def test_full_pool_preempts_and_recomputes_without_losing_a_request():
     assert len(sched.free_pages) == 10
 
 
+def test_preemption_takes_the_newest_running_and_requeues_it_ahead_of_later_arrivals():
+    """Pins the preemption order the Scheduler documents ("preemption by recomputation (newest
+    request first)", FCFS admission): when a decode row needs a page, the victim is the most
+    recently admitted running request, and it goes back to the *front* of the waiting queue,
+    so a request that arrived after it cannot take its freed pages first. Pool of 6 pages of
+    4: a and b (8-token prompts, 3 pages each) fill it; c (3 tokens, 1 page) arrives later
+    and waits; when a crosses a page boundary, b is preempted; c would fit the pages left but
+    must keep waiting behind b, and b restarts before c starts."""
+    sched = S.Scheduler(num_pages=6, page_size=4, max_num_seqs=4, step_tokens=64, max_model_len=100)
+    a = sched.add([1] * 8, S.SamplingParams(max_new_tokens=12))
+    b = sched.add([2] * 8, S.SamplingParams(max_new_tokens=12))
+    starts = []  # (step, request) of every prefill from position 0: admissions and re-admissions
+    c = None
+    for step in range(100):
+        if not sched.has_unfinished:
+            break
+        plan = sched.schedule()
+        starts += [(step, r) for r, s, _ in plan.chunks if s == 0]
+        if step == 0:
+            assert [r for _, r in starts] == [a, b] and sched.used_pages == 6
+            c = sched.add([3] * 3, S.SamplingParams(max_new_tokens=2))  # after a and b; no free page
+        if plan.preempted:
+            assert b.preemptions == 1 and a.preemptions == 0
+            assert plan.preempted == [b] and sched.running == [a] and plan.decode == [a]  # the newest went
+            assert list(sched.waiting) == [b, c]  # ahead of c, which arrived after it
+            assert len(sched.free_pages) >= sched.pages_for(c.admit_tokens) and not plan.chunks  # c fits, yet waits
+        for r in plan.decode:
+            sched.append_token(r, 1)
+        for r, s, e in plan.chunks:
+            sched.prefilled(r, e)
+            if e == r.prefill_target and not r.output:
+                sched.append_token(r, 1)
+    assert a.finished and b.finished and c.finished and b.preemptions == 1
+    assert len(a.output) == len(b.output) == 12 and len(c.output) == 2
+    order = [r for _, r in starts]
+    assert order == [a, b, b, c], [r.id for r in order]  # b restarted before c ever started
+    assert len(sched.free_pages) == 6
+
+
 def test_waiting_when_the_pool_is_full_then_admitted():
     sched = S.Scheduler(num_pages=8, page_size=4, max_num_seqs=4, step_tokens=64, max_model_len=100)
     a = sched.add(list(range(20)), S.SamplingParams(max_new_tokens=4))
