@@ -503,7 +503,8 @@ def test_top_p_stops_at_the_first_prefix_whose_mass_reaches_it_exactly():
     assert probs.tolist() == [0.5, 0.25, 0.125, 0.0625, 0.0625]  # the boundary below is exact
     assert (probs.cumsum(0) - probs).tolist() == [0.0, 0.5, 0.75, 0.875, 0.9375]
     cases = {0.5: 1, 0.75: 2, 0.875: 3, 0.5 + 2 ** -20: 2, 0.75 + 2 ** -20: 3, 0.875 + 2 ** -20: 5, 1.0: 5,
-             0.25: 1}
+             0.25: 1, 0.0: 1}  # 0 (OpenAI accepts it): the most likely token
+    assert SamplingParams(4, temperature=0.7, top_p=0).top_p == 0
     for top_p, n in cases.items():
         kept = torch.isfinite(filter_logits(lg, torch.tensor([0]), torch.tensor([top_p])))[0].tolist()
         assert kept == [True] * n + [False] * (5 - n), (top_p, kept)

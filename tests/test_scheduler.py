@@ -224,7 +224,7 @@ def test_queue_limit():
             S.Scheduler(num_pages=40, page_size=16, max_waiting=bad)
 
 
-@pytest.mark.parametrize("field,value", [("max_new_tokens", 0), ("temperature", -1.0), ("top_p", 0.0),
+@pytest.mark.parametrize("field,value", [("max_new_tokens", 0), ("temperature", -1.0), ("top_p", -0.1), ("top_p", 1.5),
                                          ("top_k", -2), ("seed", 1.5), ("seed", 2 ** 64), ("seed", -2 ** 63 - 1)])
 def test_sampling_params_validated(field, value):
     with pytest.raises(ValueError, match=field):

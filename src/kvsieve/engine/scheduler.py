@@ -42,7 +42,8 @@ class SchedulerFullError(RuntimeError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings. temperature 0 = greedy; top_k 0 (or -1) = off; top_p 1 = off;
+    """Per-request decoding settings. temperature 0 = greedy; top_k 0 (or -1) = off; top_p 1 = off,
+    0 = the most likely token (and its ties), as OpenAI accepts it;
     seed None = derived from the request id (set it to reproduce a sampled answer).
     logprobs None = off; k in [0, 20]: each generated token's log-probability under the model
     (the log-softmax of its logits, before penalties, temperature and top-k/top-p) and the k
@@ -87,8 +88,8 @@ class SamplingParams:
                              f"prompt_logprobs), got {self.max_new_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 <= self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in [0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= 0 (0 or -1: off), got {self.top_k!r}")
         if self.top_k == -1 or self.top_k >= 2 ** 31:  # vLLM's "off"; past any vocabulary, off too (and int32)

@@ -25,7 +25,7 @@ def register(sub) -> None:
     p.add_argument("--no-chat", action="store_true", help="send prompts as raw text, without the chat template")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in [0, 1] (default 1: off; 0: the most likely token)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off; -1 too)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--compare-dense", action="store_true", help="also run dense; print both answers and agreement")

@@ -43,8 +43,8 @@ class SamplingConfig:
     def __post_init__(self):
         if not (self.temperature >= 0):
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not (0 <= self.top_p <= 1):
+            raise ValueError(f"--top-p must be in [0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"--top-k must be >= 0, got {self.top_k}")
 

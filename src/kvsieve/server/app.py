@@ -203,7 +203,8 @@ class Server(Responses):
     def chat_ids(self, req: ChatCompletionRequest) -> List[int]:
         if not getattr(self.tok, "chat_template", None):
             raise BadRequest("this model has no chat template; use /v1/completions with a prompt", "messages")
-        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                 **({"name": m.name} if m.name else {})} for m in req.messages]
         self.check_text_size(sum(len(m["content"]) for m in msgs), "messages")
         try:
             text = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)

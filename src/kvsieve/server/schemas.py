@@ -36,14 +36,24 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+NO_TOOLS = "this server does not call tools (no tools, functions or tool results); send the conversation as text"
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Union[StrictStr, List[Dict[str, Any]], None] = None
     name: Optional[StrictStr] = None
+    tool_calls: Optional[Any] = None  # refused: dropping them would change the conversation
+    function_call: Optional[Any] = None
 
     @model_validator(mode="after")
     def _content(self):
+        if self.role in ("tool", "function"):
+            raise ValueError(f"a {self.role!r} message holds a tool result: {NO_TOOLS}")
+        if self.tool_calls or self.function_call:
+            raise ValueError(f"an assistant message with {'tool_calls' if self.tool_calls else 'function_call'}: "
+                             f"{NO_TOOLS}")
         if self.content is None and self.role != "assistant":  # (an assistant turn may be empty)
             raise ValueError(f"a {self.role} message needs content: a string or a list of text parts")
         for part in self.content if isinstance(self.content, list) else ():
@@ -93,13 +103,25 @@ class ChatCompletionRequest(_Common):
     top_logprobs: Optional[StrictInt] = None
     tools: Optional[List[Any]] = None
     tool_choice: Optional[Any] = None
+    functions: Optional[List[Any]] = None  # (OpenAI's older name for tools)
+    function_call: Optional[Any] = None
     response_format: Optional[Dict[str, Any]] = None
+    modalities: Optional[List[Any]] = None
+    audio: Optional[Any] = None
+    web_search_options: Optional[Any] = None
 
     def refused(self) -> List[tuple]:
+        """Fields that would change what the answer is (a call, audio, a search, a format):
+        refused, not ignored. (user, metadata, store, service_tier, ... are ignored.)"""
         return _refused(self) + [
             ("tools", bool(self.tools)),
             ("tool_choice", self.tool_choice not in (None, "none", "auto")),
+            ("functions", bool(self.functions)),
+            ("function_call", self.function_call not in (None, "none", "auto")),
             ("response_format", self.response_format not in (None, {"type": "text"})),
+            ("modalities", self.modalities not in (None, ["text"])),
+            ("audio", self.audio is not None),
+            ("web_search_options", self.web_search_options is not None),
         ]
 
 
@@ -126,7 +148,7 @@ def _refused(r: _Common) -> List[tuple]:
 EXPECTED = {
     "model": "a string (the served model name, see GET /v1/models)",
     "max_tokens": "an integer >= 1 (0 with echo: score the prompt only)", "max_completion_tokens": "an integer >= 1",
-    "temperature": "a number in [0, 2]", "top_p": "a number in (0, 1]", "top_k": "an integer >= 0 (0 or -1 = off)",
+    "temperature": "a number in [0, 2]", "top_p": "a number in [0, 1]", "top_k": "an integer >= 0 (0 or -1 = off)",
     "seed": "an integer", "stop": "a string or a list of up to 16 strings", "n": "an integer in [1, 128]",
     "stream": "true or false", "stream_options": 'an object like {"include_usage": true}',
     "stream_options.include_usage": "true or false", "ignore_eos": "true or false",
