@@ -269,3 +269,40 @@ def test_generation_config_end_tokens_stop_generation_too(tmp_path):
     assert load_weights(tmp_path).cfg.eos_token_ids == (9, 5)
     (tmp_path / "generation_config.json").unlink()
     assert load_weights(tmp_path).cfg.eos_token_ids == (9,)
+
+
+def test_rope_fields_missing_follow_transformers_or_are_named(tmp_path):
+    """llama3 without original_max_position_embeddings takes max_position_embeddings (transformers'
+    fallback; it was a KeyError traceback); a field a scaling type needs that is missing or not a
+    positive number is one ValueError naming it (a KeyError from the forward before)."""
+    import json
+
+    from kvsieve.model.config import ModelConfig
+
+    hf = tiny_hf("llama3.1", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    rope = cfg["rope_parameters"]
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {
+        **{k: v for k, v in rope.items() if k != "original_max_position_embeddings"}}}))
+    model = load_weights(tmp_path)
+    assert model.cfg.rope_scaling["original_max_position_embeddings"] == 512
+    ids = torch.randint(0, 300, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()(torch.tensor([ids])).logits[0]
+    eng = Engine(model, "dense", prefill_chunk=64, progress=False)
+    cache = eng.new_cache([ids], 1)
+    cache.reserve(0, len(ids))
+    assert (model.logits(eng.prefill(cache, 0, ids, all_positions=True)) - ref).abs().max().item() < 1e-4
+    del hf
+    base = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "rope_scaling")}
+    top = ModelConfig.from_hf({**base, "original_max_position_embeddings": 32, "rope_parameters": rope})
+    assert top.rope_scaling["original_max_position_embeddings"] == 32  # transformers: the top level wins
+    for params, message in (({"rope_type": "linear", "rope_theta": 1e4}, "rope scaling 'linear' needs factor"),
+                            ({**rope, "low_freq_factor": None}, "'llama3' needs low_freq_factor"),
+                            ({**rope, "factor": "8"}, "'llama3' needs factor \\(a positive number\\), got '8'"),
+                            ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
+                             "different short_factor and long_factor"),
+                            ({"rope_type": "dynamic", "factor": 2.0}, "unsupported rope scaling 'dynamic'")):
+        (tmp_path / "config.json").write_text(json.dumps({**base, "rope_parameters": params}))
+        with pytest.raises(ValueError, match=message):
+            load_weights(tmp_path)

@@ -43,6 +43,45 @@ def _llama_family_windows(d: dict, mt: str) -> Tuple[Optional[int], Optional[Tup
     return int(window), types
 
 
+# the fields each RoPE scaling type needs beyond rope_type (transformers' required keys; YaRN's
+# factor may come from the positions), and the types whose pretraining context matters
+ROPE_FIELDS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": (),
+               "longrope": ("short_factor", "long_factor")}
+ROPE_WITH_ORIGINAL = ("llama3", "yarn", "longrope")
+
+
+def _positive(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+
+def checked_rope_scaling(scaling: Optional[dict], d: dict) -> Optional[dict]:
+    """A rope_scaling / rope_parameters entry as transformers reads it: None for plain RoPE; for
+    llama3, YaRN and LongRoPE the pretraining context (original_max_position_embeddings) taken from
+    the config's top level, else the entry, else max_position_embeddings. A type kvsieve does not
+    run, or a field the type needs that is missing or not a positive number, is one ValueError."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return None
+    if kind not in ROPE_FIELDS:
+        raise ValueError(f"unsupported rope scaling {kind!r}; supported: linear, llama3, yarn, longrope "
+                         "(equal short and long factors), none")
+    for key in ROPE_FIELDS[kind]:
+        v = scaling.get(key)
+        ok = isinstance(v, list) and v and all(map(_positive, v)) if kind == "longrope" else _positive(v)
+        if not ok:
+            raise ValueError(f"rope scaling {kind!r} needs {key} ({'a list of ' if kind == 'longrope' else 'a '}"
+                             f"positive number{'s' if kind == 'longrope' else ''}), got {v!r}; fix rope_parameters "
+                             "(or rope_scaling) in config.json")
+    if kind == "longrope" and scaling["short_factor"] != scaling["long_factor"]:
+        raise ValueError("LongRoPE with different short_factor and long_factor (Phi-3's) switches frequencies with "
+                         "the sequence length; kvsieve runs LongRoPE with equal factors only")
+    if kind in ROPE_WITH_ORIGINAL:  # transformers' standardize_rope_params: top level first, then the fallback
+        old = (d.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+               or d.get("max_position_embeddings", 4096))
+        scaling = {**scaling, "original_max_position_embeddings": old}
+    return scaling
+
+
 def _scaled_positions(max_positions: int, scaling: Optional[dict]) -> int:
     """The positions a model takes: a YaRN config (Qwen2.5's long-context recipe adds it to a
     config whose max_position_embeddings stays the original 32K) reaches factor x original."""
@@ -121,12 +160,7 @@ class ModelConfig:
         if mt in GEMMA3:
             return cls._from_gemma3(d)
         rope = d.get("rope_parameters") or {}
-        scaling = d.get("rope_scaling") or rope
-        if scaling.get("rope_type", scaling.get("type", "default")) == "default":  # plain RoPE, as transformers reads it
-            scaling = None
-        if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn" \
-                and not scaling.get("original_max_position_embeddings"):  # transformers' fallback
-            scaling = {**scaling, "original_max_position_embeddings": d.get("max_position_embeddings", 4096)}
+        scaling = checked_rope_scaling(d.get("rope_scaling") or rope, d)
         eos = d.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         act = d.get("hidden_act", "silu")
@@ -180,7 +214,7 @@ class ModelConfig:
         local_theta = local.get("rope_theta") or GEMMA3_THETA["sliding_attention"]
 
         def scaling(p):
-            return p if p.get("rope_type", p.get("type", "default")) != "default" else None
+            return checked_rope_scaling(p, d)
 
         eos = d.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())

@@ -19,6 +19,7 @@ from .config import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """RoPE inverse frequencies [D/2] in float64 with cfg's scaling (checked by ModelConfig.from_hf)."""
     D = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
     sc = cfg.rope_scaling
@@ -38,7 +39,12 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
         return inv / sc["factor"]
     if kind == "yarn":
         return yarn_inv_freq(cfg, inv)
-    raise ValueError(f"unsupported rope scaling {kind!r}; supported: llama3, linear, yarn, none")
+    if kind == "longrope":  # equal short and long factors (from_hf): one divisor per frequency
+        factors = torch.tensor(sc["long_factor"], dtype=torch.float64)
+        if factors.shape != inv.shape:
+            raise ValueError(f"rope scaling longrope needs {D // 2} factors (head_dim {D} / 2), got {len(factors)}")
+        return inv / factors
+    raise ValueError(f"unsupported rope scaling {kind!r}; supported: linear, llama3, yarn, longrope, none")
 
 
 def yarn_inv_freq(cfg: ModelConfig, inv: Tensor) -> Tensor:
@@ -66,10 +72,14 @@ def yarn_inv_freq(cfg: ModelConfig, inv: Tensor) -> Tensor:
 def rope_attention_factor(cfg: ModelConfig) -> float:
     """The factor on cos and sin of cfg's RoPE scaling (YaRN's attention temperature; 1 otherwise)."""
     sc = cfg.rope_scaling
-    if not sc or sc.get("rope_type", sc.get("type")) != "yarn":
+    kind = sc.get("rope_type", sc.get("type")) if sc else None
+    if kind not in ("yarn", "longrope"):
         return 1.0
     if sc.get("attention_factor") is not None:
         return float(sc["attention_factor"])
+    if kind == "longrope":  # transformers' default: from the context extension factor
+        f = sc.get("factor") or cfg.max_positions / sc["original_max_position_embeddings"]
+        return 1.0 if f <= 1 else math.sqrt(1 + math.log(f) / math.log(sc["original_max_position_embeddings"]))
 
     def mscale(scale, m=1.0):
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
