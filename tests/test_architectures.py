@@ -1,4 +1,8 @@
-"""Our Llama-family forward vs transformers on tiny random models of each supported type."""
+"""Our Llama-family forward vs transformers on tiny random models of each supported type, and the
+same models through GGUF files (RoPE scaling carried over)."""
+import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -11,6 +15,8 @@ TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_la
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
 CASES = {
+    "llama": ("LlamaConfig", {}),
+    "llama-linear": ("LlamaConfig", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
     "llama3.1": ("LlamaConfig", dict(rope_theta=500000.0, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64})),
@@ -46,6 +52,87 @@ def tiny_hf(name: str, path):
             torch.nn.init.normal_(prm, mean=1.0, std=0.5)
     hf.save_pretrained(path)
     return hf
+
+
+def byte_vocab(n: int) -> list:
+    """GPT-2's 256 byte-level tokens, one merge ("Ġt"), <s>, </s>, then fillers: n tokens."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = {b: chr(b) for b in keep} | {b: chr(256 + i) for i, b in enumerate(sorted(set(range(256)) - set(keep)))}
+    toks = [chars[b] for b in range(256)] + ["Ġt", "<s>", "</s>"]
+    return toks + [f"<extra{i}>" for i in range(n - len(toks))]
+
+
+GGUF_TENSORS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+                "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+                "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+GEMMA_TENSORS = {**GGUF_TENSORS, "post_attention_layernorm": "post_attention_norm",
+                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def tiny_gguf(path, hf, arch="llama", keys=None, extra=None, drop=()):
+    """hf (a tiny transformers model) as a float32 GGUF file written the way llama.cpp's converter
+    writes one: its metadata (`keys` overrides a key after "<arch>."; None leaves it out), q/k
+    rows permuted for llama, Gemma's norm weights + 1, a byte-level vocabulary; extra(writer)
+    adds keys or tensors; the GGUF tensors named in `drop` are left out."""
+    import gguf
+
+    c = hf.config
+    heads, head_dim = c.num_attention_heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    meta = {"context_length": c.max_position_embeddings, "embedding_length": c.hidden_size,
+            "block_count": c.num_hidden_layers, "feed_forward_length": c.intermediate_size,
+            "attention.head_count": heads, "attention.head_count_kv": c.num_key_value_heads,
+            "attention.layer_norm_rms_epsilon": c.rms_norm_eps, "rope.freq_base": rope["rope_theta"],
+            "attention.key_length": head_dim, "rope.dimension_count": head_dim,
+            "attention.sliding_window": getattr(c, "sliding_window", None) if arch == "gemma3" else None}
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in {**meta, **(keys or {})}.items():
+        if value is not None:
+            (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(byte_vocab(c.vocab_size))
+    w.add_token_types([1] * 257 + [3] * (c.vocab_size - 257))
+    w.add_token_merges(["Ġ t"])
+    w.add_bos_token_id(257)
+    w.add_eos_token_id(258)
+    if extra:
+        extra(w)
+    sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    shift = 1.0 if arch == "gemma3" else 0.0
+    tensors = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"] + shift}
+    if not c.tie_word_embeddings:
+        tensors["output.weight"] = sd["lm_head.weight"]
+    for i in range(c.num_hidden_layers):
+        for name, short in (GEMMA_TENSORS if arch == "gemma3" else GGUF_TENSORS).items():
+            for kind in ("weight", "bias"):
+                a = sd.get(f"model.layers.{i}.{name}.{kind}")
+                if a is None:
+                    continue
+                if arch == "llama" and name in ("self_attn.q_proj", "self_attn.k_proj"):  # llama.cpp's rotary layout
+                    n = heads if name == "self_attn.q_proj" else c.num_key_value_heads
+                    a = a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+                tensors[f"blk.{i}.{short}.{kind}"] = a + (shift if "norm" in name else 0.0)
+    for name, a in tensors.items():
+        if name not in drop:
+            w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def llama3_rope_freqs(theta, dim, factor, low, high, old):
+    """The rope_freqs tensor llama.cpp's converter writes for llama3 scaling (float32)."""
+    factors = []
+    for f in 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)):
+        wavelen = 2 * math.pi / f
+        smooth = (old / wavelen - low) / (high - low)
+        factors.append(1.0 if wavelen < old / high else factor if wavelen > old / low
+                       else 1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -269,6 +356,81 @@ def test_generation_config_end_tokens_stop_generation_too(tmp_path):
     assert load_weights(tmp_path).cfg.eos_token_ids == (9, 5)
     (tmp_path / "generation_config.json").unlink()
     assert load_weights(tmp_path).cfg.eos_token_ids == (9,)
+
+
+def _gguf_rope(name, hf):
+    """(GGUF architecture, extra(writer)) writing CASES[name]'s RoPE scaling as llama.cpp's converter
+    does: Llama 3.1's as the rope_freqs tensor alone, linear and YaRN as rope.scaling.* keys."""
+    import gguf
+
+    sc = CASES[name][1].get("rope_scaling", {})
+    if name == "llama3.1":
+        freqs = llama3_rope_freqs(hf.config.rope_parameters["rope_theta"], hf.config.head_dim, sc["factor"],
+                                  sc["low_freq_factor"], sc["high_freq_factor"], sc["original_max_position_embeddings"])
+        return "llama", lambda w: w.add_tensor("rope_freqs.weight", freqs)
+
+    def keys(w):
+        w.add_rope_scaling_type(gguf.RopeScalingType(sc["rope_type"]))
+        w.add_rope_scaling_factor(sc["factor"])
+        if "original_max_position_embeddings" in sc:
+            w.add_rope_scaling_orig_ctx_len(sc["original_max_position_embeddings"])
+    return ("qwen2" if name.startswith("qwen2") else "llama"), keys
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "llama-linear", "qwen2-yarn"])
+def test_gguf_rope_scaling_is_carried_over(tmp_path, name):
+    """A GGUF's RoPE scaling (Llama 3.1/3.2's rope_freqs tensor; linear and YaRN metadata) reaches
+    the converted model: the same frequencies, logits and greedy tokens as the safetensors
+    original (it was dropped: plain RoPE, other tokens after a few). transformers reads the
+    converted directory as the original too (rope_freqs: LongRoPE with equal factors)."""
+    from kvsieve.engine import LLMEngine, SamplingParams
+    from kvsieve.model.loader import convert_gguf
+
+    hf = tiny_hf(name, tmp_path / "hf")
+    arch, extra = _gguf_rope(name, hf)
+    d = convert_gguf(tiny_gguf(tmp_path / "m.gguf", hf, arch, extra=extra), tmp_path / "cache" / "m")
+    ours, original = load_weights(d), load_weights(tmp_path / "hf")
+    assert torch.allclose(ours.inv_freq, original.inv_freq, rtol=1e-6, atol=0)
+    assert ours.rope_mult == original.rope_mult and ours.cfg.max_positions == original.cfg.max_positions
+    ids = torch.randint(3, 300, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+        hf_converted = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        assert (hf_converted(torch.tensor([ids])).logits[0] - ref).abs().max().item() < 1e-4
+    eng = Engine(ours, "dense", prefill_chunk=64, progress=False)
+    cache = eng.new_cache([ids], 1)
+    cache.reserve(0, len(ids))
+    assert (ours.logits(eng.prefill(cache, 0, ids, all_positions=True)) - ref).abs().max().item() < 1e-4
+    want = LLMEngine(original, None, "dense").generate([ids], SamplingParams(12, ignore_eos=True))[0].tokens
+    assert LLMEngine(ours, None, "dense").generate([ids], SamplingParams(12, ignore_eos=True))[0].tokens == want
+
+
+def test_gguf_rope_scaling_kvsieve_cannot_run_is_refused():
+    """llama.cpp's RoPE metadata read as llama.cpp reads it (a factor without a type is linear;
+    type none scales nothing), and what kvsieve cannot run refused by name, never dropped."""
+    from kvsieve.model.config import gguf_rope_scaling
+
+    meta = {"llama.context_length": 512, "llama.embedding_length": 64, "llama.attention.head_count": 4}
+    sc = "llama.rope.scaling."
+    assert gguf_rope_scaling("llama", meta, None, "x.gguf") is None
+    assert gguf_rope_scaling("llama", {**meta, sc + "factor": 2.0}, None, "x") == {"rope_type": "linear", "factor": 2.0}
+    assert gguf_rope_scaling("llama", {**meta, sc + "type": "none", sc + "factor": 2.0}, None, "x") is None
+    assert gguf_rope_scaling("llama", {**meta, "llama.rope.scale_linear": 4.0}, None, "x")["factor"] == 4.0
+    yarn = {**meta, sc + "type": "yarn", sc + "factor": 4.0, sc + "yarn_beta_fast": 16.0, sc + "attn_factor": 1.0}
+    assert gguf_rope_scaling("llama", yarn, None, "x") == {"rope_type": "yarn", "factor": 4.0, "beta_fast": 16.0,
+                                                           "original_max_position_embeddings": 512}
+    assert gguf_rope_scaling("llama", meta, [1.0] * 8, "x") is None  # all ones: plain RoPE
+    for change, freqs, message in (
+            ({sc + "type": "longrope"}, None, "type = 'longrope', which kvsieve does not run"),
+            ({sc + "type": "yarn", sc + "factor": 4.0, sc + "attn_factor": 0.5}, None,
+             "sets llama.rope.scaling.attn_factor = 0.5, a RoPE scaling setting kvsieve does not run"),
+            ({sc + "yarn_log_multiplier": 0.1}, None, "llama.rope.scaling.yarn_log_multiplier"),
+            ({sc + "type": "linear", sc + "factor": 2.0}, [2.0] * 8, "rope_freqs tensor together with"),
+            ({}, [2.0] * 4, "rope_freqs tensor with 4 factors for head_dim 16")):
+        with pytest.raises(ValueError, match=message):
+            gguf_rope_scaling("llama", {**meta, **change}, freqs, "x.gguf")
+    with pytest.raises(ValueError, match="rope_freqs tensor on a Gemma 3 model"):
+        gguf_rope_scaling("gemma3", {"gemma3.attention.key_length": 16}, [2.0] * 8, "x.gguf")
 
 
 def test_rope_fields_missing_follow_transformers_or_are_named(tmp_path):

@@ -113,6 +113,39 @@ def test_yarn_on_global_layers_matches_transformers(tmp_path):
     assert diff < 1e-4, (diff, scale)
 
 
+def test_gguf_linear_scaling_reaches_the_global_layers(tmp_path):
+    """A Gemma 3 GGUF's RoPE scaling (llama.cpp's linear factor of the 4B+ models, for the global
+    layers) and local RoPE base (rope.freq_base_swa) reach the converted model (both were
+    dropped): it matches transformers on the safetensors original."""
+    import gguf
+
+    from test_architectures import tiny_gguf
+
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 5e5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}
+    cfg = {**TINY, "num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 256, "rope_parameters": rope}
+    torch.manual_seed(0)  # (what the GGUF does not store is transformers' default: a global layer every 6th)
+    hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**cfg, initializer_range=0.1)).eval()
+    for name, w in hf.named_parameters():
+        if "norm" in name:
+            torch.nn.init.normal_(w, std=0.3)
+    hf.save_pretrained(tmp_path / "hf")
+
+    def scaling(w):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(8.0)
+        w.add_rope_freq_base_swa(2e4)
+    d = convert_gguf(tiny_gguf(tmp_path / "g.gguf", hf, "gemma3", extra=scaling), tmp_path / "cache" / "g")
+    c, want = load_weights(d).cfg, load_weights(tmp_path / "hf").cfg
+    assert (c.rope_theta, c.rope_scaling, c.rope_local_theta, c.rope_local_scaling, c.global_layers()) == \
+        (want.rope_theta, want.rope_scaling, want.rope_local_theta, want.rope_local_scaling, (5,))
+    ids = torch.randint(0, 300, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+    model, pos = load_weights(d), torch.arange(100)
+    with torch.no_grad():
+        ours = model.logits(model.forward(torch.tensor(ids), pos, reference_attend(model.cfg, pos)))
+        assert (ours - hf(torch.tensor([ids])).logits[0]).abs().max().item() < 1e-4
+
+
 def test_multimodal_gemma3_text_decoder(tmp_path):
     """A multimodal "gemma3" checkpoint: its text decoder (language_model.* weights) loads and
     matches Gemma3ForConditionalGeneration on text-only input."""

@@ -1,11 +1,14 @@
-"""The converted-model cache under concurrent first use: commands started together (a server and
+"""The converted-model cache: under concurrent first use, commands started together (a server and
 a generate, parallel eval jobs) convert a GGUF once, and none of them sees a half-written model
-(a GPU run of four processes at once crashed on the old shared staging directory)."""
+(a GPU run of four processes at once crashed on the old shared staging directory); GGUF files
+whose metadata would give another model are refused before anything is cached."""
 import json
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,19 +17,27 @@ pytest.importorskip("filelock")
 
 from kvsieve.model import loader  # noqa: E402
 
+CONFIG = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+              num_attention_heads=2, max_position_embeddings=64)
+META = {"general.architecture": "llama", "llama.context_length": 64, "llama.embedding_length": 8,
+        "llama.block_count": 1, "llama.feed_forward_length": 16, "llama.attention.head_count": 2,
+        "llama.attention.layer_norm_rms_epsilon": 1e-5}
+
 
 class FakeModel:
-    """Stands in for the de-quantised model: saving takes a while, as the real 30 s do."""
+    """Stands in for the de-quantised model: saving takes a while, as the real 30 s do; its
+    weights are written 0600, as safetensors writes them."""
 
     hf_quantizer = None
 
     def __init__(self):
-        self.config = type("Config", (), {"eos_token_id": [2, 5]})()
+        self.config = SimpleNamespace(**CONFIG, eos_token_id=[2, 5])
 
     def save_pretrained(self, d):
         time.sleep(0.2)
-        (Path(d) / "config.json").write_text("{}")
-        (Path(d) / "model.safetensors").write_bytes(b"weights")
+        (Path(d) / "config.json").write_text(json.dumps(CONFIG))
+        with open(os.open(Path(d) / "model.safetensors", os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+            f.write(b"weights")
 
 
 class FakeTokenizer:
@@ -50,9 +61,9 @@ def fake_gguf(tmp_path, monkeypatch):
     def read_model(*a, **kw):
         with lock:
             reads.append(kw.get("gguf_file"))
-        return FakeModel()
+        return FakeModel(), {"missing_keys": set(), "mismatched_keys": set()}
 
-    monkeypatch.setattr(loader, "gguf_architecture", lambda p: "llama")
+    monkeypatch.setattr(loader, "read_gguf", lambda p: (META, dict.fromkeys(["token_embd.weight", "blk.0.attn_q.weight"])))
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", read_model)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **kw: FakeTokenizer())
     path = tmp_path / "m.gguf"
@@ -102,3 +113,36 @@ def test_a_failed_conversion_leaves_no_entry(tmp_path, fake_gguf, monkeypatch):
             loader.convert_gguf(path, tmp_path / "cache" / "m")
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["m.lock"]
     assert loader.is_converted(loader.convert_gguf(path, tmp_path / "cache" / "m")) and len(reads) == 1
+
+
+@pytest.mark.parametrize("keys, drop, message", [
+    ({"block_count": None}, (), "lacks the metadata key llama.block_count, which the model needs"),
+    ({"attention.head_count": None}, (), "lacks the metadata key llama.attention.head_count"),
+    ({"block_count": 1}, (), "has llama.block_count = 1, but tensors of 2 layers"),
+    ({"rope.dimension_count": 8}, (), "rope.dimension_count = 8 for heads of 16 .*RoPE on part of each head"),
+    ({"attention.head_count": 8, "attention.key_length": None, "rope.dimension_count": None}, (),
+     "the tensor for model.layers.0.self_attn.k_proj.weight has shape \\[32, 64\\], but its metadata needs \\[16, 64\\]"),
+    ({}, ("blk.1.ffn_up.weight",), "has no tensor for model.layers.1.mlp.up_proj.weight \\(1 weights missing\\)"),
+])
+def test_gguf_metadata_that_would_give_another_model_is_refused_uncached(tmp_path, keys, drop, message):
+    """A GGUF without block_count became a 32-layer model with 30 random layers (cached, exit
+    code 0); one without a head count a transformers table and its internals. Now: one error
+    naming the key or tensor, before anything reaches the cache."""
+    from test_architectures import tiny_gguf, tiny_hf
+
+    gguf = tiny_gguf(tmp_path / "m.gguf", tiny_hf("llama", tmp_path / "hf"), keys=keys, drop=drop)
+    with pytest.raises(ValueError, match=message):
+        loader.convert_gguf(gguf, tmp_path / "cache" / "m")
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["m.lock"]
+
+
+def test_a_gguf_without_block_count_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
+    from kvsieve.cli import main
+    from test_architectures import tiny_gguf, tiny_hf
+
+    monkeypatch.setenv("KVSIEVE_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tiny_gguf(tmp_path / "m.gguf", tiny_hf("llama", tmp_path / "hf"), keys={"block_count": None})
+    capsys.readouterr()
+    assert main(["generate", "--model", str(gguf), "--prompt", "hi", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lacks the metadata key llama.block_count" in err
