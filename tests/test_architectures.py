@@ -101,7 +101,8 @@ def tiny_gguf(path, hf, arch="llama", keys=None, extra=None, drop=()):
         extra(w)
     sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
     shift = 1.0 if arch == "gemma3" else 0.0
-    tensors = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"] + shift}
+    tensors = {"token_embd.weight": sd["model.embed_tokens.weight"],
+               "output_norm.weight": sd["model.norm.weight"] + shift}
     if not c.tie_word_embeddings:
         tensors["output.weight"] = sd["lm_head.weight"]
     for i in range(c.num_hidden_layers):

@@ -65,7 +65,8 @@ def fake_gguf(tmp_path, monkeypatch):
             reads.append(kw.get("gguf_file"))
         return FakeModel(), {"missing_keys": set(), "mismatched_keys": set()}
 
-    monkeypatch.setattr(loader, "read_gguf", lambda p: (META, dict.fromkeys(["token_embd.weight", "blk.0.attn_q.weight"])))
+    tensors = dict.fromkeys(["token_embd.weight", "blk.0.attn_q.weight"])
+    monkeypatch.setattr(loader, "read_gguf", lambda p: (META, tensors))
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", read_model)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **kw: FakeTokenizer())
     path = tmp_path / "m.gguf"
@@ -199,7 +200,8 @@ def test_missing_install_hints_name_the_extra(monkeypatch):
     ({"block_count": 1}, (), "has llama.block_count = 1, but tensors of 2 layers"),
     ({"rope.dimension_count": 8}, (), "rope.dimension_count = 8 for heads of 16 .*RoPE on part of each head"),
     ({"attention.head_count": 8, "attention.key_length": None, "rope.dimension_count": None}, (),
-     "the tensor for model.layers.0.self_attn.k_proj.weight has shape \\[32, 64\\], but its metadata needs \\[16, 64\\]"),
+     "the tensor for model.layers.0.self_attn.k_proj.weight has shape \\[32, 64\\], but its metadata needs "
+     "\\[16, 64\\]"),
     ({}, ("blk.1.ffn_up.weight",), "has no tensor for model.layers.1.mlp.up_proj.weight \\(1 weights missing\\)"),
 ])
 def test_gguf_metadata_that_would_give_another_model_is_refused_uncached(tmp_path, keys, drop, message):
