@@ -181,6 +181,22 @@ def test_version_and_missing_dependency_messages(capsys, monkeypatch):
         assert capsys.readouterr().err == want + "\n"
 
 
+def test_an_os_error_is_one_line(capsys, monkeypatch, tmp_path):
+    """An unreadable file in a user's model directory (PermissionError), a full disk: one line
+    naming it and exit 2, not a traceback."""
+    import kvsieve.cli
+
+    def unreadable(args):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "model.safetensors"))
+
+    monkeypatch.delenv("KVSIEVE_DEBUG", raising=False)
+    monkeypatch.setattr(kvsieve.cli, "cmd_demo", unreadable)
+    assert kvsieve.cli.main(["demo"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvsieve: error: ") and "Permission denied" in err and "model.safetensors" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_numpy_numbers_are_numbers():
     """Options and sampling settings swept with NumPy (np.arange, np.linspace) validate as the
     numbers they hold, as Python's do."""

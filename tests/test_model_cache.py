@@ -17,7 +17,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("filelock")
 
-from kvsieve.model import loader  # noqa: E402
+from kvsieve.model import gguf as gguf_reader, loader  # noqa: E402
 
 CONFIG = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
               num_attention_heads=2, max_position_embeddings=64)
@@ -66,7 +66,7 @@ def fake_gguf(tmp_path, monkeypatch):
         return FakeModel(), {"missing_keys": set(), "mismatched_keys": set()}
 
     tensors = dict.fromkeys(["token_embd.weight", "blk.0.attn_q.weight"])
-    monkeypatch.setattr(loader, "read_gguf", lambda p: (META, tensors))
+    monkeypatch.setattr(gguf_reader, "read_gguf", lambda p: (META, tensors))
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", read_model)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **kw: FakeTokenizer())
     path = tmp_path / "m.gguf"

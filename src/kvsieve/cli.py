@@ -155,7 +155,7 @@ def _run(argv) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, UsageError, ModuleNotFoundError) as e:
+    except (ValueError, OSError, UsageError, ModuleNotFoundError) as e:  # OSError: an unreadable file, a full disk
         if os.environ.get("KVSIEVE_DEBUG"):
             raise
         if isinstance(e, ModuleNotFoundError) and "pip install" not in str(e):  # (ours name their extra)

@@ -1,0 +1,76 @@
+"""The model cache: converted GGUF models as safetensors directories under $KVSIEVE_CACHE_DIR
+(else ~/.cache/kvsieve), each written once under a lock shared by processes, with clear errors
+where the cache cannot be used."""
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """$KVSIEVE_CACHE_DIR (~ expanded, made absolute), else ~/.cache/kvsieve."""
+    return Path(os.path.abspath(os.path.expanduser(os.environ.get("KVSIEVE_CACHE_DIR")
+                                                   or os.path.join("~", ".cache", "kvsieve"))))
+
+
+@contextmanager
+def cache_errors():
+    """An OSError of the model cache (read-only, not a directory, another user's private entry, a
+    full disk) as one ValueError naming the path and KVSIEVE_CACHE_DIR. Errors kvsieve raises
+    itself (a message, no errno) pass unchanged."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno is None:
+            raise
+        root = cache_root()
+        where = f": {e.filename}" if e.filename and Path(e.filename) != root else ""
+        raise ValueError(f"cannot use the model cache {root} ({e.strerror or e}{where}); set KVSIEVE_CACHE_DIR to a "
+                         "directory you can read and write") from e
+
+
+@contextmanager
+def cache_lock(out: Path):
+    """An exclusive lock on cache entry `out` across processes: commands started together
+    (a server and a generate, parallel eval jobs) convert a model once, the others wait for it."""
+    from filelock import FileLock
+
+    if out.parent.exists() and not out.parent.is_dir():
+        raise ValueError(f"the model cache {out.parent} is not a directory; set KVSIEVE_CACHE_DIR to a directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        yield
+
+
+def is_converted(out: Path) -> bool:
+    return is_hf_dir(out) and (out / "tokenizer_config.json").is_file()
+
+
+def is_hf_dir(p: Path) -> bool:
+    return p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors"))
+
+
+def _staging_dir(out: Path) -> Path:
+    """A new directory `<name>.<8 hex>.tmp` beside `out` for one conversion, made under the user's
+    umask like any other (mkdtemp's 0700 kept a shared cache's entries private to their converter)."""
+    while True:
+        tmp = out.parent / f"{out.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def _remove_stale_staging(out: Path) -> None:
+    """Delete the staging directories of `out` that conversions killed before their cleanup
+    (SIGTERM, SIGKILL, out of memory) left behind: under the entry's lock, none is running.
+    (mkdtemp's names, which older versions used, have the same form.)"""
+    stale = re.compile(re.escape(out.name) + r"\.[a-z0-9_]{8}\.tmp")
+    for p in out.parent.iterdir():
+        if stale.fullmatch(p.name) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)

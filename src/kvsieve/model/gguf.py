@@ -1,0 +1,173 @@
+"""GGUF files: read their metadata, check it, and convert them once (through transformers' own
+GGUF reader, de-quantised to float32) into a safetensors directory of the model cache, with
+the RoPE scaling transformers' reader drops carried over."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+
+from .cache import _remove_stale_staging, _staging_dir, cache_errors, cache_lock, is_converted
+from .config import GGUF_FIX, ModelConfig, check_gguf_metadata, gguf_rope_scaling
+
+# GGUF general.architecture values kvsieve runs (llama.cpp stores Mistral models as "llama")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+
+def read_gguf(gguf: Path) -> Tuple[dict, dict]:
+    """(metadata, tensors) of a GGUF file, no weights read: the scalar metadata (key -> str,
+    number or bool; arrays such as the vocabulary left out) and tensor name -> gguf ReaderTensor."""
+    from gguf import GGUFReader, GGUFValueType
+
+    try:
+        reader = GGUFReader(str(gguf))
+        meta = {}
+        for key, field in reader.fields.items():
+            if field.types and field.types[0] != GGUFValueType.ARRAY:
+                part = field.parts[field.data[0]]
+                meta[key] = bytes(part).decode() if field.types[0] == GGUFValueType.STRING else part.tolist()[0]
+        return meta, {t.name: t for t in reader.tensors}
+    except Exception as e:  # not a GGUF file, truncated
+        raise ValueError(f"could not read GGUF file {gguf}: {e.__class__.__name__}: {e}") from e
+
+
+def convert_gguf(gguf: Path, out: Path) -> Path:
+    """De-quantise a GGUF file into a float32 safetensors directory (once), with its tokenizer
+    (and chat template, where the GGUF has one). An architecture kvsieve does not run raises
+    ValueError naming it, before any conversion. Processes converting the same file at once
+    convert it once (cache_lock)."""
+    with cache_errors():
+        if is_converted(out):
+            return out
+        with cache_lock(out):
+            if not is_converted(out):  # (another process may have converted it while this one waited)
+                _convert(gguf, out)
+    return out
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    """convert_gguf's work, under the entry's lock. The metadata is checked first (a file kvsieve
+    would run wrong is refused, not cached); the model is written in a directory of this
+    process's own, then renamed to `out` in one step (a reader never sees a half-written model)."""
+    meta, tensors = read_gguf(gguf)
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {gguf.name}; kvsieve runs "
+                         f"{', '.join(GGUF_ARCHITECTURES)}")
+    check_gguf_metadata(arch, meta, tensors, gguf)
+    freqs = tensors.get("rope_freqs.weight")
+    if freqs is not None:
+        from gguf import dequantize
+
+        freqs = dequantize(freqs.data, freqs.tensor_type).reshape(-1).tolist()
+    rope = gguf_rope_scaling(arch, meta, freqs, gguf)
+    print(f"kvsieve: converting {gguf.name} to safetensors in {out} (once, ~30 s)", file=sys.stderr)
+    _remove_stale_staging(out)
+    tmp = _staging_dir(out)
+    try:
+        tok, model = _read_gguf_model(gguf, arch, meta)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        _check_converted(_with_gguf_rope(tmp / "config.json", rope, meta.get(f"{arch}.rope.freq_base_swa")), gguf)
+        mode = tmp.stat().st_mode & 0o666  # files as readable as the directory (safetensors writes 0600)
+        for f in tmp.iterdir():
+            if f.is_file():
+                f.chmod(mode)
+        shutil.rmtree(out, ignore_errors=True)  # an unfinished leftover (a converted one was returned)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_converted(cfg: dict, gguf: Path) -> None:
+    """The converted config is one kvsieve runs (else the error now, and nothing cached)."""
+    try:
+        ModelConfig.from_hf(cfg)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"could not read GGUF file {gguf}: its converted config.json lacks {e}; {GGUF_FIX}") from e
+
+
+# GGUF metadata -> the config attribute transformers' reader should have made of it
+GGUF_CONFIG = {"block_count": "num_hidden_layers", "embedding_length": "hidden_size",
+               "feed_forward_length": "intermediate_size", "attention.head_count": "num_attention_heads",
+               "attention.head_count_kv": "num_key_value_heads", "attention.key_length": "head_dim",
+               "context_length": "max_position_embeddings"}
+
+
+def _read_gguf_model(gguf: Path, arch: str, meta: dict):
+    """(tokenizer, float32 transformers model) of a GGUF file through transformers' reader, checked:
+    its config agrees with the file's metadata, and no weight is missing or of another shape (which
+    transformers would initialise at random and report in a table)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from .loader import load_tokenizer  # (loader imports this module)
+
+    level = hf_logging.get_verbosity()
+    try:
+        tok = load_tokenizer(gguf.parent, gguf_file=gguf.name)
+        hf_logging.set_verbosity_error()
+        model, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                           output_loading_info=True, ignore_mismatched_sizes=True)
+    except Exception as e:  # transformers raises many kinds; the user needs one line
+        raise ValueError(f"could not read GGUF file {gguf}: {e.__class__.__name__}: {e}; "
+                         "pass a valid Llama-family or Gemma 3 .gguf or a Hugging Face directory") from e
+    finally:
+        hf_logging.set_verbosity(level)
+    c = model.config
+    for key, attr in GGUF_CONFIG.items():
+        want, got = meta.get(f"{arch}.{key}"), getattr(c, attr, None)
+        if attr == "head_dim":  # (Qwen2's config has none: hidden / heads)
+            got = got or c.hidden_size // c.num_attention_heads
+        if want is not None and got != want:
+            raise ValueError(f"transformers read {arch}.{key} = {want} of GGUF file {gguf} as {attr} = {got}; "
+                             f"kvsieve will not run another model than the file's: {GGUF_FIX}")
+    missing, mismatched = sorted(info.get("missing_keys") or ()), sorted(info.get("mismatched_keys") or ())
+    if missing:
+        raise ValueError(f"GGUF file {gguf} has no tensor for {missing[0]} ({len(missing)} weights missing), which "
+                         f"its metadata needs; the file is incomplete: {GGUF_FIX}")
+    if mismatched:
+        name, shape, want = mismatched[0][:3]
+        raise ValueError(f"GGUF file {gguf}: the tensor for {name} has shape {list(shape)}, but its metadata needs "
+                         f"{list(want)}; the metadata (head counts, sizes) does not fit the weights: {GGUF_FIX}")
+    _eos_into_tokenizer(tok, model.config.eos_token_id)
+    # the weights are de-quantised float32 now; drop the GGUF marker so they save as plain safetensors
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return tok, model
+
+
+def _eos_into_tokenizer(tok, eos) -> None:
+    """transformers 5.17 reads SmolLM2's GGUF with eos_token <|im_start|> and no pad token; the
+    config's EOS (what the engine stops on) is the GGUF's own, so the tokenizer follows it."""
+    eos = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+    if eos:
+        name = tok.convert_ids_to_tokens(eos[0])
+        if getattr(tok, "eos_token_id", None) not in eos:
+            tok.eos_token = name
+        if tok.pad_token is None:  # padded batches (the HF drop-in) need one: EOS, as the original's
+            tok.pad_token = name
+
+
+def _with_gguf_rope(config_file: Path, scaling: Optional[dict], local_theta) -> dict:
+    """The converted config.json with the GGUF's RoPE scaling (transformers' reader drops it; on
+    Gemma 3 it is the global layers') and Gemma 3's local RoPE base, where the file has one."""
+    cfg = json.loads(config_file.read_text())
+    rope = cfg.get("rope_parameters") or {}
+    if cfg.get("model_type") == "gemma3_text":  # (transformers 4 wrote rope_theta, rope_local_base_freq)
+        full = rope.get("full_attention", {"rope_theta": cfg.get("rope_theta")})
+        local = rope.get("sliding_attention", {"rope_theta": cfg.get("rope_local_base_freq")})
+        rope = {"full_attention": {**full, **(scaling or {})},
+                "sliding_attention": {**local, **({"rope_theta": local_theta} if local_theta else {})}}
+    elif scaling:
+        rope = {"rope_theta": rope.get("rope_theta", cfg.get("rope_theta", 10000.0)), **scaling}
+    else:
+        return cfg
+    cfg.pop("rope_scaling", None)
+    cfg["rope_parameters"] = rope
+    config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return cfg
