@@ -113,17 +113,21 @@ def test_yarn_on_global_layers_matches_transformers(tmp_path):
     assert diff < 1e-4, (diff, scale)
 
 
-def test_gguf_linear_scaling_reaches_the_global_layers(tmp_path):
+@pytest.mark.parametrize("layers,head_dim,scalar", [(6, 32, 32), (62, 16, 32)])
+def test_gguf_linear_scaling_reaches_the_global_layers(tmp_path, layers, head_dim, scalar):
     """A Gemma 3 GGUF's RoPE scaling (llama.cpp's linear factor of the 4B+ models, for the global
     layers) and local RoPE base (rope.freq_base_swa) reach the converted model (both were
-    dropped): it matches transformers on the safetensors original."""
+    dropped): it matches transformers on the safetensors original. query_pre_attn_scalar, which
+    a GGUF does not store, is llama.cpp's: the key length, or hidden / heads at 62 layers (27B;
+    transformers' reader kept its default 256 whatever the model)."""
     import gguf
 
     from test_architectures import tiny_gguf
 
     rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 5e5},
             "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}
-    cfg = {**TINY, "num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 256, "rope_parameters": rope}
+    cfg = {**TINY, "num_hidden_layers": layers, "head_dim": head_dim, "layer_types": None,
+           "query_pre_attn_scalar": scalar, "rope_parameters": rope}
     torch.manual_seed(0)  # (what the GGUF does not store is transformers' default: a global layer every 6th)
     hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**cfg, initializer_range=0.1)).eval()
     for name, w in hf.named_parameters():
@@ -138,7 +142,9 @@ def test_gguf_linear_scaling_reaches_the_global_layers(tmp_path):
     d = convert_gguf(tiny_gguf(tmp_path / "g.gguf", hf, "gemma3", extra=scaling), tmp_path / "cache" / "g")
     c, want = load_weights(d).cfg, load_weights(tmp_path / "hf").cfg
     assert (c.rope_theta, c.rope_scaling, c.rope_local_theta, c.rope_local_scaling, c.global_layers()) == \
-        (want.rope_theta, want.rope_scaling, want.rope_local_theta, want.rope_local_scaling, (5,))
+        (want.rope_theta, want.rope_scaling, want.rope_local_theta, want.rope_local_scaling,
+         tuple(range(5, layers, 6)))
+    assert c.query_pre_attn_scalar == scalar
     ids = torch.randint(0, 300, (100,), generator=torch.Generator().manual_seed(1)).tolist()
     model, pos = load_weights(d), torch.arange(100)
     with torch.no_grad():

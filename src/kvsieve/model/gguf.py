@@ -71,7 +71,8 @@ def _convert(gguf: Path, out: Path) -> None:
         tok, model = _read_gguf_model(gguf, arch, meta)
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        _check_converted(_with_gguf_rope(tmp / "config.json", rope, meta.get(f"{arch}.rope.freq_base_swa")), gguf)
+        _check_converted(_with_gguf_rope(tmp / "config.json", rope, meta.get(f"{arch}.rope.freq_base_swa"),
+                                         _gemma3_query_scalar(arch, meta)), gguf)
         mode = tmp.stat().st_mode & 0o666  # files as readable as the directory (safetensors writes 0600)
         for f in tmp.iterdir():
             if f.is_file():
@@ -153,10 +154,25 @@ def _eos_into_tokenizer(tok, eos) -> None:
             tok.pad_token = name
 
 
-def _with_gguf_rope(config_file: Path, scaling: Optional[dict], local_theta) -> dict:
+def _gemma3_query_scalar(arch: str, meta: dict) -> Optional[int]:
+    """Gemma 3's query_pre_attn_scalar as llama.cpp derives it (a GGUF does not store it, and
+    transformers' reader keeps its default 256): the key length, but hidden / heads for the
+    27B model (62 layers; 168 there, against a head dim of 128). None for other architectures."""
+    if arch != "gemma3":
+        return None
+    if meta.get("gemma3.block_count") == 62:
+        return meta["gemma3.embedding_length"] // meta["gemma3.attention.head_count"]
+    return meta["gemma3.attention.key_length"]
+
+
+def _with_gguf_rope(config_file: Path, scaling: Optional[dict], local_theta, query_scalar=None) -> dict:
     """The converted config.json with the GGUF's RoPE scaling (transformers' reader drops it; on
-    Gemma 3 it is the global layers') and Gemma 3's local RoPE base, where the file has one."""
+    Gemma 3 it is the global layers'), Gemma 3's local RoPE base where the file has one, and its
+    query_pre_attn_scalar (_gemma3_query_scalar)."""
     cfg = json.loads(config_file.read_text())
+    if query_scalar is not None and cfg.get("query_pre_attn_scalar") != query_scalar:
+        cfg["query_pre_attn_scalar"] = query_scalar
+        config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     rope = cfg.get("rope_parameters") or {}
     if cfg.get("model_type") == "gemma3_text":  # (transformers 4 wrote rope_theta, rope_local_base_freq)
         full = rope.get("full_attention", {"rope_theta": cfg.get("rope_theta")})
