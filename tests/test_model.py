@@ -169,11 +169,23 @@ def test_compare_dense_reports_both_answers_and_speeds(capsys):
     assert rep["dense"]["decode_tokens_per_s"] > 0 and rep["dense"]["prefill_s"] > 0 and rep["dense"]["decode_s"] > 0
     assert rep["decode_s"] != rep["dense"]["decode_s"]  # each run timed on its own
     assert 0 <= rep["agreement"] <= 1 and (rep["agreement"] == 1.0) == (rep["text"] == alone["text"])
+    assert (rep["first_divergence"] is None) == (rep["text"] == alone["text"])
     rc, _, err = run_cli(capsys, *argv[:-1], "--method", "streaming", "--compare-dense", "--no-progress")
     assert rc == 0 and "--- dense on cpu float32: prefill" in err and "decode" in err
     rates = [float(r) for r in re.findall(r"decode ([0-9.]+) tok/s", err)]  # the method's, then dense's
     note = "on the CPU a sparse plan runs as torch reference code" in err
     assert len(rates) == 2 and (rates[0] == rates[1] or note == (rates[0] < rates[1]))  # (printed to 0.1 tok/s)
+
+
+def test_first_divergence_and_agreement():
+    """agreement counts tokens equal at the same position (also after a divergence);
+    first_divergence is where the answers part, a shorter answer parting where it ends."""
+    from kvsieve.model.cli import first_divergence, token_agreement
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None and token_agreement([[1, 2, 3]], [[1, 2, 3]]) == 1.0
+    assert first_divergence([1, 2, 3, 4], [1, 9, 3, 4]) == 1 and token_agreement([[1, 2, 3, 4]], [[1, 9, 3, 4]]) == 0.75
+    assert first_divergence([1, 2, 3], [1, 2]) == 2 and first_divergence([1], [1, 5]) == 1
+    assert first_divergence([7], [8]) == 0
 
 
 def test_streamed_answer_is_the_json_text_with_characters_over_several_tokens(capsys):

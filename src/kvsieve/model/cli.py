@@ -174,6 +174,9 @@ def cmd_generate(args) -> int:
                            "decode_s": round(d_decode, 4),
                            "decode_tokens_per_s": round(d_tokens / d_decode, 3) if d_decode else 0.0}
         report["agreement"] = round(token_agreement([o.tokens for o in dense], [o.tokens for o in res]), 4)
+        report["first_divergence"] = [first_divergence(d.tokens, o.tokens) for d, o in zip(dense, res)]
+        if len(res) == 1:
+            report["first_divergence"] = report["first_divergence"][0]
     dense_note = attended_densely_note(args, eng, report["attended"])
     if args.json:
         if dense_note:  # (stderr: the JSON on stdout stays clean)
@@ -186,7 +189,11 @@ def cmd_generate(args) -> int:
     if args.compare_dense:
         for i, t in enumerate(dtexts):
             print(f"--- dense answer: {t}" if len(dtexts) == 1 else f"--- dense answer [{i}]: {t}")
-        print(f"--- agreement with dense: {report['agreement']:.0%} of generated tokens")
+        first = [first_divergence(d.tokens, o.tokens) for d, o in zip(dense, res)]
+        where = ("the same tokens" if all(f is None for f in first) else
+                 "first differs at generated token " + ", ".join("-" if f is None else str(f) for f in first))
+        print(f"--- agreement with dense: {report['agreement']:.0%} of generated tokens at the same position "
+              f"({where})")
     if warm:
         print(f"--- warm-up (kernel compilation, step-graph capture): {warm:.1f} s", file=sys.stderr)
     if dense_note:
@@ -235,8 +242,18 @@ def run_requests(eng, tok, prompts, params, method, stream: bool):
     return [out]
 
 
+def first_divergence(ref: list[int], other: list[int]):
+    """Index of the first generated token where `other` differs from `ref` (a shorter answer
+    differs where it ends), or None where the two are the same."""
+    for i, (a, b) in enumerate(zip(ref, other)):
+        if a != b:
+            return i
+    return None if len(ref) == len(other) else min(len(ref), len(other))
+
+
 def token_agreement(ref: list[list[int]], other: list[list[int]]) -> float:
-    """Fraction of reference tokens that the other run reproduced at the same position."""
+    """Fraction of reference tokens that the other run reproduced at the same position (tokens
+    that line up again after a divergence count too: first_divergence says where it begins)."""
     total = sum(len(r) for r in ref)
     same = sum(a == b for r, o in zip(ref, other) for a, b in zip(r, o))
     return same / total if total else 1.0
