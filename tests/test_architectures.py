@@ -409,7 +409,7 @@ def test_gguf_rope_scaling_is_carried_over(tmp_path, name):
 def test_gguf_rope_scaling_kvsieve_cannot_run_is_refused():
     """llama.cpp's RoPE metadata read as llama.cpp reads it (a factor without a type is linear;
     type none scales nothing), and what kvsieve cannot run refused by name, never dropped."""
-    from kvsieve.model.config import gguf_rope_scaling
+    from kvsieve.model.gguf import gguf_rope_scaling
 
     meta = {"llama.context_length": 512, "llama.embedding_length": 64, "llama.attention.head_count": 4}
     sc = "llama.rope.scaling."

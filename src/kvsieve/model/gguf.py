@@ -12,10 +12,85 @@ from typing import Optional, Tuple
 import torch
 
 from .cache import _remove_stale_staging, _staging_dir, cache_errors, cache_lock, is_converted
-from .config import GGUF_FIX, ModelConfig, check_gguf_metadata, gguf_rope_scaling
+from .config import ModelConfig, positive_number
 
 # GGUF general.architecture values kvsieve runs (llama.cpp stores Mistral models as "llama")
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+
+
+# GGUF metadata (after "<arch>.") that llama.cpp requires of these models: transformers' reader fills a
+# missing key from its config defaults, a silently different model (a 32-layer one for a missing block_count)
+GGUF_REQUIRED = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+                 "attention.layer_norm_rms_epsilon")
+GGUF_REQUIRED_GEMMA3 = ("attention.key_length", "attention.sliding_window")  # transformers' defaults differ
+# llama.cpp's RoPE scaling keys (after "<arch>.rope.scaling.") kvsieve reads, and those it accepts at neutral values
+GGUF_ROPE_KEYS = ("type", "factor", "original_context_length", "finetuned", "yarn_beta_fast", "yarn_beta_slow")
+GGUF_ROPE_NEUTRAL = {"attn_factor": 1.0, "yarn_ext_factor": 1.0, "yarn_attn_factor": 1.0}
+GGUF_FIX = "convert the model again with llama.cpp's convert_hf_to_gguf.py, or pass its Hugging Face directory"
+
+
+def _gguf_head_dim(arch: str, meta: dict) -> int:
+    return meta.get(f"{arch}.attention.key_length") or \
+        meta[f"{arch}.embedding_length"] // meta[f"{arch}.attention.head_count"]
+
+
+def check_gguf_metadata(arch: str, meta: dict, tensor_names, where) -> None:
+    """One ValueError naming the key where a GGUF file's metadata (key -> value) lacks what the
+    model needs, disagrees with its blk.N tensors, or rotates part of each head only."""
+    for key in GGUF_REQUIRED + (GGUF_REQUIRED_GEMMA3 if arch == "gemma3" else ()):
+        v = meta.get(f"{arch}.{key}")
+        if not positive_number(v):
+            got = "lacks the metadata key" if v is None else f"has {v!r} for"
+            raise ValueError(f"GGUF file {where} {got} {arch}.{key}, which the model needs; {GGUF_FIX}")
+    blocks = meta[f"{arch}.block_count"]
+    layers = {int(n.split(".")[1]) for n in tensor_names if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    if layers != set(range(blocks)):
+        raise ValueError(f"GGUF file {where} has {arch}.block_count = {blocks}, but tensors of {len(layers)} "
+                         f"layers (blk.{min(layers, default=0)}..blk.{max(layers, default=0)}); {GGUF_FIX}")
+    head_dim = _gguf_head_dim(arch, meta)
+    rotated = meta.get(f"{arch}.rope.dimension_count", head_dim)
+    if rotated != head_dim:
+        what = "RoPE on part of each head, which kvsieve does not run" if rotated < head_dim else GGUF_FIX
+        raise ValueError(f"GGUF file {where} has {arch}.rope.dimension_count = {rotated} for heads of {head_dim} "
+                         f"(attention.key_length, or embedding_length / attention.head_count): {what}")
+
+
+def gguf_rope_scaling(arch: str, meta: dict, freq_factors: Optional[list], where) -> Optional[dict]:
+    """The RoPE scaling a GGUF file describes, as a Hugging Face rope_parameters entry (rope_theta
+    left out; None for plain RoPE). llama.cpp's `<arch>.rope.scaling.*` keys give linear or YaRN
+    scaling (a factor without a type is linear, as llama.cpp reads it); the rope_freqs tensor
+    (`freq_factors`, how llama.cpp's converter stores Llama 3.1/3.2's llama3 scaling) divides each
+    inverse frequency by its factor, carried exactly as LongRoPE with equal short and long factors.
+    A setting kvsieve cannot run is one ValueError naming it: nothing is dropped."""
+    pre = f"{arch}.rope.scaling."
+    keys = {k[len(pre):]: v for k, v in meta.items() if k.startswith(pre)}
+    for k, v in keys.items():
+        if k not in GGUF_ROPE_KEYS and GGUF_ROPE_NEUTRAL.get(k) != v:
+            raise ValueError(f"GGUF file {where} sets {pre}{k} = {v!r}, a RoPE scaling setting kvsieve does not "
+                             "run; pass the model's Hugging Face directory instead")
+    factor = keys.get("factor") or meta.get(f"{arch}.rope.scale_linear")
+    kind = keys.get("type", "linear" if factor else "none")
+    if kind not in ("none", "linear", "yarn"):
+        raise ValueError(f"GGUF file {where} has RoPE scaling {pre}type = {kind!r}, which kvsieve does not run "
+                         "(it runs none, linear, yarn and Llama 3.1's rope_freqs)")
+    scaling = None
+    if kind != "none" and factor and factor != 1.0:
+        scaling = {"rope_type": kind, "factor": factor}
+        if kind == "yarn":
+            scaling["original_max_position_embeddings"] = keys.get("original_context_length") or \
+                meta[f"{arch}.context_length"]
+            scaling.update({b: keys[f"yarn_{b}"] for b in ("beta_fast", "beta_slow") if f"yarn_{b}" in keys})
+    if freq_factors is None or all(f == 1.0 for f in freq_factors):
+        return scaling
+    head_dim = _gguf_head_dim(arch, meta)
+    if scaling or arch == "gemma3" or len(freq_factors) != head_dim // 2:
+        why = (f"together with {pre}type = {kind!r}" if scaling else "on a Gemma 3 model" if arch == "gemma3"
+               else f"with {len(freq_factors)} factors for head_dim {head_dim}")
+        raise ValueError(f"GGUF file {where} has a rope_freqs tensor {why}, which kvsieve does not run; "
+                         "pass the model's Hugging Face directory instead")
+    return {"rope_type": "longrope", "short_factor": list(freq_factors), "long_factor": list(freq_factors),
+            "factor": 1.0, "attention_factor": 1.0,
+            "original_max_position_embeddings": meta[f"{arch}.context_length"]}
 
 def read_gguf(gguf: Path) -> Tuple[dict, dict]:
     """(metadata, tensors) of a GGUF file, no weights read: the scalar metadata (key -> str,
