@@ -54,7 +54,7 @@ def is_hf_dir(p: Path) -> bool:
     return p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors"))
 
 
-def _staging_dir(out: Path) -> Path:
+def staging_dir(out: Path) -> Path:
     """A new directory `<name>.<8 hex>.tmp` beside `out` for one conversion, made under the user's
     umask like any other (mkdtemp's 0700 kept a shared cache's entries private to their converter)."""
     while True:
@@ -66,7 +66,7 @@ def _staging_dir(out: Path) -> Path:
             continue
 
 
-def _remove_stale_staging(out: Path) -> None:
+def remove_stale_staging(out: Path) -> None:
     """Delete the staging directories of `out` that conversions killed before their cleanup
     (SIGTERM, SIGKILL, out of memory) left behind: under the entry's lock, none is running.
     (mkdtemp's names, which older versions used, have the same form.)"""

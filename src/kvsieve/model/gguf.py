@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .cache import _remove_stale_staging, _staging_dir, cache_errors, cache_lock, is_converted
+from .cache import cache_errors, cache_lock, is_converted, remove_stale_staging, staging_dir
 from .config import ModelConfig, positive_number
 
 # GGUF general.architecture values kvsieve runs (llama.cpp stores Mistral models as "llama")
@@ -140,8 +140,8 @@ def _convert(gguf: Path, out: Path) -> None:
         freqs = dequantize(freqs.data, freqs.tensor_type).reshape(-1).tolist()
     rope = gguf_rope_scaling(arch, meta, freqs, gguf)
     print(f"kvsieve: converting {gguf.name} to safetensors in {out} (once, ~30 s)", file=sys.stderr)
-    _remove_stale_staging(out)
-    tmp = _staging_dir(out)
+    remove_stale_staging(out)
+    tmp = staging_dir(out)
     try:
         tok, model = _read_gguf_model(gguf, arch, meta)
         model.save_pretrained(tmp)
