@@ -113,7 +113,19 @@ def test_yarn_on_global_layers_matches_transformers(tmp_path):
     assert diff < 1e-4, (diff, scale)
 
 
-@pytest.mark.parametrize("layers,head_dim,scalar", [(6, 32, 32), (62, 16, 32)])
+def test_gguf_query_scalar_follows_llama_cpp():
+    """A GGUF does not store query_pre_attn_scalar; llama.cpp derives it: the key length, but
+    hidden / heads for the 62-layer 27B (168 there, where transformers' default 256 is wrong)."""
+    from kvsieve.model.gguf import _gemma3_query_scalar
+
+    g27 = {"gemma3.block_count": 62, "gemma3.embedding_length": 5376, "gemma3.attention.head_count": 32,
+           "gemma3.attention.key_length": 128}
+    assert _gemma3_query_scalar("gemma3", g27) == 168
+    assert _gemma3_query_scalar("gemma3", {**g27, "gemma3.block_count": 48, "gemma3.attention.key_length": 256}) == 256
+    assert _gemma3_query_scalar("llama", {"llama.block_count": 62}) is None
+
+
+@pytest.mark.parametrize("layers,head_dim,scalar", [(6, 32, 32)])
 def test_gguf_linear_scaling_reaches_the_global_layers(tmp_path, layers, head_dim, scalar):
     """A Gemma 3 GGUF's RoPE scaling (llama.cpp's linear factor of the 4B+ models, for the global
     layers) and local RoPE base (rope.freq_base_swa) reach the converted model (both were
