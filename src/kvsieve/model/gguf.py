@@ -146,7 +146,7 @@ def _convert(gguf: Path, out: Path) -> None:
         tok, model = _read_gguf_model(gguf, arch, meta)
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        _check_converted(_with_gguf_rope(tmp / "config.json", rope, meta.get(f"{arch}.rope.freq_base_swa"),
+        _check_converted(_with_gguf_config(tmp / "config.json", rope, meta.get(f"{arch}.rope.freq_base_swa"),
                                          _gemma3_query_scalar(arch, meta)), gguf)
         mode = tmp.stat().st_mode & 0o666  # files as readable as the directory (safetensors writes 0600)
         for f in tmp.iterdir():
@@ -240,14 +240,14 @@ def _gemma3_query_scalar(arch: str, meta: dict) -> Optional[int]:
     return meta["gemma3.attention.key_length"]
 
 
-def _with_gguf_rope(config_file: Path, scaling: Optional[dict], local_theta, query_scalar=None) -> dict:
-    """The converted config.json with the GGUF's RoPE scaling (transformers' reader drops it; on
-    Gemma 3 it is the global layers'), Gemma 3's local RoPE base where the file has one, and its
-    query_pre_attn_scalar (_gemma3_query_scalar)."""
+def _with_gguf_config(config_file: Path, scaling: Optional[dict], local_theta, query_scalar=None) -> dict:
+    """The converted config.json with what transformers' reader drops, written back once: the
+    GGUF's RoPE scaling (on Gemma 3 the global layers'), Gemma 3's local RoPE base where the
+    file has one, and its query_pre_attn_scalar (_gemma3_query_scalar)."""
     cfg = json.loads(config_file.read_text())
-    if query_scalar is not None and cfg.get("query_pre_attn_scalar") != query_scalar:
+    before = json.dumps(cfg, sort_keys=True)
+    if query_scalar is not None:
         cfg["query_pre_attn_scalar"] = query_scalar
-        config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     rope = cfg.get("rope_parameters") or {}
     if cfg.get("model_type") == "gemma3_text":  # (transformers 4 wrote rope_theta, rope_local_base_freq)
         full = rope.get("full_attention", {"rope_theta": cfg.get("rope_theta")})
@@ -257,7 +257,13 @@ def _with_gguf_rope(config_file: Path, scaling: Optional[dict], local_theta, que
     elif scaling:
         rope = {"rope_theta": rope.get("rope_theta", cfg.get("rope_theta", 10000.0)), **scaling}
     else:
-        return cfg
+        rope = None
+    if rope is not None:
+        cfg.pop("rope_scaling", None)
+        cfg["rope_parameters"] = rope
+    if json.dumps(cfg, sort_keys=True) != before:
+        config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return cfg
     cfg.pop("rope_scaling", None)
     cfg["rope_parameters"] = rope
     config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
