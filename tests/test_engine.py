@@ -728,6 +728,23 @@ def test_warmup_runs_at_the_asked_length_and_leaves_the_engine_as_new(tiny_model
     assert [o.tokens for o in eng.generate(ps, params)] == [o.tokens for o in fresh]
 
 
+def test_warmup_runs_the_methods_requests_will_name(tiny_model):
+    """serve --warmup-methods: a request naming a warmed method runs under the key the warm-up
+    compiled, so it pays no compilation; the default's and dense's keys are warmed once."""
+    eng = LLMEngine(tiny_model, None, "tactic", cluster_size=8, kv_pages=40, kv_page_size=16)
+    keys = []
+    add = eng.scheduler.add
+    eng.scheduler.add = lambda ids, params, key, *a, **k: keys.append(key) or add(ids, params, key, *a, **k)
+    eng.warmup(64, decode_tokens=2, methods=["quest", ("lserve", {"budget": 32}), "dense", "quest"])
+    quest, lserve = eng.method_key("quest", None), eng.method_key("lserve", {"budget": 32})
+    assert keys == ["default", "dense", quest, lserve] and quest.startswith("quest:")
+    keys.clear()
+    eng.generate([list(range(1, 80))], SamplingParams(2, ignore_eos=True), method="quest")
+    assert keys == [quest] and eng.scheduler.used_pages == 0
+    with pytest.raises(ValueError, match="unknown method 'qeust'"):
+        eng.warmup(64, methods=["qeust"])
+
+
 @pytest.mark.parametrize("method,opts", METHODS[:3])
 def test_score_is_teacher_forced_decoding(tiny_model, method, opts):
     """LLMEngine.score feeds each continuation token by token: the log-probabilities equal

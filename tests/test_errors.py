@@ -218,7 +218,8 @@ def test_numpy_numbers_are_numbers():
 
 @pytest.mark.parametrize("flag,value,match", [("--max-waiting", "0", "--max-waiting must be >= 1, got 0"),
                                               ("--max-num-seqs", "0", "--max-num-seqs must be >= 1"),
-                                              ("--port", "70000", "--port must be in 0..65535")])
+                                              ("--port", "70000", "--port must be in 0..65535"),
+                                              ("--warmup-methods", "quest,qeust", "--warmup-methods names 'qeust'")])
 def test_serve_refuses_bad_limits_before_loading(capsys, flag, value, match):
     """`serve --max-waiting 0` started, then refused every request (each waits a step first)."""
     from kvsieve.cli import main

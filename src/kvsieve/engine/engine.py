@@ -534,17 +534,23 @@ class LLMEngine(BatchCrossover):
                 self.abort(rid)
 
     @_locked
-    def warmup(self, prompt_tokens=1100, decode_tokens: int = 6) -> float:
+    def warmup(self, prompt_tokens=1100, decode_tokens: int = 6,
+               methods: Sequence[Union[str, Tuple[Optional[str], Optional[dict]]]] = ()) -> float:
         """Compile every kernel the default method uses (prefill, index, plan, attention,
         step-graph capture) on a dummy request of `prompt_tokens` tokens (an int, or a list of
         lengths run one after another; each clamped to the model and the pool), outside any
-        user request. Returns seconds. Kernel variants follow the context's size buckets, so
+        user request. `methods`: more methods to warm, each a name (its defaults) or a request's
+        (method, options) as add_request takes them (`serve --warmup-methods`). Returns seconds. Kernel variants follow the context's size buckets, so
         a caller that knows its requests warms at their length (`kvsieve generate` does) and
         one that does not warms every bucket (`kvsieve serve`: warmup_lengths). Triton keeps
         compiled kernels in its on-disk cache, so later runs start faster. It runs alone: an
         engine with unfinished requests is refused (their outputs would be lost)."""
         if self.has_unfinished:
             raise ValueError("warmup() runs alone: run it before adding requests, or finish or abort them first")
+        keys = ["default"] + (["dense"] if "dense" in self.runner.methods else [])
+        for spec in methods:  # (a bad method fails here, before anything runs)
+            key = self.method_key(*((spec, None) if isinstance(spec, str) else spec))
+            keys += [key] if key not in keys else []
         t0 = time.perf_counter()
         cap = min(self.model.cfg.max_positions - decode_tokens - 1,
                   self.scheduler.num_pages * self.scheduler.page_size - decode_tokens - 1)
@@ -553,7 +559,7 @@ class LLMEngine(BatchCrossover):
         self.runner.step_dense_below.clear()
         try:
             for n in ([prompt_tokens] if isinstance(prompt_tokens, int) else prompt_tokens):
-                self._warm_one(max(1, min(n, cap)), decode_tokens)
+                self._warm_one(max(1, min(n, cap)), decode_tokens, keys)
         finally:
             self._warming = False
             self.runner.step_dense_below.update(rules)
@@ -569,8 +575,7 @@ class LLMEngine(BatchCrossover):
         lengths = [n for n in (least << i for i in range(32)) if n < top]
         return lengths + [top]
 
-    def _warm_one(self, n: int, decode_tokens: int) -> None:
-        keys = ["default"] + (["dense"] if "dense" in self.runner.methods else [])
+    def _warm_one(self, n: int, decode_tokens: int, keys: List[str]) -> None:
         for key in keys:
             vocab = self.model.cfg.vocab_size
             req = self.scheduler.add([(7 * i + 3) % vocab for i in range(n)],

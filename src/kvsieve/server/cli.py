@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import sys
+from typing import List
 
 from ..config import MODEL_HELP
 
@@ -46,8 +47,25 @@ def register(sub) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="on Ctrl-C/SIGTERM, seconds requests in "
                    "flight may run before they are aborted (default 30)")
     p.add_argument("--no-warmup", action="store_true", help="skip kernel compilation before serving (CUDA)")
+    p.add_argument("--warmup-methods", default="", metavar="M,...", help="more methods whose kernels the CUDA "
+                   "warm-up compiles, at their defaults, for requests that pick them in the kvsieve field (e.g. "
+                   "quest,lserve, or all; default: only --method and dense; others compile on first use)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
+
+
+def warmup_methods(text: str) -> List[str]:
+    """--warmup-methods: comma-separated method names, or "all"; each checked by name."""
+    from ..methods import METHOD_NAMES
+
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if names == ["all"]:
+        return list(METHOD_NAMES)
+    bad = [m for m in names if m not in METHOD_NAMES]
+    if bad:
+        raise ValueError(f"--warmup-methods names {bad[0]!r}, not a method; give a comma-separated list of "
+                         f"{', '.join(METHOD_NAMES)}, or all")
+    return list(dict.fromkeys(names))
 
 
 def _positive(name: str, value, zero_ok: bool = False, real: bool = False) -> None:
@@ -106,6 +124,7 @@ def cmd_serve(args) -> int:
     _positive("cpu-kv-gib", args.cpu_kv_gib, real=True)
     opts = method_options(args)
     config_for(args.method, **opts)  # bad options fail before anything loads
+    warm_methods = warmup_methods(args.warmup_methods)
     device, dtype = resolve_device(args.device, args.dtype)
     sock = bind(args.host, args.port)
     model, tok, model_dir = load_model(args.model, dtype=dtype, device=device)
@@ -119,13 +138,16 @@ def cmd_serve(args) -> int:
     eng = LLMEngine(model, tok, args.method, kv_pages=args.kv_pages, max_num_seqs=args.max_num_seqs,
                     max_waiting=args.max_waiting, dense_below=args.dense_below,
                     gpu_memory_fraction=args.gpu_memory_fraction, cpu_kv_gib=args.cpu_kv_gib, **opts)
-    if device.type == "cuda" and not args.no_warmup:
-        lengths = eng.warmup_lengths()  # requests of any length find their kernels compiled
-        print(f"kvsieve serve: warm-up at {', '.join(map(str, lengths))} tokens: {eng.warmup(lengths):.1f} s",
-              file=sys.stderr)
     name = args.served_model_name or model_dir.name
     app = create_app(eng, name, streaming_heads=shipped, max_method_configs=args.max_method_configs,
                      retry_after_s=args.retry_after)  # uvicorn lets requests finish, then the rest abort
+    if device.type == "cuda" and not args.no_warmup:
+        lengths = eng.warmup_lengths()  # requests of any length find their kernels compiled
+        # each method as a request naming it runs (the model's heads), so it finds its kernels
+        took = eng.warmup(lengths, methods=[app.state.server.method({"method": m}) for m in warm_methods
+                                            if m != args.method])
+        print(f"kvsieve serve: warm-up of {', '.join(dict.fromkeys([args.method, *warm_methods]))} at "
+              f"{', '.join(map(str, lengths))} tokens: {took:.1f} s", file=sys.stderr)
     sch = eng.scheduler
     host = f"[{args.host}]" if ":" in args.host else args.host
     port = sock.getsockname()[1]
