@@ -967,3 +967,54 @@ def test_requests_of_the_wrong_kind_are_named(tiny_model):
         with pytest.raises(ValueError, match=match):
             call()
     assert not eng.has_unfinished and len(eng.generate([ids], SamplingParams(3))[0].tokens) == 3
+
+
+def test_a_stream_whose_request_another_step_finished_yields_every_token(tiny_model):
+    """A stream paused at a yield while another call (here a generate() in its loop body) ran
+    the steps that finished its request: it used to end early without its last tokens and
+    without a finished output."""
+    eng = LLMEngine(tiny_model, None, "dense")
+    p = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    ref = eng.generate([[1, 2, 3, 4, 5]], p)[0].tokens
+    got, outs = [], []
+    for i, o in enumerate(eng.stream([1, 2, 3, 4, 5], p)):
+        got += o.new_tokens
+        outs.append(o)
+        if i == 0:
+            eng.generate([[9, 9, 9]], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert got == ref and outs[-1].finished and outs[-1].tokens == ref
+    assert eng.scheduler.used_pages == 0 and not eng._inbox
+
+
+def test_generate_in_two_threads_loses_no_finished_output(tiny_model):
+    """generate() read its outputs and then cleared the list without the engine's lock, so an
+    output another thread's step appended in between was lost and the call stepped forever.
+    The read is slowed here to widen that window."""
+    import threading
+
+    class SlowBox(list):
+        def __iter__(self):
+            items = list(super().__iter__())
+            time.sleep(0.003)
+            return iter(items)
+
+    class Inbox(dict):
+        def __setitem__(self, k, v):
+            super().__setitem__(k, SlowBox(v))
+
+    eng = LLMEngine(tiny_model, None, "dense")
+    eng._inbox = Inbox()
+    done = {"a": 0, "b": 0}
+
+    def work(name, seed):
+        for i in range(25):
+            eng.generate([[seed, i + 1, 3]], SamplingParams(max_new_tokens=2 + i % 3, ignore_eos=True))
+            done[name] += 1
+
+    threads = [threading.Thread(target=work, args=(n, s), daemon=True) for n, s in (("a", 5), ("b", 7))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert done == {"a": 25, "b": 25}, done
+    assert eng.scheduler.used_pages == 0 and not eng.has_unfinished

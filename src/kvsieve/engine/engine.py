@@ -442,10 +442,11 @@ class LLMEngine(BatchCrossover):
             final: Dict[int, RequestOutput] = {}
             while len(final) < len(ids):
                 self.step()
-                for rid in ids:  # (another thread's step may have produced them)
-                    box = self._inbox[rid]
-                    final.update((rid, o) for o in box if o.finished)
-                    box.clear()
+                with self._lock:  # (another thread's step may have produced them, and may be appending)
+                    for rid in ids:
+                        box = self._inbox[rid]
+                        final.update((rid, o) for o in box if o.finished)
+                        box.clear()
                 for rid, req in reqs.items():  # aborted meanwhile (by another thread's abort())
                     if rid not in final and req.finish_reason == "abort":
                         final[rid] = RequestOutput(rid, [], list(req.output), len(req.prompt), True, "abort", 1.0,
@@ -519,15 +520,19 @@ class LLMEngine(BatchCrossover):
             self._inbox[rid] = []
         try:
             while True:
-                self.step()
-                box = self._inbox[rid]
-                got, box[:] = list(box), []
-                for o in got:  # (another thread's step may have produced them)
+                # what the steps so far produced (another thread's step too, even while this
+                # generator waited at a yield), and whether the request is gone, read together
+                with self._lock:
+                    box = self._inbox[rid]
+                    got, box[:] = list(box), []
+                    gone = rid not in self.scheduler.requests
+                for o in got:
                     yield o
                     if o.finished:
                         return
-                if rid not in self.scheduler.requests:  # aborted (abort() emits no output)
+                if gone:  # aborted (abort() emits no output)
                     return
+                self.step()
         finally:
             self._inbox.pop(rid, None)
             if rid in self.scheduler.requests:
