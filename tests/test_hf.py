@@ -102,6 +102,32 @@ def test_disable_restores_the_model(hf_model):
     assert not torch.equal(sparse, ref), "a 3-token window must change the output"
 
 
+def test_a_disabled_model_is_freed_by_del(tiny_llama):
+    """disable() put a bound generate() on the instance (a model -> method -> model cycle), so
+    `del model` freed the weights only at the next cyclic collection (GPU memory too)."""
+    import copy
+    import gc
+    import weakref
+
+    model = copy.deepcopy(tiny_llama[0])
+    khf.enable(model, "quest", budget=32)
+    khf.disable(model)
+    assert "generate" not in model.__dict__
+    assert model.generate.__func__ is type(model).generate
+    gc.disable()
+    try:
+        ref = weakref.ref(model)
+        del model
+        assert ref() is None
+    finally:
+        gc.enable()
+    custom = copy.deepcopy(tiny_llama[0])
+    own = custom.generate = lambda *a, **k: "own"
+    khf.enable(custom, "quest", budget=32)
+    khf.disable(custom)
+    assert custom.generate is own  # a generate set on the instance before enable() is put back
+
+
 def test_right_padding_is_refused_with_a_clear_error(hf_model):
     model, tok = hf_model
     tok.padding_side = "right"

@@ -381,7 +381,7 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
         m._kvsieve = state
     original = model.generate
     generate = _Generate(model, original, state, cache_kwarg(model))
-    model._kvsieve_generate = original
+    model._kvsieve_generate = model.__dict__.get("generate")  # one set on the instance, else None
     model.generate = generate
     return state
 
@@ -447,7 +447,10 @@ def disable(model) -> None:
     if getattr(model, "_kvsieve", None) is None:
         return
     model.set_attn_implementation(model._kvsieve_prev_attn)
-    model.generate = model._kvsieve_generate
+    if model._kvsieve_generate is None:  # the class's generate again: no bound method kept on the
+        del model.generate               # instance (a model -> method -> model cycle: del freed nothing)
+    else:
+        model.generate = model._kvsieve_generate
     for m in _attention_modules(model):
         m._kvsieve = None
     del model._kvsieve_generate, model._kvsieve_prev_attn
