@@ -164,6 +164,32 @@ def test_joins_take_free_rows_in_place(tiny_model, method, opts):
     assert eng.scheduler.used_pages == 0
 
 
+@pytest.mark.parametrize("method", ["tactic", "hybrid"])
+def test_a_rebuild_on_the_step_a_fold_is_due_leaves_padding_rows_unfolded(tiny_model, method):
+    """Three tactic rows pad to a bucket of 4 with a copy of the last one's index; a request of
+    another method joining on the step their fold is due rebuilds the batch, and the padding
+    row, due too, was folded through a row with no request (AttributeError: the whole step
+    failed, and under `serve` every request in flight with it)."""
+    opts = {"cluster_size": 8, "fold_every": 16, "local": 8}
+    ps = prompts(3, lo=100, hi=101, seed=1)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    eng = LLMEngine(tiny_model, None, method, paged=True, **opts)
+    eng.runner.keep_dead_rows = True
+    ids, done = {eng.add_request(p, params): i for i, p in enumerate(ps)}, {}
+    for step in range(1, 200):
+        if step == 16:
+            ids[eng.add_request(list(range(30)), SamplingParams(max_new_tokens=5, ignore_eos=True), "dense")] = 3
+        for o in eng.step():
+            if o.finished:
+                done[ids[o.id]] = o.tokens
+        if not eng.has_unfinished:
+            break
+    assert eng.runner.composes >= 2, "the dense request must rebuild the batch"
+    for i, p in enumerate(ps):
+        assert done[i] == alone(tiny_model, method, opts, [p], params, paged=True)[0], i
+    assert eng.scheduler.used_pages == 0
+
+
 @pytest.mark.parametrize("method,opts", METHODS + [("hybrid", {"cluster_size": 8, "local": 8}),
                                                    ("tactic", {"cluster_size": 8, "dense_below": 1})])  # all dense
 def test_a_burst_of_arrivals_joins_one_batch_in_place(tiny_model, method, opts):

@@ -438,6 +438,8 @@ class ModelRunner(BatchRows):
         return torch.cat([out, logprob_rows(logits, nxt)]) if bt.logprobs else out
 
     def _key_reader(self, layer: int, reqs: List[Optional[Request]]):
-        def read_keys(b: int, start: int, end: int) -> Tensor:
+        def read_keys(b: int, start: int, end: int) -> Optional[Tensor]:
+            if reqs[b] is None:  # a padding or dead row: its index is a copy nobody reads
+                return None
             return self.cache.read(layer, reqs[b].id, end)[0][:, start:end]
         return read_keys

@@ -145,7 +145,8 @@ class SparseMethod:
                      read_keys: Callable[[int, int, int], Tensor]) -> Any:
         """One token was appended per request: k_new [B, Hkv, D]; lengths [B] (device, new
         lengths) and the same as host ints; read_keys(b, start, end) -> [Hkv, n, D] keys of
-        request b from the cache (for occasional index maintenance)."""
+        request b from the cache (for occasional index maintenance), or None for a row that
+        holds no request (a batch's padding or finished row: nothing to maintain)."""
         return state
 
     def plan(self, q: Tensor, state: Any, lengths: Tensor, host_lengths: List[int],

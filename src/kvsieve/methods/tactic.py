@@ -308,8 +308,10 @@ class Tactic(SparseMethod):
         for b, n in enumerate(host_lengths):
             if self._fold_due(state, b, n):
                 end = self._fold_end(n)
-                self._fold(state, read_keys(b, 0, end), b, int(state.num_indexed[b]), end)  # in place: a
-                # captured step stays valid
+                keys = read_keys(b, 0, end)
+                if keys is not None:  # (None: a row with no request)
+                    self._fold(state, keys, b, int(state.num_indexed[b]), end)  # in place: a captured
+                    # step stays valid
         if state.members is None or state.csr_stale:
             changed |= state.build_csr()
         c = state.consts
