@@ -54,6 +54,23 @@ def test_streaming_selects_exactly_sink_and_local():
     assert rel_err(r.out, ref) < 1e-12
 
 
+
+@pytest.mark.parametrize("method,opts", [("streaming", {}), ("lserve", {"streaming_heads": [1, 1]}),
+                                         ("hybrid", {"streaming_heads": [1, 1], "cluster_size": 8, "budget": 32})])
+def test_a_window_with_local_zero_keeps_the_token_being_decoded(method, opts):
+    """local=0 left the token being decoded out of a streaming head's window (its own key,
+    and every generated token past the sink), in the reference and in the plan."""
+    q, k, v = clustered_qkv(2, 4, 2, 97, 64)
+    lengths = torch.tensor([97, 30])
+    r = sparse_decode(q, k, v, method=method, sink=5, local=0, lengths=lengths, **opts)
+    m = make_method(method, sink=5, local=0, **opts)
+    plan = m.plan(q, m.prepare(k, lengths), lengths, lengths.tolist())
+    for b, n in enumerate(lengths.tolist()):
+        expected = set(range(5)) | {n - 1}
+        for h in range(2):
+            assert set(torch.nonzero(r.mask[b, h])[:, 0].tolist()) == expected, (b, h)
+            assert set(plan.indices[b, h, :int(plan.counts[b, h])].tolist()) == expected, (b, h)
+
 def _true_mass(q, k, head_mask):
     B, Hq, D = q.shape
     Hkv = k.shape[1]

@@ -120,7 +120,8 @@ class StreamingConfig(MethodConfig):
     """Sink + local window (Λ mask) on every head.
 
     sink: first tokens always kept. [LServe] decode default 128.
-    local: most recent tokens kept. [LServe] decode default 256.
+    local: most recent tokens kept. [LServe] decode default 256. The token being decoded is
+        always one of them (local=0 keeps it alone), as quest keeps its page and tactic its tail.
     """
 
     sink: int = 128
@@ -131,6 +132,11 @@ class StreamingConfig(MethodConfig):
         _non_negative_int("local", self.local)
         if self.sink + self.local == 0:
             raise ValueError("streaming needs sink + local > 0 tokens, got sink=0 and local=0")
+
+    @property
+    def decode_window(self) -> Tuple[int, int]:
+        """(sink, local) a decode step attends: the token being decoded always in the local part."""
+        return self.sink, max(self.local, 1)
 
 
 @dataclass(frozen=True)

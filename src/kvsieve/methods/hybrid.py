@@ -62,6 +62,12 @@ class HybridConfig(MethodConfig):
     # hybrid's tactic part runs at tactic's defaults, docs/accuracy.md)
     DYNAMIC_DEFAULTS: ClassVar[dict] = {}
 
+    @property
+    def decode_window(self) -> Tuple[int, int]:
+        """(sink, local) a streaming head attends at decode: the token being decoded always
+        in the local part (local=0 keeps it alone)."""
+        return self.sink, max(self.local, 1)
+
     def __post_init__(self):
         object.__setattr__(self, "streaming_heads", normalize_pattern(self.streaming_heads))
         if self.dynamic_config is None:
@@ -202,7 +208,7 @@ class Hybrid(SparseMethod):
     def select(self, q, k, lengths, state: HybridState):
         B, H, S, _ = k.shape
         dyn = self.dynamic.select(q, k, lengths, state.dynamic)
-        lam = recent_and_sink(lengths, S, self.config.sink, self.config.local, k.device)
+        lam = recent_and_sink(lengths, S, *self.config.decode_window, k.device)
         mask = torch.where(state.flags[None, :, None], lam[:, None, :], dyn.mask)
         return Selection(mask, dyn.stats)
 
@@ -242,12 +248,12 @@ class Hybrid(SparseMethod):
         itself."""
         if self.dynamic.plan_skips_heads:  # the streaming heads' windows come with the dynamic lists
             return self.dynamic.plan(q, state.dynamic, lengths, host_lengths, keys, skip=state.flags,
-                                     window=(self.config.sink, self.config.local))
+                                     window=self.config.decode_window)
         from .streaming import sink_local_plan
 
         dyn = self.dynamic.plan(q, state.dynamic, lengths, host_lengths, keys)
         B, Hkv = dyn.counts.shape
-        lam = sink_local_plan(lengths, B, Hkv, self.config.sink, self.config.local, keys if dyn.pool_rows else None)
+        lam = sink_local_plan(lengths, B, Hkv, *self.config.decode_window, keys if dyn.pool_rows else None)
         cap = max(dyn.cap, lam.cap)
         dyn_idx = dyn.indices
         if dyn_idx is None:  # a dense prefix

@@ -12,7 +12,8 @@ from .base import Selection, SparseMethod, TokenPlan, recent_and_sink
 
 @dataclass
 class Streaming(SparseMethod):
-    """Λ mask on every head: the first `sink` and the last `local` tokens."""
+    """Λ mask on every head: the first `sink` and the last `local` tokens (at least the one
+    being decoded)."""
 
     config: StreamingConfig = StreamingConfig()
     name = "streaming"
@@ -21,7 +22,7 @@ class Streaming(SparseMethod):
 
     def select(self, q, k, lengths, state):
         B, H, S, _ = k.shape
-        m = recent_and_sink(lengths, S, self.config.sink, self.config.local, k.device)
+        m = recent_and_sink(lengths, S, *self.config.decode_window, k.device)
         return Selection(m[:, None, :].expand(B, H, S))
 
     def prepare(self, k, lengths, layer=0):
@@ -31,7 +32,7 @@ class Streaming(SparseMethod):
         return True
 
     def plan(self, q, num_kv_heads, lengths, host_lengths, keys=None):
-        return sink_local_plan(lengths, q.shape[0], num_kv_heads, self.config.sink, self.config.local, keys)
+        return sink_local_plan(lengths, q.shape[0], num_kv_heads, *self.config.decode_window, keys)
 
 
 def sink_local_plan(lengths, B: int, Hkv: int, sink: int, local: int, keys=None) -> TokenPlan:
