@@ -191,7 +191,7 @@ def test_generate_refuses_a_dense_head_that_the_hybrid_streams(capsys):
     layer, head = next((i, j) for i, row in enumerate(pattern) for j, f in enumerate(row) if f)
     rc = main(["generate", "--method", "hybrid", "--dense-heads", f"{layer}:{head}", "--prompt", "hi"])
     err = capsys.readouterr().err
-    assert rc == 2 and f"dense head {layer}:{head} is a streaming head of this hybrid's pattern" in err
+    assert rc == 2 and f"dense head {layer}:{head} is one of this method's streaming heads" in err
 
 
 def test_the_report_names_each_method_dense_heads():

@@ -244,3 +244,31 @@ def test_demo_prints_every_method_at_its_defaults_with_its_error(capsys):
     assert err["tactic (P = 0.92, default)"] < 0.1 and read["tactic (P = 0.92, default)"] < 100.0
     assert main(["demo", "--seq-len", "1024", "--data", "clustered"]) == 0
     assert "a stress case" in capsys.readouterr().out
+
+
+def test_a_budget_with_threshold_mode_options_is_refused_and_a_requests_mode_wins(capsys):
+    """tactic/hybrid with a fixed budget silently ignored --threshold, --protect and
+    --protect-bound (the JSON echoed them as if used); a server's default mode gives way to a
+    request's; out-of-range sizes and heads name the range to give."""
+    from kvsieve.cli import main
+    from kvsieve.methods import config_for, merge_options
+    from kvsieve.patterns import check_dense_heads
+
+    with pytest.raises(ValueError, match="threshold, protect set tactic's threshold mode.*drop budget"):
+        config_for("tactic", budget=100, threshold=0.9, protect=64)
+    with pytest.raises(ValueError, match="protect_bound set tactic's threshold mode"):
+        config_for("hybrid", budget=100, protect_bound="radius")
+    config_for("lserve", budget=100)
+    config_for("tactic", budget=100, cluster_size=8)
+    assert merge_options({"threshold": 0.95, "protect": 0, "cluster_size": 8}, {"budget": 64}, "tactic") == \
+        {"budget": 64, "cluster_size": 8}
+    assert merge_options({"budget": 400}, {"threshold": 0.9}, "hybrid") == {"threshold": 0.9}
+    assert merge_options({"budget": 400}, {"cluster_size": 16}, "tactic") == {"budget": 400, "cluster_size": 16}
+    assert merge_options({"budget": 400, "page_size": 8}, {"threshold": 0.9}, "quest") == \
+        {"budget": 400, "page_size": 8, "threshold": 0.9}  # (no threshold mode: refused by quest's config)
+    assert main(["generate", "--method", "tactic", "--threshold", "0.9", "--budget", "100"]) == 2
+    assert "drop budget (threshold mode) or drop threshold (budget mode)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"cluster_size \(20000\) must be at most cluster_window \(16384\)"):
+        config_for("tactic", cluster_size=20000)
+    with pytest.raises(ValueError, match="counted from 0: name layers 0-29 and heads 0-2"):
+        check_dense_heads([(30, 0)], 30, 3, "dense_heads (--dense-heads)")

@@ -282,5 +282,5 @@ def test_dense_heads_attend_every_token_of_their_layer_only():
     ref = plain.select(q, k, lengths, plain.prepare(k, lengths, 1))
     assert sel.mask[0, 2].all() and sel.mask[1, 2, :97].all() and not sel.mask[1, 2, 97:].any()
     assert torch.equal(sel.mask[:, :2], ref.mask[:, :2]) and sel.mask[0, 0].sum() == 8 + 16
-    with pytest.raises(ValueError, match="dense head 1:0 is a streaming head of this hybrid's pattern"):
+    with pytest.raises(ValueError, match="dense head 1:0 is one of this method's streaming heads"):
         make_method("hybrid", dense_heads=[(1, 0)], streaming_heads=stream)

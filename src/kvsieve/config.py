@@ -378,8 +378,9 @@ class TacticConfig(MethodConfig):
         if self.cluster_window is not None:
             _positive_int("cluster_window", self.cluster_window)
             if self.cluster_window < self.cluster_size:
-                raise ValueError(f"cluster_window ({self.cluster_window}) must be >= cluster_size "
-                                 f"({self.cluster_size})")
+                raise ValueError(f"cluster_size ({self.cluster_size}) must be at most cluster_window "
+                                 f"({self.cluster_window}), the tokens K-means clusters at once; give a cluster_size "
+                                 f"of at most {self.cluster_window}")
         _non_negative_int("min_budget", self.min_budget)
         _positive_int("max_budget", self.max_budget, allow_none=True)
         if self.max_budget is not None and self.max_budget < self.min_budget:

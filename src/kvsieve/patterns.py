@@ -280,7 +280,8 @@ def check_dense_heads(heads, num_layers: Optional[int], num_kv_heads: Optional[i
     bad = [(a, b) for a, b in heads if num_layers is not None and (a >= num_layers or b >= num_kv_heads)]
     if bad:
         raise ValueError(f"dense heads of {source} name {bad[0][0]}:{bad[0][1]}, but this model has {num_layers} "
-                         f"layers x {num_kv_heads} KV heads; calibrate this model with `kvsieve calibrate`")
+                         f"layers x {num_kv_heads} KV heads, counted from 0: name layers 0-{num_layers - 1} and "
+                         f"heads 0-{num_kv_heads - 1}")
 
 
 def dense_heads_for(method: str, options: Dict, model_dir, num_layers: int, num_kv_heads: int

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..config import DenseConfig, MethodConfig, plain_scalar, PageSelectConfig, QuestConfig, StreamingConfig, TacticConfig
-from ..patterns import budget_drops_dense_heads
+from ..patterns import THRESHOLD_DENSE_METHODS, budget_drops_dense_heads
 from .base import Selection, SparseMethod
 from .dense import Dense
 from .hybrid import Hybrid, HybridConfig, LServeConfig
@@ -28,9 +28,27 @@ def _entry(name: str):
     return REGISTRY[name]
 
 
+# tactic's (and a hybrid's tactic part's) options that only its threshold mode reads: a fixed
+# budget replaces that mode (dense_heads are refused with a budget by the config itself)
+THRESHOLD_MODE_OPTIONS = ("threshold", "protect", "protect_bound", "head_fraction", "segment_centers",
+                          "segment_fraction", "min_segment_tokens", "segment_samples", "head_max_tokens",
+                          "min_budget", "max_budget")
+
+
+def _threshold_mode_given(method: str, options: dict) -> list:
+    return [k for k in THRESHOLD_MODE_OPTIONS if k in options] if method in THRESHOLD_DENSE_METHODS else []
+
+
 def config_for(name: str, **options) -> MethodConfig:
-    """Validated config for method `name` from keyword options (NumPy scalars taken as numbers)."""
-    return _entry(name)[1].from_options(name, **{k: plain_scalar(v) for k, v in options.items()})
+    """Validated config for method `name` from keyword options (NumPy scalars taken as numbers).
+    A fixed budget given with tactic's threshold-mode options is refused (they would be unused)."""
+    options = {k: plain_scalar(v) for k, v in options.items()}
+    unused = _threshold_mode_given(name, options) if options.get("budget") is not None else []
+    if unused and name in REGISTRY and (name != "hybrid" or options.get("dynamic", "tactic") == "tactic"):
+        raise ValueError(f"{', '.join(unused)} set tactic's threshold mode, which a fixed budget replaces, so "
+                         f"{'it' if len(unused) == 1 else 'they'} would be unused; drop budget (threshold mode) "
+                         f"or drop {', '.join(unused)} (budget mode)")
+    return _entry(name)[1].from_options(name, **options)
 
 
 def build_method(name: str, config: MethodConfig | None = None) -> SparseMethod:
@@ -45,11 +63,18 @@ def make_method(name: str, **options) -> SparseMethod:
 
 def merge_options(defaults: dict, given: dict, method: str = "tactic") -> dict:
     """A request's options over its engine's defaults for the same method. For tactic and
-    hybrid dense heads are a threshold-mode option: a request choosing a fixed budget drops
-    the default ones (quest and lserve keep them: a budget is their only mode)."""
+    hybrid the request's mode wins: a request choosing a fixed budget drops the default
+    threshold-mode options (dense heads too; quest and lserve keep theirs: a budget is their
+    only mode), and one giving threshold-mode options without a budget drops the default budget."""
     out = {**defaults, **given}
     if budget_drops_dense_heads(method, given) and "dense_heads" not in given:
         out.pop("dense_heads", None)
+    if given.get("budget") is not None:  # the request's mode wins: the default threshold mode's options go
+        for k in _threshold_mode_given(method, defaults):
+            if k not in given:
+                out.pop(k)
+    elif _threshold_mode_given(method, given) and "budget" not in given:  # (and a default budget goes)
+        out.pop("budget", None)
     return out
 
 

@@ -89,8 +89,10 @@ class HybridConfig(MethodConfig):
         streamed = [h for h in dense if h not in unstreamed(dense, self.streaming_heads)]
         if streamed:
             layer, head = streamed[0]
-            raise ValueError(f"dense head {layer}:{head} is a streaming head of this hybrid's pattern; "
-                             "drop it from dense_heads or from the pattern")
+            raise ValueError(f"dense head {layer}:{head} is one of this method's streaming heads (streaming_heads, "
+                             "--streaming-heads: the model's shipped pattern unless given), which attend only "
+                             "their sink + local window; drop it from dense_heads (--dense-heads), or give a "
+                             "streaming pattern without it (--streaming-heads FILE, or none)")
 
     OWN_OPTIONS = ("streaming_heads", "sink", "local", "dynamic", "sparse_prefill", "prefill_local")
 
