@@ -1044,3 +1044,17 @@ def test_generate_in_two_threads_loses_no_finished_output(tiny_model):
         t.join(timeout=120)
     assert done == {"a": 25, "b": 25}, done
     assert eng.scheduler.used_pages == 0 and not eng.has_unfinished
+
+
+def test_a_bad_prompt_of_a_batch_is_named(tiny_model):
+    """generate() over a batch with an empty or too-long prompt said what was wrong but not
+    which prompt; a bad option is no prompt's fault and names none."""
+    eng = LLMEngine(tiny_model, None, "dense")
+    with pytest.raises(ValueError, match=r"^prompt 2 \(counting from 0\): the prompt is empty"):
+        eng.generate([[5], [6] * 70, []], SamplingParams(2))
+    with pytest.raises(ValueError, match=r"^prompt 1 \(counting from 0\): the prompt has 1024 tokens .*; shorten "
+                                         r"the prompt to at most 1022 tokens \(kvsieve"):
+        eng.generate([[5], [6] * 1024], SamplingParams(2))
+    with pytest.raises(ValueError, match="^unknown option"):
+        eng.generate([[5], [6]], SamplingParams(2), method="quest", method_options={"threshold": 0.9})
+    assert not eng.has_unfinished and eng.scheduler.used_pages == 0

@@ -481,6 +481,20 @@ def test_a_prompt_past_the_models_positions_is_refused(tiny_llama):
             greedy(model, {"input_ids": ids[:, :500]}, 20)
         with pytest.raises(ValueError, match="prompt has 500 tokens .* 100 new"), torch.no_grad():
             model.generate(ids[:, :500], max_length=600, do_sample=False)
+        # a GenerationConfig's max_length (passed, or the model's own) was not checked
+        with pytest.raises(ValueError, match="prompt has 500 tokens .* 100 new"), torch.no_grad():
+            model.generate(ids[:, :500], generation_config=transformers.GenerationConfig(max_length=600),
+                           do_sample=False)
+        saved = model.generation_config.max_length
+        model.generation_config.max_length = 600
+        try:
+            with pytest.raises(ValueError, match="prompt has 500 tokens .* 100 new"), torch.no_grad():
+                model.generate(ids[:, :500], do_sample=False)
+        finally:
+            model.generation_config.max_length = saved
+        with pytest.raises(ValueError, match="asks for 1 new token, .*; shorten the prompt to at most 511 tokens "
+                                             r"\(kvsieve"), torch.no_grad():
+            greedy(model, {"input_ids": ids[:, :512]}, 1)
     finally:
         khf.disable(model)
 

@@ -608,6 +608,10 @@ def test_full_queue_answers_503_with_retry_after_and_admitted_requests_finish(en
         assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["tokens"]) == 128, r.text
         r = s.post("/v1/completions", {"prompt": full, "max_tokens": 1, "echo": True, "logprobs": 0})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert "allows at most 127 (" in r.json()["error"]["message"]
+        r = s.post("/v1/completions", {"prompt": full + [7], "max_tokens": 0, "echo": True, "logprobs": 0})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert "allows at most 128 (" in r.json()["error"]["message"], r.text  # scoring needs no new token
         body = {"prompt": "Tell me a story about a dog.", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         for _ in range(3):  # arrivals are nearly simultaneous; retry the burst if the engine kept up
             with ThreadPoolExecutor(10) as pool:

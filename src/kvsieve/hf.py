@@ -335,10 +335,10 @@ def _check_length(model, prompt: Optional[int], new_tokens: Optional[int]) -> No
         return
     from .engine.scheduler import too_long_fix
 
-    fix = too_long_fix(prompt, new_tokens or 0, limit)
-    raise ValueError(f"kvsieve.hf: the prompt has {prompt} tokens and generate() asks for {new_tokens or 0} new "
-                     f"tokens, but the model allows {limit} positions (config.max_position_embeddings); {fix} "
-                     "(kvsieve never truncates)")
+    n = new_tokens or 0
+    raise ValueError(f"kvsieve.hf: the prompt has {prompt} tokens and generate() asks for {n} new "
+                     f"token{'' if n == 1 else 's'}, but the model allows {limit} positions "
+                     f"(config.max_position_embeddings); {too_long_fix(prompt, n, limit)} (kvsieve never truncates)")
 
 
 def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **options) -> HFState:
@@ -404,8 +404,9 @@ class _Generate:
             kwargs["cache_implementation"] = impl = None
         prompt = _prompt_tokens(args, kwargs)
         new_tokens = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
-        if new_tokens is None and kwargs.get("max_length") is not None and prompt is not None:
-            new_tokens = kwargs["max_length"] - prompt
+        max_length = kwargs.get("max_length", getattr(config, "max_length", None))  # a GenerationConfig's too
+        if new_tokens is None and max_length is not None and prompt is not None and max_length > prompt:
+            new_tokens = max_length - prompt  # (max_length <= prompt: transformers refuses it itself)
         _check_length(model, prompt, new_tokens)
         if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
             raise ValueError("kvsieve.hf returns no attention weights (output_attentions=True): its attention reads a "

@@ -435,8 +435,14 @@ class LLMEngine(BatchCrossover):
         ids: List[int] = []
         try:  # a bad prompt (or an error, an interrupt) leaves none of this call's requests behind
             with self._lock:
-                for p, sp in zip(prompts, per):
-                    ids.append(self.add_request(p, sp, method, method_options))
+                self.method_key(method, method_options)  # (a bad method or option is no prompt's fault)
+                for i, (p, sp) in enumerate(zip(prompts, per)):
+                    try:
+                        ids.append(self.add_request(p, sp, method, method_options))
+                    except ValueError as e:  # which prompt of a batch
+                        if len(prompts) > 1:
+                            raise ValueError(f"prompt {i} (counting from 0): {e}") from None
+                        raise
                     self._inbox[ids[-1]] = []
                 reqs = {rid: self.scheduler.requests[rid] for rid in ids}
             final: Dict[int, RequestOutput] = {}

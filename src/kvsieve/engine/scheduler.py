@@ -27,7 +27,8 @@ def too_long_fix(prompt: int, new_tokens: int, limit: int) -> str:
     """How to fit a request of `prompt` + `new_tokens` tokens into `limit` positions."""
     room = limit - new_tokens
     if room > 0:
-        return f"shorten the prompt to at most {room} tokens or ask for fewer new tokens"
+        fewer = f" or ask for at most {limit - prompt} new tokens" if prompt < limit else ""
+        return f"shorten the prompt to at most {room} tokens" + fewer
     if prompt < limit:
         return f"ask for at most {limit - prompt} new tokens"
     return f"shorten the prompt below {limit} tokens"

@@ -100,12 +100,14 @@ class Server(Responses):
             field, max_tokens = "max_completion_tokens", req.max_completion_tokens
         sch = self.engine.scheduler
         room = min(self.max_positions, sch.num_pages * sch.page_size) - prompt_len
-        if room < 1 and not (echo and max_tokens == 0 and room == 0):  # (scoring a prompt that fills the context)
+        scoring = echo and max_tokens == 0  # (a prompt that fills the context, scored, generating nothing)
+        if room < (0 if scoring else 1):
+            most = min(self.max_positions, sch.num_pages * sch.page_size) - (0 if scoring else 1)
             raise self.too_long(
-                f"The prompt has {prompt_len} tokens but this server allows at most "
-                f"{min(self.max_positions, sch.num_pages * sch.page_size) - 1} (the model's {self.max_positions} "
-                f"positions, the KV pool's {sch.num_pages * sch.page_size} tokens, one new token); shorten the "
-                "prompt (kvsieve never truncates)", self.prompt_param(chat))
+                f"The prompt has {prompt_len} tokens but this server allows at most {most} (the model's "
+                f"{self.max_positions} positions, the KV pool's {sch.num_pages * sch.page_size} tokens"
+                f"{'' if scoring else ', one new token'}); shorten the prompt (kvsieve never truncates)",
+                self.prompt_param(chat))
         if max_tokens is None:  # OpenAI's defaults: the rest of the context for chat, 16 for completions
             max_tokens = room if chat else min(room, COMPLETIONS_DEFAULT_MAX_TOKENS)
         elif max_tokens < (0 if echo else 1):
