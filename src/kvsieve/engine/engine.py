@@ -11,11 +11,9 @@ the engine records tokens, timings and the KV fraction each request read.
 """
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -26,75 +24,17 @@ from ..methods.base import DENSE_BELOW_KV_BYTES  # noqa: F401 (re-exported by kv
 from ..methods.hybrid import normalize_pattern
 from ..patterns import check_dense_heads, read_streaming_heads
 from .crossover import DENSE_ABOVE, DENSE_AFTER, BatchCrossover
-from .inputs import Prompt, check_params, check_score_lists, check_sizes, params_per_prompt, prompt_token_ids
+from .inputs import (Prompt, check_params, check_score_lists, check_sizes, params_per_prompt, prompt_token_ids,
+                     resolve_device)  # noqa: F401 (resolve_device: kvsieve.engine's name for it)
+from .records import EngineStats, RequestOutput, _locked, _Track
 from .runner import ModelRunner
 from .sampling import TokenLogprob
 from .scheduler import Request, SamplingParams, Scheduler
+from .warmup import Warmup
 
 
 
-@dataclass
-class RequestOutput:
-    """What a step produced for one request: new_tokens since the last output; tokens:
-    everything generated so far. kv_fraction: mean fraction of its KV cache read per
-    decode step (over layers and KV heads; 1.0 before any decode step). logprobs: where
-    SamplingParams.logprobs asks, one TokenLogprob per entry of `tokens`, else None.
-    prompt_logprobs: where SamplingParams.prompt_logprobs asks, one per prompt token once the
-    prompt is prefilled: None for the first, a TokenLogprob for each later one; else None."""
-
-    id: int
-    new_tokens: List[int]
-    tokens: List[int]
-    prompt_tokens: int
-    finished: bool
-    finish_reason: Optional[str]
-    kv_fraction: float
-    method: str
-    ttft_s: Optional[float] = None
-    decode_s: float = 0.0
-    attended_densely: bool = False  # below the crossover, or its plans read most of its cache
-    logprobs: Optional[List[TokenLogprob]] = None
-    prompt_logprobs: Optional[List[Optional[TokenLogprob]]] = None
-
-
-@dataclass
-class _Track:
-    method: str
-    arrival: float
-    first: Optional[float] = None
-    last: Optional[float] = None
-    frac_sum: float = 0.0
-    steps: int = 0
-    sent: int = 0
-    high: int = 0  # consecutive steps reading more than DENSE_ABOVE of the cache
-    key: str = ""  # the method key it asked for (req.method_key may become "dense")
-    logprobs: List[TokenLogprob] = field(default_factory=list)  # per generated token, where asked
-    prompt_logprobs: List[Optional[TokenLogprob]] = field(default_factory=lambda: [None])  # per prompt token
-
-
-@dataclass
-class EngineStats:
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    decode_steps: int = 0
-    decode_tokens: int = 0
-    prefill_tokens: int = 0
-    warmup_s: float = 0.0
-    finished: int = 0
-    preemptions: int = 0
-    kv_fraction: Dict[str, List[float]] = field(default_factory=dict)  # method -> [sum, steps]
-
-
-def _locked(fn):
-    """Run the method under the engine's lock: one thread at a time steps, adds or aborts."""
-    @functools.wraps(fn)
-    def run(self, *args, **kwargs):
-        with self._lock:
-            return fn(self, *args, **kwargs)
-    return run
-
-
-class LLMEngine(BatchCrossover):
+class LLMEngine(BatchCrossover, Warmup):
     """model: a kvsieve model (model.cfg, forward, logits); tokenizer: optional (for text);
     method + options: the default sparse method (validated like CLI options); requests may
     name their own. kv_pages: pool size in pages of kv_page_size tokens (default: room for
@@ -544,75 +484,3 @@ class LLMEngine(BatchCrossover):
             if rid in self.scheduler.requests:
                 self.abort(rid)
 
-    @_locked
-    def warmup(self, prompt_tokens=1100, decode_tokens: int = 6,
-               methods: Sequence[Union[str, Tuple[Optional[str], Optional[dict]]]] = ()) -> float:
-        """Compile every kernel the default method uses (prefill, index, plan, attention,
-        step-graph capture) on a dummy request of `prompt_tokens` tokens (an int, or a list of
-        lengths run one after another; each clamped to the model and the pool), outside any
-        user request. `methods`: more methods to warm, each a name (its defaults) or a request's
-        (method, options) as add_request takes them (`serve --warmup-methods`). Returns seconds. Kernel variants follow the context's size buckets, so
-        a caller that knows its requests warms at their length (`kvsieve generate` does) and
-        one that does not warms every bucket (`kvsieve serve`: warmup_lengths). Triton keeps
-        compiled kernels in its on-disk cache, so later runs start faster. It runs alone: an
-        engine with unfinished requests is refused (their outputs would be lost)."""
-        if self.has_unfinished:
-            raise ValueError("warmup() runs alone: run it before adding requests, or finish or abort them first")
-        keys = ["default"] + (["dense"] if "dense" in self.runner.methods else [])
-        for spec in methods:  # (a bad method fails here, before anything runs)
-            key = self.method_key(*((spec, None) if isinstance(spec, str) else spec))
-            keys += [key] if key not in keys else []
-        t0 = time.perf_counter()
-        cap = min(self.model.cfg.max_positions - decode_tokens - 1,
-                  self.scheduler.num_pages * self.scheduler.page_size - decode_tokens - 1)
-        rules = dict(self.runner.step_dense_below)
-        self._warming = True  # the method plans at every warm-up step, whatever the batch holds
-        self.runner.step_dense_below.clear()
-        try:
-            for n in ([prompt_tokens] if isinstance(prompt_tokens, int) else prompt_tokens):
-                self._warm_one(max(1, min(n, cap)), decode_tokens, keys)
-        finally:
-            self._warming = False
-            self.runner.step_dense_below.update(rules)
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)
-        self.stats = EngineStats(warmup_s=time.perf_counter() - t0)
-        return self.stats.warmup_s
-
-    def warmup_lengths(self, least: int = 1024) -> List[int]:
-        """Prompt lengths that reach every plan-capacity bucket a request can fall in:
-        powers of two from `least` up to the model's limit, and the limit itself."""
-        top = self.model.cfg.max_positions
-        lengths = [n for n in (least << i for i in range(32)) if n < top]
-        return lengths + [top]
-
-    def _warm_one(self, n: int, decode_tokens: int, keys: List[str]) -> None:
-        for key in keys:
-            vocab = self.model.cfg.vocab_size
-            req = self.scheduler.add([(7 * i + 3) % vocab for i in range(n)],
-                                     SamplingParams(max_new_tokens=decode_tokens, ignore_eos=True), key)
-            self._track[req.id] = _Track(self._method_names[key], time.perf_counter(), key=key)
-            while not req.finished:
-                self.step()
-
-
-def resolve_device(device: Optional[str], dtype: Optional[str]):
-    """(torch.device, torch.dtype): CUDA when present unless told otherwise; bfloat16 on
-    CUDA, float32 on the CPU unless told otherwise."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"--device {device!r} is not a device torch knows ({e}); use cpu or cuda") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device} was asked for but no CUDA GPU is available; use --device cpu")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {device}: kvsieve runs on cpu or cuda devices; use --device cpu or --device cuda")
-    if dev.type == "cpu":  # (one CPU device: "cpu:0" reached the weights' loader, which refused it)
-        dev = torch.device("cpu")
-    if dtype is None:
-        dtype = "bfloat16" if dev.type == "cuda" else "float32"
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    return dev, getattr(torch, dtype)

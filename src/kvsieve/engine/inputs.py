@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numbers
 import operator
-from typing import List, Sequence, Union
+from typing import List, Optional, Sequence, Union
+
+import torch
 
 from .scheduler import SamplingParams
 
@@ -94,3 +96,25 @@ def check_score_lists(prompts, continuations) -> None:
         raise ValueError(f"got {len(continuations)} continuations for {len(prompts)} prompts; pass one per prompt")
     if any(len(c) < 1 for c in continuations):
         raise ValueError("every continuation needs at least one token to feed")
+
+
+def resolve_device(device: Optional[str], dtype: Optional[str]):
+    """(torch.device, torch.dtype): CUDA when present unless told otherwise; bfloat16 on
+    CUDA, float32 on the CPU unless told otherwise."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"--device {device!r} is not a device torch knows ({e}); use cpu or cuda") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device} was asked for but no CUDA GPU is available; use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: kvsieve runs on cpu or cuda devices; use --device cpu or --device cuda")
+    if dev.type == "cpu":  # (one CPU device: "cpu:0" reached the weights' loader, which refused it)
+        dev = torch.device("cpu")
+    if dtype is None:
+        dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    return dev, getattr(torch, dtype)

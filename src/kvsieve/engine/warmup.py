@@ -1,0 +1,66 @@
+"""LLMEngine's warm-up: Triton compiles the kernels and the first step graphs are captured
+on dummy requests, outside any user request. A mixin of LLMEngine (it steps the engine)."""
+from __future__ import annotations
+
+import time
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .records import EngineStats, _locked, _Track
+from .scheduler import SamplingParams
+
+
+class Warmup:
+    """warmup(), warmup_lengths() of LLMEngine (reads its model, scheduler, runner and tracks)."""
+
+    @_locked
+    def warmup(self, prompt_tokens=1100, decode_tokens: int = 6,
+               methods: Sequence[Union[str, Tuple[Optional[str], Optional[dict]]]] = ()) -> float:
+        """Compile every kernel the default method uses (prefill, index, plan, attention,
+        step-graph capture) on a dummy request of `prompt_tokens` tokens (an int, or a list of
+        lengths run one after another; each clamped to the model and the pool), outside any
+        user request. `methods`: more methods to warm, each a name (its defaults) or a request's
+        (method, options) as add_request takes them (`serve --warmup-methods`). Returns seconds. Kernel variants follow the context's size buckets, so
+        a caller that knows its requests warms at their length (`kvsieve generate` does) and
+        one that does not warms every bucket (`kvsieve serve`: warmup_lengths). Triton keeps
+        compiled kernels in its on-disk cache, so later runs start faster. It runs alone: an
+        engine with unfinished requests is refused (their outputs would be lost)."""
+        if self.has_unfinished:
+            raise ValueError("warmup() runs alone: run it before adding requests, or finish or abort them first")
+        keys = ["default"] + (["dense"] if "dense" in self.runner.methods else [])
+        for spec in methods:  # (a bad method fails here, before anything runs)
+            key = self.method_key(*((spec, None) if isinstance(spec, str) else spec))
+            keys += [key] if key not in keys else []
+        t0 = time.perf_counter()
+        cap = min(self.model.cfg.max_positions - decode_tokens - 1,
+                  self.scheduler.num_pages * self.scheduler.page_size - decode_tokens - 1)
+        rules = dict(self.runner.step_dense_below)
+        self._warming = True  # the method plans at every warm-up step, whatever the batch holds
+        self.runner.step_dense_below.clear()
+        try:
+            for n in ([prompt_tokens] if isinstance(prompt_tokens, int) else prompt_tokens):
+                self._warm_one(max(1, min(n, cap)), decode_tokens, keys)
+        finally:
+            self._warming = False
+            self.runner.step_dense_below.update(rules)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        self.stats = EngineStats(warmup_s=time.perf_counter() - t0)
+        return self.stats.warmup_s
+
+    def warmup_lengths(self, least: int = 1024) -> List[int]:
+        """Prompt lengths that reach every plan-capacity bucket a request can fall in:
+        powers of two from `least` up to the model's limit, and the limit itself."""
+        top = self.model.cfg.max_positions
+        lengths = [n for n in (least << i for i in range(32)) if n < top]
+        return lengths + [top]
+
+    def _warm_one(self, n: int, decode_tokens: int, keys: List[str]) -> None:
+        for key in keys:
+            vocab = self.model.cfg.vocab_size
+            req = self.scheduler.add([(7 * i + 3) % vocab for i in range(n)],
+                                     SamplingParams(max_new_tokens=decode_tokens, ignore_eos=True), key)
+            self._track[req.id] = _Track(self._method_names[key], time.perf_counter(), key=key)
+            while not req.finished:
+                self.step()
