@@ -769,6 +769,9 @@ def test_warmup_runs_the_methods_requests_will_name(tiny_model):
     assert keys == [quest] and eng.scheduler.used_pages == 0
     with pytest.raises(ValueError, match="unknown method 'qeust'"):
         eng.warmup(64, methods=["qeust"])
+    keys.clear()
+    eng.warmup(64, decode_tokens=2, methods="quest")  # one name, not its letters
+    assert keys == ["default", "dense", quest]
 
 
 @pytest.mark.parametrize("method,opts", METHODS[:3])
@@ -1057,4 +1060,8 @@ def test_a_bad_prompt_of_a_batch_is_named(tiny_model):
         eng.generate([[5], [6] * 1024], SamplingParams(2))
     with pytest.raises(ValueError, match="^unknown option"):
         eng.generate([[5], [6]], SamplingParams(2), method="quest", method_options={"threshold": 0.9})
+    with pytest.raises(ValueError, match="^logit_bias names token 1000000"):  # shared settings: no prompt's fault
+        eng.generate([[5], [6]], SamplingParams(2, logit_bias={10**6: 1.0}))
+    with pytest.raises(ValueError, match=r"^params 1 \(counting from 0\): stop_token_ids names token 999"):
+        eng.generate([[5], [6]], [SamplingParams(2), SamplingParams(2, stop_token_ids=(999,))])
     assert not eng.has_unfinished and eng.scheduler.used_pages == 0

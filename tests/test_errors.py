@@ -259,11 +259,16 @@ def test_a_budget_with_threshold_mode_options_is_refused_and_a_requests_mode_win
     with pytest.raises(ValueError, match="protect_bound set tactic's threshold mode"):
         config_for("hybrid", budget=100, protect_bound="radius")
     config_for("lserve", budget=100)
-    config_for("tactic", budget=100, cluster_size=8)
+    config_for("tactic", budget=100, cluster_size=8, max_budget=None, dense_heads=())  # (None, none: nothing set)
     assert merge_options({"threshold": 0.95, "protect": 0, "cluster_size": 8}, {"budget": 64}, "tactic") == \
         {"budget": 64, "cluster_size": 8}
     assert merge_options({"budget": 400}, {"threshold": 0.9}, "hybrid") == {"threshold": 0.9}
     assert merge_options({"budget": 400}, {"cluster_size": 16}, "tactic") == {"budget": 400, "cluster_size": 16}
+    assert merge_options({"budget": 400}, {"dense_heads": ((1, 0),)}, "tactic") == {"dense_heads": ((1, 0),)}
+    from kvsieve.server.cli import warmup_methods
+    from kvsieve.methods import METHOD_NAMES
+    assert warmup_methods("all,quest") == list(METHOD_NAMES) and warmup_methods(" quest, lserve,quest") == \
+        ["quest", "lserve"]
     assert merge_options({"budget": 400, "page_size": 8}, {"threshold": 0.9}, "quest") == \
         {"budget": 400, "page_size": 8, "threshold": 0.9}  # (no threshold mode: refused by quest's config)
     assert main(["generate", "--method", "tactic", "--threshold", "0.9", "--budget", "100"]) == 2

@@ -468,7 +468,7 @@ def test_a_failed_enable_leaves_the_previous_method_on(tiny_llama):
         khf.disable(model)
 
 
-def test_a_prompt_past_the_models_positions_is_refused(tiny_llama):
+def test_a_prompt_past_the_models_positions_is_refused(tiny_llama, monkeypatch):
     """Prompt + new tokens beyond max_position_embeddings (512): one error naming the numbers
     and the fix before any forward, as the engine refuses it (transformers only logs)."""
     model, _ = tiny_llama
@@ -490,8 +490,17 @@ def test_a_prompt_past_the_models_positions_is_refused(tiny_llama):
         try:
             with pytest.raises(ValueError, match="prompt has 500 tokens .* 100 new"), torch.no_grad():
                 model.generate(ids[:, :500], do_sample=False)
+            # a GenerationConfig without a max_length: transformers takes the model's
+            with pytest.raises(ValueError, match="prompt has 500 tokens .* 100 new"), torch.no_grad():
+                model.generate(ids[:, :500], generation_config=transformers.GenerationConfig(do_sample=False))
         finally:
             model.generation_config.max_length = saved
+        # however generate() counts its length, no forward runs past the model's positions
+        monkeypatch.setattr(khf, "_check_length", lambda *a: None)
+        with pytest.raises(ValueError, match="this forward reaches 513 positions, past the model's 512"), \
+                torch.no_grad():
+            greedy(model, {"input_ids": ids[:, :500]}, 20)
+        monkeypatch.undo()
         with pytest.raises(ValueError, match="asks for 1 new token, .*; shorten the prompt to at most 511 tokens "
                                              r"\(kvsieve"), torch.no_grad():
             greedy(model, {"input_ids": ids[:, :512]}, 1)

@@ -70,6 +70,9 @@ def test_a_window_with_local_zero_keeps_the_token_being_decoded(method, opts):
         for h in range(2):
             assert set(torch.nonzero(r.mask[b, h])[:, 0].tolist()) == expected, (b, h)
             assert set(plan.indices[b, h, :int(plan.counts[b, h])].tolist()) == expected, (b, h)
+    if method != "streaming":  # the prefill's window of a streaming head keeps each token too
+        w = make_method(method, sink=2, local=0, prefill_local=0, **opts).prefill_window(0, 2, 1024)
+        assert (w.sink, w.local) == (2, 1)
 
 def _true_mass(q, k, head_mask):
     B, Hq, D = q.shape

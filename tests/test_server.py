@@ -594,6 +594,18 @@ def test_per_request_tactic_takes_the_model_dense_heads_unless_it_names_others_o
         assert e.value.param == "kvsieve.dense_heads"
         with pytest.raises(ValueError, match="name 30:1, but this model has 30 layers"):  # the engine checks too
             server.engine.method_key("tactic", {"dense_heads": ((30, 1),)})
+        # a server started with a budget: a request naming nothing of the mode keeps it (no dense heads:
+        # "dense_heads applies to the threshold mode" refused them); one asking for the threshold mode gets it
+        eng = server.engine
+        saved_default = eng.default_method, eng.default_options
+        eng.default_method, eng.default_options = "tactic", {"budget": 256}
+        try:
+            assert server.method({"method": "tactic"}) == ("tactic", {})
+            assert server.method({"cluster_size": 8}) == (None, {"cluster_size": 8})
+            assert server.method({"threshold": 0.8}) == (None, {"threshold": 0.8, "dense_heads": ((0, 1),)})
+            assert server.method({"dense_heads": [[0, 2]]}) == (None, {"dense_heads": [[0, 2]]})
+        finally:
+            eng.default_method, eng.default_options = saved_default
     finally:
         server.streaming_heads = saved
 

@@ -60,6 +60,7 @@ class HFState:
     kv_read_steps: int = 0
     attended_densely: int = 0
     new_tokens: Optional[int] = None  # the running generate()'s max_new_tokens (None: not known)
+    max_positions: Optional[int] = None  # the model's max_position_embeddings: no forward runs past it
     warned_foreign_cache: bool = False
     _host: Any = None  # (weak ref to the forward's mask, valid lengths on the device and as ints)
 
@@ -210,6 +211,11 @@ def kvsieve_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
     B, Hq, T, D = query.shape
     S = key.shape[2]
     n, host = state.lengths(attention_mask, B, S, key.device)
+    if state.max_positions and max(host) > state.max_positions:  # (however generate() counted its length)
+        raise ValueError(f"kvsieve.hf: this forward reaches {max(host)} positions, past the model's "
+                         f"{state.max_positions} (config.max_position_embeddings); ask generate() for fewer new "
+                         "tokens (max_new_tokens, or max_length in its GenerationConfig): kvsieve never runs past "
+                         "the model's positions")
     method, idx = state.method, module.layer_idx
     if T > 1 or layer.index is None:
         if state.decodes_densely(key, host):
@@ -369,7 +375,8 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
     if "streaming_heads" in options:  # "none", or a `kvsieve calibrate` file
         options = {**options, "streaming_heads": read_streaming_heads(options["streaming_heads"],
                                                                       cfg.num_hidden_layers, kv_heads, method)}
-    state = HFState(make_method(method, **{**model_head_defaults(model, method, options), **options}), dense_below)
+    state = HFState(make_method(method, **{**model_head_defaults(model, method, options), **options}), dense_below,
+                    max_positions=getattr(cfg, "max_position_embeddings", None))
     _check_streaming_heads(state.method, cfg.num_hidden_layers, kv_heads)
     if getattr(model, "_kvsieve", None) is not None:
         disable(model)
@@ -403,8 +410,13 @@ class _Generate:
         if impl == "dynamic":  # a kvsieve cache is a dynamic cache
             kwargs["cache_implementation"] = impl = None
         prompt = _prompt_tokens(args, kwargs)
-        new_tokens = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
-        max_length = kwargs.get("max_length", getattr(config, "max_length", None))  # a GenerationConfig's too
+        def setting(name):  # the keyword, else the GenerationConfig passed, else the model's (as transformers)
+            for source in (kwargs, getattr(config, "__dict__", {}), getattr(model.generation_config, "__dict__", {})):
+                if source.get(name) is not None:
+                    return source[name]
+            return None
+
+        new_tokens, max_length = setting("max_new_tokens"), setting("max_length")
         if new_tokens is None and max_length is not None and prompt is not None and max_length > prompt:
             new_tokens = max_length - prompt  # (max_length <= prompt: transformers refuses it itself)
         _check_length(model, prompt, new_tokens)

@@ -217,13 +217,8 @@ class LLMEngine(BatchCrossover, Warmup):
         ValueError for input that can never run (not token ids of the model's vocabulary,
         empty, longer than the model allows, bigger than the pool) and SchedulerFullError past
         the waiting-queue limit."""
-        check_params(params)
+        self._check_params(params)
         prompt = self.prompt_ids(prompt)
-        vocab = self.model.cfg.vocab_size
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
-            outside = [t for t in ids if t >= vocab]
-            if outside:
-                raise ValueError(f"{name} names token {outside[0]}, outside the vocabulary [0, {vocab})")
         key = self.method_key(method, method_options)
         requested = self._method_names[key]
         if "dense" in self.runner.methods and (
@@ -233,6 +228,14 @@ class LLMEngine(BatchCrossover, Warmup):
         req = self.scheduler.add(prompt, params, key)
         self._track[req.id] = _Track(requested, time.perf_counter(), key=key)
         return req.id
+
+    def _check_params(self, params: SamplingParams) -> None:
+        check_params(params)
+        vocab = self.model.cfg.vocab_size
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise ValueError(f"{name} names token {outside[0]}, outside the vocabulary [0, {vocab})")
 
     def prompt_ids(self, prompt: Prompt) -> List[int]:
         """A prompt as a list of token ids: a str is encoded with the engine's tokenizer as it
@@ -375,7 +378,14 @@ class LLMEngine(BatchCrossover, Warmup):
         ids: List[int] = []
         try:  # a bad prompt (or an error, an interrupt) leaves none of this call's requests behind
             with self._lock:
-                self.method_key(method, method_options)  # (a bad method or option is no prompt's fault)
+                self.method_key(method, method_options)  # (a bad method, option or setting is no prompt's fault)
+                for i, sp in enumerate(per):
+                    try:
+                        self._check_params(sp)
+                    except ValueError as e:
+                        if isinstance(params, SamplingParams) or len(per) == 1:
+                            raise
+                        raise ValueError(f"params {i} (counting from 0): {e}") from None
                 for i, (p, sp) in enumerate(zip(prompts, per)):
                     try:
                         ids.append(self.add_request(p, sp, method, method_options))

@@ -29,7 +29,7 @@ class Warmup:
         if self.has_unfinished:
             raise ValueError("warmup() runs alone: run it before adding requests, or finish or abort them first")
         keys = ["default"] + (["dense"] if "dense" in self.runner.methods else [])
-        for spec in methods:  # (a bad method fails here, before anything runs)
+        for spec in [methods] if isinstance(methods, str) else methods:  # (a bad method fails here, first)
             key = self.method_key(*((spec, None) if isinstance(spec, str) else spec))
             keys += [key] if key not in keys else []
         t0 = time.perf_counter()

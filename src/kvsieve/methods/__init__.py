@@ -29,14 +29,18 @@ def _entry(name: str):
 
 
 # tactic's (and a hybrid's tactic part's) options that only its threshold mode reads: a fixed
-# budget replaces that mode (dense_heads are refused with a budget by the config itself)
-THRESHOLD_MODE_OPTIONS = ("threshold", "protect", "protect_bound", "head_fraction", "segment_centers",
-                          "segment_fraction", "min_segment_tokens", "segment_samples", "head_max_tokens",
-                          "min_budget", "max_budget")
+# budget replaces that mode
+THRESHOLD_MODE_OPTIONS = ("threshold", "protect", "protect_bound", "dense_heads", "head_fraction",
+                          "segment_centers", "segment_fraction", "min_segment_tokens", "segment_samples",
+                          "head_max_tokens", "min_budget", "max_budget")
 
 
 def _threshold_mode_given(method: str, options: dict) -> list:
-    return [k for k in THRESHOLD_MODE_OPTIONS if k in options] if method in THRESHOLD_DENSE_METHODS else []
+    """The threshold-mode options `options` sets (None, and no dense heads, set nothing)."""
+    if method not in THRESHOLD_DENSE_METHODS:
+        return []
+    return [k for k in THRESHOLD_MODE_OPTIONS if options.get(k) is not None and (k != "dense_heads" or
+                                                                                   len(options[k]))]
 
 
 def config_for(name: str, **options) -> MethodConfig:

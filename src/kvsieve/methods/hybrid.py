@@ -193,7 +193,7 @@ class Hybrid(SparseMethod):
         if not flags.any():
             return None
         local = cfg.prefill_local if cfg.prefill_local is not None else max(cfg.local, min(8192, max_positions // 8))
-        return PrefillWindow(flags, cfg.sink, local)
+        return PrefillWindow(flags, cfg.sink, max(local, 1))  # (a token always attends itself, as at decode)
 
     def prepare(self, k, lengths, layer=0):
         return HybridState(self.flags_for(layer, k.shape[1], k.device),

@@ -181,11 +181,11 @@ class Server(Responses):
             opts["streaming_heads"] = None
         elif name in STREAMING_METHODS and heads_for(self.streaming_heads, name) is not None:
             opts["streaming_heads"] = heads_for(self.streaming_heads, name)
-        if (dense_heads_of(self.streaming_heads, name) and "dense_heads" not in opts
-                and not budget_drops_dense_heads(name, opts)):  # the model's calibrated ones
-            opts["dense_heads"] = dense_heads_of(self.streaming_heads, name)
-        merged = (merge_options(self.engine.default_options, opts, name) if name == self.engine.default_method
-                  else opts)
+        same = name == self.engine.default_method  # (then the server's options under the request's)
+        if (dense_heads_of(self.streaming_heads, name) and "dense_heads" not in opts and not budget_drops_dense_heads(
+                name, merge_options(self.engine.default_options, opts, name) if same else opts)):
+            opts["dense_heads"] = dense_heads_of(self.streaming_heads, name)  # the model's calibrated ones
+        merged = merge_options(self.engine.default_options, opts, name) if same else opts
         try:
             config_for(name, **merged)
         except (ValueError, TypeError) as e:

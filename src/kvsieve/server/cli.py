@@ -59,7 +59,7 @@ def warmup_methods(text: str) -> List[str]:
     from ..methods import METHOD_NAMES
 
     names = [m.strip() for m in text.split(",") if m.strip()]
-    if names == ["all"]:
+    if "all" in names:
         return list(METHOD_NAMES)
     bad = [m for m in names if m not in METHOD_NAMES]
     if bad:
