@@ -1065,3 +1065,15 @@ def test_a_bad_prompt_of_a_batch_is_named(tiny_model):
     with pytest.raises(ValueError, match=r"^params 1 \(counting from 0\): stop_token_ids names token 999"):
         eng.generate([[5], [6]], [SamplingParams(2), SamplingParams(2, stop_token_ids=(999,))])
     assert not eng.has_unfinished and eng.scheduler.used_pages == 0
+
+
+def test_a_request_asking_for_the_defaults_settings_runs_as_the_default(tiny_model):
+    """Naming the engine's own method with its own settings built a second method object (and,
+    under serve, took a --max-method-configs place); it is the default."""
+    eng = LLMEngine(tiny_model, None, "tactic", cluster_size=8, threshold=0.9)
+    assert eng.method_key("tactic", None) == "default"
+    assert eng.method_key(None, {"threshold": 0.9}) == "default"
+    assert eng.method_key("tactic", {"cluster_size": 8, "threshold": 0.9}) == "default"
+    assert eng.method_key("dense", {}) == "dense"
+    other = eng.method_key("tactic", {"threshold": 0.95})
+    assert other.startswith("tactic:") and set(eng.runner.methods) == {"default", "dense", other}

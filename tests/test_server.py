@@ -669,6 +669,10 @@ def test_kvsieve_settings_no_request_uses_are_released(engine):
         assert r.status_code == 503 and r.json()["error"]["param"] == "kvsieve", r.text  # busy: retry later
         assert r.json()["error"]["code"] == "method_configs_full" and int(r.headers["Retry-After"]) >= 1
         assert s.metric("kvsieve_requests_rejected_total", '{reason="method_configs_full"}') == 1  # its own reason
+        # the server's own setting, however spelled, and plain dense take no place (they were 503s)
+        for kv in ({"method": None}, {"method": "dense"}):
+            r = s.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "kvsieve": kv})
+            assert r.status_code == 200, (kv, r.text)
         for cm, _ in held:
             cm.__exit__(None, None, None)
         wait_for(lambda: s.metric("kvsieve_kv_pages_used") == 0, "the closed streams' pages to be freed")

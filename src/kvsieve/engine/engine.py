@@ -141,12 +141,14 @@ class LLMEngine(BatchCrossover, Warmup):
                              "give fewer KV pages (--kv-pages)")
 
     # ------------------------------------------------------------------ requests
-    def method_key(self, method: Optional[str], options: Optional[dict]) -> str:
-        """The runner's key for a request's method; builds (and validates) it on first use."""
+    def request_key(self, method: Optional[str], options: Optional[dict]) -> Tuple[str, str, dict]:
+        """(the runner's key, method name, full options) of a request's method, validated, built
+        or not. A request asking for the default's very settings (by name, or with the options it
+        already has) gets "default", and plain dense "dense": no second method object."""
         if method is None and not options:
-            return "default"
+            return "default", self.default_method, self.default_options
         if method == "dense" and not options and "dense" in self.runner.methods:
-            return "dense"
+            return "dense", "dense", {}
         name = method or self.default_method
         opts = self._model_heads(dict(options or {}), name)  # checked, a calibrate file's path read into flags
         if method is None or method == self.default_method:
@@ -155,8 +157,16 @@ class LLMEngine(BatchCrossover, Warmup):
             opts = {**self.head_defaults(name, opts), **opts}
         if self.default_options.get("streaming_heads") is not None and name in ("lserve", "hybrid"):
             opts.setdefault("streaming_heads", self.default_options["streaming_heads"])
-        config_for(name, **opts)  # one clear ValueError for a bad method or option
-        key = f"{name}:{sorted((k, repr(v)) for k, v in opts.items())}"
+        cfg = config_for(name, **opts)  # one clear ValueError for a bad method or option
+        for key in ("default", "dense"):
+            m = self.runner.methods.get(key)
+            if m is not None and self._method_names[key] == name and getattr(m, "config", None) == cfg:
+                return key, name, opts
+        return f"{name}:{sorted((k, repr(v)) for k, v in opts.items())}", name, opts
+
+    def method_key(self, method: Optional[str], options: Optional[dict]) -> str:
+        """The runner's key for a request's method; builds (and validates) it on first use."""
+        key, name, opts = self.request_key(method, options)
         if key not in self.runner.methods:
             self.runner.methods[key] = make_method(name, **opts)
             self._method_names[key] = name

@@ -136,7 +136,7 @@ class EngineDriver:
         self.max_method_configs = max_method_configs
         self._inbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._live: Dict[int, RequestStream] = {}
-        self._configs: Dict[tuple, str] = {}  # a request's kvsieve setting -> the engine's method key
+        self._configs: set = set()  # the engine's method keys of per-request settings (not default, dense)
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="kvsieve-driver", daemon=True)
         self.steps = 0
@@ -223,18 +223,17 @@ class EngineDriver:
 
     def _add(self, stream: RequestStream, prompt: List[int], params: SamplingParams, method, options) -> None:
         try:
-            if method is not None or options:
-                cfg = (method, tuple(sorted((k, repr(v)) for k, v in (options or {}).items())))
-                if cfg not in self._configs:
+            if method is not None or options:  # (one setting however spelled; the server's own takes no place)
+                key = self.engine.request_key(method, options)[0]
+                if key not in ("default", "dense") and key not in self._configs:
                     if len(self._configs) >= self.max_method_configs:  # settings no request uses now go
-                        gone = set(self.engine.drop_methods(set(self._configs.values())))
-                        self._configs = {c: k for c, k in self._configs.items() if k not in gone}
+                        self._configs -= set(self.engine.drop_methods(self._configs))
                     if len(self._configs) >= self.max_method_configs:  # (busy, not wrong: a 503 to retry)
                         raise MethodConfigsFull(f"{len(self._configs)} distinct kvsieve settings are in use by "
                                                  f"running or waiting requests, the limit (--max-method-configs "
                                                  f"{self.max_method_configs}); retry when some finish, or use one "
                                                  "of those settings or the server's default")
-                    self._configs[cfg] = self.engine.method_key(method, options)
+                    self._configs.add(self.engine.method_key(method, options))
             rid = self.engine.add_request(prompt, params, method, options)
         except (ValueError, SchedulerFullError) as e:
             self._resolve(stream, exc=e)
