@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..config import DenseConfig, MethodConfig, plain_scalar, PageSelectConfig, QuestConfig, StreamingConfig, TacticConfig
-from ..patterns import THRESHOLD_DENSE_METHODS, budget_drops_dense_heads
+from ..patterns import THRESHOLD_DENSE_METHODS
 from .base import Selection, SparseMethod
 from .dense import Dense
 from .hybrid import Hybrid, HybridConfig, LServeConfig
@@ -71,8 +71,6 @@ def merge_options(defaults: dict, given: dict, method: str = "tactic") -> dict:
     threshold-mode options (dense heads too; quest and lserve keep theirs: a budget is their
     only mode), and one giving threshold-mode options without a budget drops the default budget."""
     out = {**defaults, **given}
-    if budget_drops_dense_heads(method, given) and "dense_heads" not in given:
-        out.pop("dense_heads", None)
     if given.get("budget") is not None:  # the request's mode wins: the default threshold mode's options go
         for k in _threshold_mode_given(method, defaults):
             if k not in given:
