@@ -157,7 +157,7 @@ def test_a_request_for_a_fixed_budget_drops_the_default_dense_heads():
     config_for("tactic", **merge_options(defaults, {"budget": 64}))
     assert merge_options(defaults, {"threshold": 0.8}) == {"dense_heads": ((7, 2),), "threshold": 0.8}
     given = {"budget": 64, "dense_heads": ((1, 0),)}  # named by the request: kept, and refused
-    with pytest.raises(ValueError, match="dense_heads applies to the threshold mode"):
+    with pytest.raises(ValueError, match="dense_heads set tactic's threshold mode, which a fixed budget replaces"):
         config_for("tactic", **merge_options(defaults, given))
 
 

@@ -260,6 +260,7 @@ def test_a_budget_with_threshold_mode_options_is_refused_and_a_requests_mode_win
         config_for("hybrid", budget=100, protect_bound="radius")
     config_for("lserve", budget=100)
     config_for("tactic", budget=100, cluster_size=8, max_budget=None, dense_heads=())  # (None, none: nothing set)
+    config_for("tactic", budget=100, dense_heads="none")
     assert merge_options({"threshold": 0.95, "protect": 0, "cluster_size": 8}, {"budget": 64}, "tactic") == \
         {"budget": 64, "cluster_size": 8}
     assert merge_options({"budget": 400}, {"threshold": 0.9}, "hybrid") == {"threshold": 0.9}

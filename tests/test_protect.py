@@ -271,7 +271,7 @@ def test_dense_heads_attend_every_token_of_their_layer_only():
     for bad in ("7-2", [[1]], 3):
         with pytest.raises(ValueError, match=r"dense_heads must be .* got "):
             make_method("tactic", dense_heads=bad)
-    with pytest.raises(ValueError, match="dense_heads applies to the threshold mode"):
+    with pytest.raises(ValueError, match="dense_heads set tactic's threshold mode"):
         make_method("tactic", dense_heads=[(1, 2)], budget=64)
     # a hybrid's dynamic heads take dense heads too; its streaming heads keep their window
     stream = ((True, False, False),)

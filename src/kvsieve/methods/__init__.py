@@ -1,7 +1,7 @@
 """Method registry: name -> (method class, config class)."""
 from __future__ import annotations
 
-from ..config import DenseConfig, MethodConfig, plain_scalar, PageSelectConfig, QuestConfig, StreamingConfig, TacticConfig
+from ..config import DenseConfig, MethodConfig, dense_head_pairs, plain_scalar, PageSelectConfig, QuestConfig, StreamingConfig, TacticConfig
 from ..patterns import THRESHOLD_DENSE_METHODS
 from .base import Selection, SparseMethod
 from .dense import Dense
@@ -35,12 +35,22 @@ THRESHOLD_MODE_OPTIONS = ("threshold", "protect", "protect_bound", "dense_heads"
                           "head_max_tokens", "min_budget", "max_budget")
 
 
+def _sets(key: str, value) -> bool:
+    if value is None:
+        return False
+    if key != "dense_heads":
+        return True
+    try:
+        return bool(dense_head_pairs(value))  # ("none", [] name no head)
+    except ValueError:
+        return False  # (the config refuses it by name)
+
+
 def _threshold_mode_given(method: str, options: dict) -> list:
     """The threshold-mode options `options` sets (None, and no dense heads, set nothing)."""
     if method not in THRESHOLD_DENSE_METHODS:
         return []
-    return [k for k in THRESHOLD_MODE_OPTIONS if options.get(k) is not None and (k != "dense_heads" or
-                                                                                   len(options[k]))]
+    return [k for k in THRESHOLD_MODE_OPTIONS if _sets(k, options.get(k))]
 
 
 def config_for(name: str, **options) -> MethodConfig:
