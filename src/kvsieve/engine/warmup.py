@@ -21,11 +21,12 @@ class Warmup:
         step-graph capture) on a dummy request of `prompt_tokens` tokens (an int, or a list of
         lengths run one after another; each clamped to the model and the pool), outside any
         user request. `methods`: more methods to warm, each a name (its defaults) or a request's
-        (method, options) as add_request takes them (`serve --warmup-methods`). Returns seconds. Kernel variants follow the context's size buckets, so
-        a caller that knows its requests warms at their length (`kvsieve generate` does) and
-        one that does not warms every bucket (`kvsieve serve`: warmup_lengths). Triton keeps
-        compiled kernels in its on-disk cache, so later runs start faster. It runs alone: an
-        engine with unfinished requests is refused (their outputs would be lost)."""
+        (method, options) as add_request takes them (`serve --warmup-methods`). Returns seconds.
+        Kernel variants follow the context's size buckets, so a caller that knows its requests
+        warms at their length (`kvsieve generate` does) and one that does not warms every bucket
+        (`kvsieve serve`: warmup_lengths). Triton keeps compiled kernels in its on-disk cache, so
+        later runs start faster. It runs alone: an engine with unfinished requests is refused
+        (their outputs would be lost)."""
         if self.has_unfinished:
             raise ValueError("warmup() runs alone: run it before adding requests, or finish or abort them first")
         keys = ["default"] + (["dense"] if "dense" in self.runner.methods else [])
@@ -57,8 +58,8 @@ class Warmup:
         return lengths + [top]
 
     def _warm_one(self, n: int, decode_tokens: int, keys: List[str]) -> None:
+        vocab = self.model.cfg.vocab_size
         for key in keys:
-            vocab = self.model.cfg.vocab_size
             req = self.scheduler.add([(7 * i + 3) % vocab for i in range(n)],
                                      SamplingParams(max_new_tokens=decode_tokens, ignore_eos=True), key)
             self._track[req.id] = _Track(self._method_names[key], time.perf_counter(), key=key)

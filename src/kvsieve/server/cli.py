@@ -143,9 +143,8 @@ def cmd_serve(args) -> int:
                      retry_after_s=args.retry_after)  # uvicorn lets requests finish, then the rest abort
     if device.type == "cuda" and not args.no_warmup:
         lengths = eng.warmup_lengths()  # requests of any length find their kernels compiled
-        # each method as a request naming it runs (the model's heads), so it finds its kernels
-        took = eng.warmup(lengths, methods=[app.state.server.method({"method": m}) for m in warm_methods
-                                            if m != args.method])
+        # each method as a request naming it runs (the model's heads; the server's own is its default)
+        took = eng.warmup(lengths, methods=[app.state.server.method({"method": m}) for m in warm_methods])
         print(f"kvsieve serve: warm-up of {', '.join(dict.fromkeys([args.method, *warm_methods]))} at "
               f"{', '.join(map(str, lengths))} tokens: {took:.1f} s", file=sys.stderr)
     sch = eng.scheduler
