@@ -141,7 +141,7 @@ def test_tactic_prefix_follows_centroid_ranking():
 
 def test_tactic_appended_tokens_are_attended_until_folded():
     q, k, v = clustered_qkv(1, 4, 2, 700, 64, sharpness=6.0, seed=5)
-    m = make_method("tactic", threshold=0.5, fold_every=100, local=32)
+    m = make_method("tactic", threshold=0.5, fold_every=100, local=32, fold_mode="nearest")
     st = m.prepare(k, torch.tensor([500]))
     assert int(st.num_indexed[0]) == 468  # the local window stays out of the index
     assert (st.assign[0, :, 468:] < 0).all() and (st.assign[0, :, 4:468] >= 0).all()

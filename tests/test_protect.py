@@ -89,9 +89,10 @@ def test_radius_bound_holds_for_every_member(S, D, G, dtype):
                 assert bound[b, h, c] >= top - 1e-4 * top.abs().clamp(min=1), (b, h, c)
 
 
-def test_fold_keeps_radius_an_upper_bound():
+@pytest.mark.parametrize("mode", ["cluster", "nearest"])
+def test_fold_keeps_radius_an_upper_bound(mode):
     q, k, _ = clustered_qkv(1, 4, 2, 900, 64, sharpness=6.0, seed=5, dtype=torch.float32)
-    m = make_method("tactic", fold_every=100, local=32, cluster_size=16)
+    m = make_method("tactic", fold_every=100, local=32, cluster_size=16, fold_mode=mode)
     st = m.prepare(k, torch.tensor([500]))
     for n in (600, 700, 900):
         st = m.append(st, k, torch.tensor([n]))
@@ -127,16 +128,19 @@ def test_quantized_box_contains_the_exact_box_within_a_step(S, C, D, dtype):
     assert (codes.amax((-2, -1))[wide] == 255).all() and (codes[~used] == 0).all()
 
 
+@pytest.mark.parametrize("mode", ["cluster", "nearest"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fold_keeps_the_box_around_every_member(dtype):
-    """After folds the 8-bit box about the moved centroids still contains every member, a
-    cluster with no new member keeps its codes, and the outward rounding of each fold's
-    re-centring leaves each side within a few steps of the exact min/max."""
+def test_fold_keeps_the_box_around_every_member(dtype, mode):
+    """After folds the 8-bit box about the (moved or new) centroids still contains every
+    member, and the outward rounding of each fold's (re-)centring leaves each side within a
+    few steps of the exact min/max. "nearest": a cluster with no new member keeps its codes;
+    "cluster": the prompt's clusters keep theirs, and each fold added others."""
     _, k, _ = clustered_qkv(1, 4, 2, 900, 64, sharpness=6.0, seed=6, dtype=dtype)
-    m = make_method("tactic", fold_every=100, local=32, cluster_size=16)
+    m = make_method("tactic", fold_every=100, local=32, cluster_size=16, fold_mode=mode)
     st = m.prepare(k, torch.tensor([500]))
+    prompt_clusters = int(st.num_clusters[0])
     for n in (600, 700, 900):
-        before = (st.box.clone(), st.sizes.clone())
+        before, used_before = (st.box.clone(), st.sizes.clone()), int(st.num_clusters[0])
         st = m.append(st, k, torch.tensor([n]))
         kmin, kmax = cluster_box(k[0, :, :n], st.assign[0, :, :n], st.sizes.shape[-1])
         lo, hi = box_bounds(st.box[0], st.box_step[0], st.centroids[0])
@@ -144,8 +148,13 @@ def test_fold_keeps_the_box_around_every_member(dtype):
         assert (lo[used] <= kmin.to(lo.dtype)[used]).all() and (hi[used] >= kmax.to(hi.dtype)[used]).all(), n
         over = torch.maximum(kmin.to(lo.dtype) - lo, hi - kmax.to(hi.dtype)).amax(-1)
         assert (over[used] <= 4 * st.box_step[0][used]).all(), n
-        same = st.sizes == before[1]
-        assert torch.equal(st.box[same], before[0][same]) and not same.all(), n
+        if mode == "nearest":
+            same = st.sizes == before[1]
+            assert torch.equal(st.box[same], before[0][same]) and not same.all(), n
+        else:
+            old = slice(0, prompt_clusters)  # (the folds' own clusters are re-clustered as their region grows)
+            assert torch.equal(st.sizes[..., old], before[1][..., old]), n
+            assert torch.equal(st.box[:, :, old], before[0][:, :, old]) and int(st.num_clusters[0]) > used_before, n
     assert int(st.num_indexed[0]) == 868
 
 

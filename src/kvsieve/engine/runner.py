@@ -290,9 +290,8 @@ class ModelRunner(BatchRows):
                 alt.append(None)
                 continue
             if self.paged and type(m).maintain is not SparseMethod.maintain:
-                new_len = bt.positions + 1
-                for layer, st in enumerate(bt.states[g]):
-                    changed |= bool(m.maintain(st, new_len[a:b], host_len[a:b], self._key_reader(layer, rows[a:b])))
+                readers = [self._key_reader(layer, rows[a:b]) for layer in range(len(bt.states[g]))]
+                changed |= bool(m.maintain_layers(bt.states[g], (bt.positions + 1)[a:b], host_len[a:b], readers))
             if m.layer_independent_plan:
                 key.append(m.graph_key(bt.states[g][0], host_len[a:b]))
             else:

@@ -190,6 +190,12 @@ class SparseMethod:
         state (a captured step graph would read stale memory and must be re-captured)."""
         return False
 
+    def maintain_layers(self, states: List[Any], lengths: Tensor, host_lengths: List[int],
+                        readers: List[Callable[[int, int, int], Tensor]]) -> bool:
+        """maintain() for every layer's state (readers: each layer's read_keys), before one
+        decode step: a method may batch the layers' work (tactic's folds). True as maintain."""
+        return any([self.maintain(st, lengths, host_lengths, read) for st, read in zip(states, readers)])
+
     def graph_key(self, state: Any, host_lengths: List[int]) -> Any:
         """Every host-side value the next plan() bakes into a captured step (list
         capacities, tensor widths). When it changes the engine drops its step graphs and

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import List, Optional, Set
+from typing import List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -36,6 +36,9 @@ class ClusterIndex:
     ids grouped by cluster [B, Hkv, S] int32, first member of each cluster and cluster
     sizes [B, Hkv, C] int32); built on first use, rebuilt in place after a fold.
     max_size: the largest cluster size seen (host int; it sets fixed-budget list capacities).
+    regions: per row, host (first token, first cluster, tokens at its last whole K-means) of
+    the tokens folded as clusters since the last closed region (Tactic._fold_as_clusters),
+    or None when no region is open.
     consts: small per-shape tensors a plan reuses (budget, sink) instead of refilling them.
     """
 
@@ -56,6 +59,15 @@ class ClusterIndex:
     box_step: Optional[Tensor] = None
     dense: Optional[Tensor] = None
     csr_stale: Set[int] = field(default_factory=set)  # rows changed since the CSR view was built
+    regions: Optional[List[Optional[Tuple[int, int, int]]]] = None
+
+    def region_of(self, row: int) -> Optional[Tuple[int, int, int]]:
+        return None if self.regions is None else self.regions[row]
+
+    def set_region(self, row: int, region: Optional[Tuple[int, int, int]]) -> None:
+        if self.regions is None:
+            self.regions = [None] * self.sizes.shape[0]
+        self.regions[row] = region
 
     def widen(self, C: int, S: int) -> None:
         """Room for C clusters and S positions per row (new clusters empty, new positions
@@ -119,6 +131,7 @@ def take_rows(st: ClusterIndex, rows: List[int]) -> ClusterIndex:
     host = st.host_indexed or st.num_indexed.tolist()
     picked = {n: None if getattr(st, n) is None else getattr(st, n).index_select(0, r) for n in ROW_TENSORS}
     return dataclasses.replace(st, **picked, host_indexed=[host[i] for i in rows], consts=None,
+                               regions=None if st.regions is None else [st.regions[i] for i in rows],
                                csr_stale={i for i, row in enumerate(rows) if row in st.csr_stale})
 
 
@@ -131,8 +144,12 @@ def concat_rows(states: List[ClusterIndex]) -> ClusterIndex:
     cat = {n: None if any(getattr(p, n) is None for p in parts) else torch.cat([getattr(p, n) for p in parts])
            for n in ROW_TENSORS}
     return ClusterIndex(**cat, iters=max(s.iters for s in states), max_size=max(p.max_size for p in parts),
-                        dense=states[0].dense,
+                        dense=states[0].dense, regions=[g for s in states for g in _regions(s)],
                         host_indexed=[i for s in states for i in (s.host_indexed or s.num_indexed.tolist())])
+
+
+def _regions(st: ClusterIndex) -> List[Optional[Tuple[int, int, int]]]:
+    return st.regions if st.regions is not None else [None] * st.sizes.shape[0]
 
 
 def with_csr(st: ClusterIndex) -> ClusterIndex:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional, Tuple
+from typing import Any, ClassVar, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -224,6 +224,9 @@ class Hybrid(SparseMethod):
 
     def maintain(self, state: HybridState, lengths, host_lengths, read_keys) -> bool:
         return self.dynamic.maintain(state.dynamic, lengths, host_lengths, read_keys)
+
+    def maintain_layers(self, states: List[HybridState], lengths, host_lengths, readers) -> bool:
+        return self.dynamic.maintain_layers([s.dynamic for s in states], lengths, host_lengths, readers)
 
     def graph_key(self, state: HybridState, host_lengths):
         return self.dynamic.graph_key(state.dynamic, host_lengths)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import List, Optional
@@ -13,13 +14,13 @@ from ..ops.attention import compute_dtype
 from ..ops.fit import FitLayout, estimate_budget, segment_mask
 from ..ops.paged import PagedKeys, row_table
 from ..ops.threshold import AlwaysTokens
-from ..ops.kmeans import nearest_centroid
 from ..ops.select import (box_bounds, cluster_box, cluster_radius, key_dtype, quantize_box, radius_bound,
                           select_by_budget, sort_keys, summary_scores)
 from ..side_branch import SideBranch
 from . import fit_tables
 from .base import (DENSE_BELOW_KV_BYTES, Selection, SparseMethod, TokenPlan, budget_capacity, budget_crossover,
                    capacity_bucket, dense_head_flags, streaming_window)
+from .cluster_fold import fold_layers
 from .cluster_index import ClusterIndex, concat_rows, csr_view, take_rows, widened
 
 
@@ -165,7 +166,7 @@ class Tactic(SparseMethod):
             state.assign = torch.nn.functional.pad(state.assign, (0, S - state.assign.shape[-1]), value=-1)
         for b, n in enumerate(lengths.tolist()):
             if self._fold_due(state, b, n):
-                self._fold(state, k[b], b, int(state.num_indexed[b]), self._fold_end(n))
+                self._fold(state, k[b], b, self._fold_end(n))
         return state
 
     def _fold_end(self, length: int) -> int:
@@ -178,41 +179,10 @@ class Tactic(SparseMethod):
         done = st.host_indexed[b] if st.host_indexed is not None else int(st.num_indexed[b])
         return every > 0 and self._fold_end(length) - done >= every
 
-    def _fold(self, st: ClusterIndex, k: Tensor, b: int, start: int, end: int) -> None:
-        """Assign tokens [start, end) of request b (keys k [Hkv, >=end, D]) to their nearest
-        centroid; move each centroid to the mean of its old and new members."""
-        start = max(start, self.config.sink)
-        if start >= end or int(st.num_clusters[b]) == 0:  # nothing to fold into: stays always-attended
-            return
-        cent = st.centroids[b].float() if st.centroids.dtype != torch.float64 else st.centroids[b]  # [Hkv, C, D]
-        x = k[:, start:end].to(cent.dtype)  # [Hkv, n, D]
-        C = cent.shape[1]
-        valid = (torch.arange(C, device=cent.device) < st.num_clusters[b])[None, :].expand(cent.shape[0], C)
-        a = nearest_centroid(x, cent, valid)  # [Hkv, n]
-        add = torch.zeros_like(cent).scatter_add_(1, a[..., None].expand_as(x), x)
-        cnt = torch.zeros_like(st.sizes[b]).scatter_add_(1, a, torch.ones_like(a))
-        old = st.sizes[b].to(cent.dtype)[..., None]
-        new_total = (old + cnt[..., None]).clamp(min=1)
-        new_cent = torch.where(cnt[..., None] > 0, (cent * old + add) / new_total, cent).to(st.centroids.dtype)
-        moved = (new_cent.to(cent.dtype) - cent).norm(dim=-1)  # old members are at most this much farther
-        st.radius[b] = torch.maximum(st.radius[b] + moved, cluster_radius(x, a, new_cent)).to(st.radius.dtype)
-        if st.box is not None:  # the clusters that got members: old box and new members, about the new centroid
-            lo, hi = cluster_box(k[:, start:end], a, C)
-            old_lo, old_hi = box_bounds(st.box[b], st.box_step[b], st.centroids[b])
-            had = (st.sizes[b] > 0)[..., None]
-            lo = torch.where(had, torch.minimum(old_lo, lo.to(old_lo.dtype)), lo.to(old_lo.dtype))
-            hi = torch.where(had, torch.maximum(old_hi, hi.to(old_hi.dtype)), hi.to(old_hi.dtype))
-            codes, step = quantize_box(lo, hi, new_cent)
-            got = cnt > 0
-            st.box[b] = torch.where(got[..., None, None], codes, st.box[b])
-            st.box_step[b] = torch.where(got, step.to(st.box_step.dtype), st.box_step[b])
-        st.centroids[b] = new_cent  # cent may alias st.centroids[b]: written last
-        st.sizes[b] += cnt
-        st.assign[b, :, start:end] = a
-        st.num_indexed[b] = end
-        if st.host_indexed is not None:
-            st.host_indexed[b] = end
-        st.csr_stale.add(b)
+    def _fold(self, st: ClusterIndex, k: Tensor, b: int, end: int) -> bool:
+        """Fold row b's unindexed tokens before `end` (keys k [Hkv, >=end, D]; cluster_fold).
+        True when the index was widened."""
+        return fold_layers(self.config, self.cluster_size_for, [(st, lambda s, e: k[:, s:e])], b, end)
 
     def select(self, q, k, lengths, st: ClusterIndex):
         cfg = self.config
@@ -298,26 +268,28 @@ class Tactic(SparseMethod):
         return state
 
     def maintain(self, state: ClusterIndex, lengths, host_lengths, read_keys) -> bool:
-        """Grow the assignment buffer, fold tokens into the index every
-        `fold_every` tokens, and rebuild the CSR view the plan reads."""
+        return self.maintain_layers([state], lengths, host_lengths, [read_keys])
+
+    def maintain_layers(self, states: List[ClusterIndex], lengths, host_lengths, readers) -> bool:
+        """Grow the assignment buffers, fold tokens into the index every `fold_every` tokens
+        (every layer of a row in one K-means call, cluster_fold), and rebuild the CSR views
+        the plan reads."""
         changed = False
-        if state.assign.shape[-1] < max(host_lengths):  # in steps of 1024 tokens (padded batch rows)
-            grow = max(max(host_lengths) - state.assign.shape[-1], 1024)
-            state.grow_positions(state.assign.shape[-1] + grow)
-            changed = True
+        for state in states:
+            if state.assign.shape[-1] < max(host_lengths):  # in steps of 1024 tokens (padded batch rows)
+                state.grow_positions(state.assign.shape[-1] + max(max(host_lengths) - state.assign.shape[-1], 1024))
+                changed = True
         for b, n in enumerate(host_lengths):
-            if self._fold_due(state, b, n):
-                end = self._fold_end(n)
-                keys = read_keys(b, 0, end)
-                if keys is not None:  # (None: a row with no request)
-                    self._fold(state, keys, b, int(state.num_indexed[b]), end)  # in place: a captured
-                    # step stays valid
-        if state.members is None or state.csr_stale:
-            changed |= state.build_csr()
-        c = state.consts
-        if self.config.budget is None and c is not None and "wkey" in c:  # in place while the widths hold
-            fit_tables.refresh(c, self.config, state.host_indexed or list(host_lengths), c["Hq"],
-                               self._tail_width(state, host_lengths), c["device"])
+            due = [(st, functools.partial(read, b)) for st, read in zip(states, readers) if self._fold_due(st, b, n)]
+            if due:  # in place (a captured step stays valid) unless an index had to widen
+                changed |= fold_layers(self.config, self.cluster_size_for, due, b, self._fold_end(n))
+        for state in states:
+            if state.members is None or state.csr_stale:
+                changed |= state.build_csr()
+            c = state.consts
+            if self.config.budget is None and c is not None and "wkey" in c:  # in place while the widths hold
+                fit_tables.refresh(c, self.config, state.host_indexed or list(host_lengths), c["Hq"],
+                                   self._tail_width(state, host_lengths), c["device"])
         return changed
 
     def graph_key(self, state: ClusterIndex, host_lengths):
@@ -380,6 +352,8 @@ class Tactic(SparseMethod):
         state.num_indexed[row] = new.num_indexed[0]
         state.num_clusters[row] = new.num_clusters[0]
         state.host_indexed[row] = (new.host_indexed or new.num_indexed.tolist())[0]
+        if state.regions is not None or new.regions is not None:
+            state.set_region(row, new.region_of(0))
         state.iters = max(state.iters, new.iters)
         if csr:
             state.max_size = max(state.max_size, new.max_size)
