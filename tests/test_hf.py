@@ -218,7 +218,7 @@ def test_under_the_crossover_decode_is_sdpa(tiny_llama):
     index built, the KV read reported as 1.0."""
     model, enc = tiny_llama
     ref = greedy(model, enc, 4)
-    state = khf.enable(model, "tactic", dense_below=98)
+    state = khf.enable(model, "tactic", dense_below=101)  # 97 prompt tokens and 3 decode steps stay under it
     try:
         out = greedy(model, enc, 4)
     finally:
@@ -226,6 +226,30 @@ def test_under_the_crossover_decode_is_sdpa(tiny_llama):
     assert torch.equal(out, ref)
     assert state.attended_densely == 2 and state.kv_fraction == 1.0
     assert state.new_tokens == 4  # generate()'s max_new_tokens, for the index's payback on CUDA
+
+
+@pytest.mark.parametrize("method,opts", [("tactic", {"threshold": 1.0}), ("quest", {"budget": 16})])
+def test_a_generation_growing_past_the_crossover_is_indexed_there(tiny_llama, method, opts):
+    """dense_below 99: the prefill (97 tokens) and the first decode step (98) use SDPA, the
+    next steps (99, 100) build the index and plan: every layer decodes 3 steps, 2 of them
+    through the method. At a full threshold HF's own tokens; quest's 16-token budget reads part."""
+    model, enc = tiny_llama
+    ref = greedy(model, enc, 4)
+    state = khf.enable(model, method, dense_below=99, **opts)
+    planned = []
+    plan = state.method.plan
+    state.method.plan = lambda *a, **k: (planned.append(int(a[3][1]) if isinstance(a[3], list) else None),
+                                         plan(*a, **k))[1]
+    try:
+        out = greedy(model, enc, 4)
+    finally:
+        khf.disable(model)
+    assert state.attended_densely == 2 and state.kv_read_steps == 3 * 2
+    assert planned == [99, 99, 100, 100]  # (the longest row's length, per layer)
+    if method == "tactic":
+        assert torch.equal(out, ref)
+    else:
+        assert torch.equal(out[:, :98 + 1], ref[:, :98 + 1]) and state.kv_fraction < 0.9
 
 
 def test_full_budget_through_the_kernels_equals_sdpa(tiny_llama, monkeypatch):

@@ -21,7 +21,7 @@ on CUDA a batch whose longest prompt is under the method's measured crossover
 (SparseMethod.dense_below_tokens), or whose prompts together are under its batch-wide one
 (dense_step_below_tokens: tactic's threshold plan), or whose generate() asks for fewer new
 tokens than repay the method's index, decodes with SDPA (`dense_below` overrides these; 0
-forces the method).
+forces the method), until its generation takes it past them: the index is built at that step.
 """
 from __future__ import annotations
 
@@ -49,9 +49,9 @@ _active = threading.local()  # the cache layer most recently updated: read by th
 
 @dataclass
 class HFState:
-    """dense_below: prompts (the batch's longest) shorter than this many tokens decode with
-    SDPA (None: the method's crossovers on CUDA, see decodes_densely; 0 elsewhere);
-    attended_densely counts those layer prefills. The counters (and kv_fraction) cover the
+    """dense_below: while the batch's longest (prompt and tokens generated) is shorter than
+    this many tokens it decodes with SDPA (None: the method's crossovers on CUDA, see
+    decodes_densely; 0 elsewhere); attended_densely counts the layer prefills that did. The counters (and kv_fraction) cover the
     latest generate() call: each call starts them afresh (model() calls of your own add up)."""
 
     method: SparseMethod
@@ -60,6 +60,7 @@ class HFState:
     kv_read_steps: int = 0
     attended_densely: int = 0
     new_tokens: Optional[int] = None  # the running generate()'s max_new_tokens (None: not known)
+    prompt_tokens: Optional[int] = None  # the last prefill's longest valid length (generated since: the rest)
     max_positions: Optional[int] = None  # the model's max_position_embeddings: no forward runs past it
     warned_foreign_cache: bool = False
     _host: Any = None  # (weak ref to the forward's mask, valid lengths on the device and as ints)
@@ -73,12 +74,14 @@ class HFState:
         return float(self.kv_read_sum) / self.kv_read_steps if self.kv_read_steps else 1.0
 
     def decodes_densely(self, key: Tensor, host: List[int]) -> bool:
-        """Whether a batch of prompts of valid lengths `host`, keys like `key`, decodes with
-        SDPA: its longest prompt is under dense_below, or on CUDA by default under the
-        method's crossover (SparseMethod.dense_below_tokens), or all its prompts together
-        are under the method's batch-wide one (dense_step_below_tokens), or generate() asks
-        for fewer new tokens than repay the method's index (SparseMethod.index_payback_at),
-        as the engine decides."""
+        """Whether a batch of valid lengths `host` (prompts, and the tokens generated since),
+        keys like `key`, decodes with SDPA: its longest is under dense_below, or on CUDA by
+        default under the method's crossover (SparseMethod.dense_below_tokens), or all
+        together are under the method's batch-wide one (dense_step_below_tokens), or
+        generate() has fewer new tokens left than repay the method's index
+        (SparseMethod.index_payback_at), as the engine decides. Asked at the prefill and
+        again at each step that decodes densely: a generation that grows past the crossover
+        is indexed there."""
         if self.dense_below is not None:
             return max(host) < self.dense_below
         if not key.is_cuda:
@@ -86,8 +89,9 @@ class HFState:
         kv_token_bytes = 2 * key.shape[1] * key.shape[3] * key.element_size()
         m, total = self.method, sum(host)
         step_below = m.dense_step_below_tokens(kv_token_bytes)
+        left = None if self.new_tokens is None else self.new_tokens - (max(host) - (self.prompt_tokens or max(host)))
         return (max(host) < m.dense_below_tokens(kv_token_bytes) or total < step_below
-                or (self.new_tokens is not None and self.new_tokens < m.index_payback_at(total, step_below)))
+                or (left is not None and left < m.index_payback_at(total, step_below)))
 
     def lengths(self, attention_mask, B: int, S: int, device) -> Tuple[Tensor, List[int]]:
         """Valid keys per request: ([B] on the device, the same as ints), checked (left padding)
@@ -217,7 +221,9 @@ def kvsieve_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
                          "tokens (max_new_tokens, or max_length in its GenerationConfig): kvsieve never runs past "
                          "the model's positions")
     method, idx = state.method, module.layer_idx
-    if T > 1 or layer.index is None:
+    if T > 1:
+        state.prompt_tokens = max(host)
+    if T > 1 or layer.index is None or (layer.index is _DENSE and not state.decodes_densely(key, host)):
         if state.decodes_densely(key, host):
             layer.index = _DENSE  # under the crossover: SDPA, no index
             state.attended_densely += 1

@@ -7,10 +7,12 @@ from typing import Dict, List, Tuple
 
 from .scheduler import Request
 
-# On CUDA a request attends densely while its prompt is below its method's crossover
+# On CUDA a request attends densely while its context is below its method's crossover
 # (SparseMethod.dense_below_tokens: 32 MiB of KV per layer, or 8 budgets for fixed budgets):
 # under it the plan's launches cost more than the reads they save (docs/benchmarks.md
-# "Crossover": the embedded model never gains up to its 8K limit, 5.8 MB per layer).
+# "Crossover": the embedded model never gains up to its 8K limit, 5.8 MB per layer). A
+# request whose generation takes its context past the crossover, with enough new tokens
+# left to repay its index, is indexed at the decode step it gets there (_index_later).
 # tactic's threshold plan pays by the batch's total instead (dense_step_below_tokens: 384
 # MiB of KV per layer over the method's rows): a step under it attends densely for those
 # rows, and a request is indexed only when its method's requests hold that much and it asks
@@ -42,15 +44,35 @@ class BatchCrossover:
             return 0
         return self.runner.methods[key].dense_step_below_tokens(self._kv_token_bytes)
 
+    def _grows_past_crossover(self, key: str, prompt: int, max_new_tokens: int) -> bool:
+        """A request under method `key`'s crossover whose generation can take its context past
+        it with at least the method's index_payback_tokens still to generate there."""
+        m = self.runner.methods[key]
+        if key == "dense" or not self.dense_fallback:
+            return False
+        cross = self.dense_below_for(key)
+        return 0 < cross and prompt + max_new_tokens - max(cross, prompt) >= max(m.index_payback_tokens, 1)
+
+    def _reached(self, req: Request, key: str) -> bool:
+        """req's context (prompt and generated tokens) has reached method `key`'s crossover."""
+        return len(req.prompt) + len(req.output) >= self.dense_below_for(key)
+
     def _index_or_dense(self, req: Request) -> None:
-        """Before a request's index is built: where its method plans only for a batch holding
-        enough tokens (dense_step_below), it is indexed when it is among the requests of that
-        method that would plan together, each repaying its index (_planners), unless the
-        method's plans read most of their cache lately (_reads_most); else it attends densely
-        (no index) and _index_later judges it again at each decode step."""
+        """Before a request's index is built: one still under its method's crossover attends
+        densely until a decode step takes its context there (_index_later). Where its method
+        plans only for a batch holding enough tokens (dense_step_below), it is indexed when
+        it is among the requests of that method that would plan together, each repaying its
+        index (_planners), unless the method's plans read most of their cache lately
+        (_reads_most); else it attends densely (no index) and _index_later judges it again at
+        each decode step."""
+        key = self._track[req.id].key
         if req.id in self._later:  # (prefilled again after a preemption: judged as new)
             self._later.discard(req.id)
-            req.method_key = self._track[req.id].key
+            req.method_key = key
+        if key != "dense" and "dense" in self.runner.methods and not self._warming and not self._reached(req, key):
+            req.method_key = "dense"
+            self._later.add(req.id)
+            return
         need = self.runner.step_dense_below.get(req.method_key, 0)
         if not need or self._warming or "dense" not in self.runner.methods:
             return
@@ -73,8 +95,8 @@ class BatchCrossover:
         held, todo = 0, []
         for r in (*sch.running, *sch.admissible()):
             tr = self._track.get(r.id)
-            if tr is None or tr.key != key:
-                continue
+            if tr is None or tr.key != key or (r.id in self._later and not self._reached(r, key)):
+                continue  # (one under its own crossover is not indexed yet, whatever the batch)
             if r.id in self._later or (r.prefilling and r.method_key == key):
                 todo.append(r)
             elif r.method_key == key:  # indexed: it plans with them whatever is decided
@@ -105,9 +127,10 @@ class BatchCrossover:
         return self.scheduler.joining_soon(key_of)
 
     def _index_later(self, decoding: List[Request]) -> None:
-        """Index one of the decoding requests the batch rule left dense (_later) whose
-        method's requests now hold enough tokens, and which has enough new tokens left to
-        repay it (_planners): requests that joined since made the batch worth planning. Its
+        """Index one of the decoding requests left dense for now (_later) whose context has
+        reached its method's crossover, whose method's requests now hold enough tokens (the
+        batch rule), and which has enough new tokens left to repay it (_planners): it grew
+        past the crossover, or requests that joined since made the batch worth planning. Its
         cache so far is clustered here, and it plans from this step on. One a step, so the
         pause K-means adds to every running request's step stays one request's (as a
         prefill's does); the next ones follow at the next steps."""

@@ -231,11 +231,14 @@ class LLMEngine(BatchCrossover, Warmup):
         prompt = self.prompt_ids(prompt)
         key = self.method_key(method, method_options)
         requested = self._method_names[key]
+        start = key
         if "dense" in self.runner.methods and (
                 len(prompt) < self.dense_below_for(key)  # below the crossover
                 or (self.dense_fallback and params.max_new_tokens < self.runner.methods[key].index_payback_tokens)):
-            key = "dense"  # (or too few tokens to repay the method's index)
-        req = self.scheduler.add(prompt, params, key)
+            start = "dense"  # (or too few tokens to repay the method's index)
+            if not self._grows_past_crossover(key, len(prompt), params.max_new_tokens):
+                key = "dense"  # for good; else it is indexed at the decode step its context reaches it
+        req = self.scheduler.add(prompt, params, start)
         self._track[req.id] = _Track(requested, time.perf_counter(), key=key)
         return req.id
 
