@@ -121,8 +121,9 @@ def test_cluster_folds_read_less_and_lose_less_than_nearest_folds():
 
 @pytest.mark.parametrize("mode", ["cluster", "nearest"])
 def test_every_layer_folded_in_one_call_equals_one_layer_at_a_time(mode):
-    """maintain_layers (the engine's: all layers' K-means of a row in one call) gives each
-    layer the index maintain() gives it alone, rows with no request (None keys) untouched."""
+    """maintain_layers (the engine's: all layers' K-means of a row in one call, their CSR
+    views in one sort) gives each layer the index maintain() gives it alone, rows with no
+    request (None keys) untouched."""
     layers = [clustered_qkv(2, 4, 2, 700, 64, sharpness=6.0, seed=s, dtype=torch.float32)[1] for s in (1, 2, 3)]
     m = make_method("tactic", fold_every=64, local=8, cluster_size=8, fold_mode=mode)
     lengths = torch.tensor([300, 260])
@@ -136,7 +137,8 @@ def test_every_layer_folded_in_one_call_equals_one_layer_at_a_time(mode):
             m.maintain(st, lengths, host, reader(k))
         m.maintain_layers(together, lengths, host, [reader(k) for k in layers])
     for a, b in zip(one, together):
-        for name in ("centroids", "sizes", "assign", "num_indexed", "num_clusters", "radius", "box", "box_step"):
+        for name in ("centroids", "sizes", "assign", "num_indexed", "num_clusters", "radius", "box", "box_step",
+                     "members", "entry_start", "sizes32"):  # (the CSR views: all layers' rebuilt in one sort)
             assert torch.equal(getattr(a, name), getattr(b, name)), name
-        assert a.regions == b.regions and a.host_indexed == b.host_indexed
+        assert a.regions == b.regions and a.host_indexed == b.host_indexed and a.max_size == b.max_size
     assert int(one[0].num_indexed[0]) > 500 and int(one[0].num_indexed[1]) == 252  # row 1 never folded

@@ -27,24 +27,25 @@ def fold_layers(cfg: TacticConfig, cluster_size_for: Callable[[int], int],
     per layer. Returns True when an
     index was widened (new tensors: a captured step must be captured again)."""
     changed, groups = False, {}
-    for st, read in items:
+    used = torch.stack([st.num_clusters[b] for st, _ in items]).tolist()  # (one host sync, not one a layer)
+    for (st, read), n_used in zip(items, used):
         start = max(int(st.host_indexed[b] if st.host_indexed is not None else st.num_indexed[b]), cfg.sink)
         if start >= end:
             continue
-        spec = _cluster_spec(cfg, cluster_size_for, st, b, start, end) if cfg.fold_mode == "cluster" else None
+        spec = _cluster_spec(cfg, cluster_size_for, st, b, start, end, n_used) if cfg.fold_mode == "cluster" else None
         if spec is None:
             keys = read(start, end)
-            if keys is not None:  # (None: a batch row with no request)
+            if keys is not None and n_used:  # (None: a batch row with no request; no cluster: nothing to join)
                 _fold_nearest(st, keys, b, start, end)
         else:
-            groups.setdefault(spec, []).append((st, read))
+            groups.setdefault(spec, []).append((st, read, n_used))
     for (lo, at, size), part in groups.items():
         changed |= _fold_as_clusters(cfg, part, b, lo, at, size, end)
     return changed
 
 
-def _cluster_spec(cfg: TacticConfig, cluster_size_for, st: ClusterIndex, b: int, start: int,
-                  end: int) -> Optional[Tuple[int, int, int]]:
+def _cluster_spec(cfg: TacticConfig, cluster_size_for, st: ClusterIndex, b: int, start: int, end: int,
+                  used: int) -> Optional[Tuple[int, int, int]]:
     """What a "cluster" fold of tokens [start, end) of row b clusters: (first token, first
     cluster id, cluster size). The tokens folded since the row's open region began ([base,
     end)) are clustered whole each time they grow by half (and when they reach
@@ -52,8 +53,7 @@ def _cluster_spec(cfg: TacticConfig, cluster_size_for, st: ClusterIndex, b: int,
     few hundred keys makes looser clusters than on thousands (real SmolLM2 attention,
     docs/accuracy.md "Long generations"), and growing by half keeps the work linear (three
     times the tokens folded). None where max_clusters leaves no room (the region closes;
-    the tokens join their nearest centroids)."""
-    used = int(st.num_clusters[b])
+    the tokens join their nearest centroids). used: the row's clusters in use."""
     base, first, last = st.region_of(b) or (start, used, 0)
     whole = end - base >= min(int(last * REGION_GROWTH), cfg.cluster_window or math.inf)
     lo, at = (base, first) if whole else (start, used)
@@ -67,11 +67,12 @@ def _cluster_spec(cfg: TacticConfig, cluster_size_for, st: ClusterIndex, b: int,
 
 
 def _fold_as_clusters(cfg: TacticConfig, part, b: int, lo: int, at: int, size: int, end: int) -> bool:
-    """K-means of tokens [lo, end) of row b in every layer of `part` ((index, read) pairs),
-    one call, written as clusters [at, at + got) of each index (a whole region's K-means
-    replaces the region's clusters). An index widens by half (or 64 clusters) at least when
-    they do not fit, so a captured step stays valid over several folds; True if one did."""
-    keys = [read(lo, end) for _, read in part]
+    """K-means of tokens [lo, end) of row b in every layer of `part` ((index, read, clusters
+    in use) triples), one call, written as clusters [at, at + got) of each index (a whole
+    region's K-means replaces the region's clusters). An index widens by half (or 64
+    clusters) at least when they do not fit, so a captured step stays valid over several
+    folds; True if one did."""
+    keys = [read(lo, end) for _, read, _ in part]
     part = [p for p, k in zip(part, keys) if k is not None]  # (None: a batch row with no request)
     if not part:
         return False
@@ -85,9 +86,9 @@ def _fold_as_clusters(cfg: TacticConfig, part, b: int, lo: int, at: int, size: i
     radius = cluster_radius(x, res.assign, cent)
     box = quantize_box(*cluster_box(x, res.assign, got), cent) if st0.box is not None else None
     grew = False
-    for i, (st, _) in enumerate(part):
+    for i, (st, _, used) in enumerate(part):
         rows = slice(i * Hkv, (i + 1) * Hkv)
-        used, C = int(st.num_clusters[b]), st.centroids.shape[2]
+        C = st.centroids.shape[2]
         if at + got > C:
             cap = max(at + got, C + max(C // 2, 64))
             st.widen(min(cap, max(cfg.max_clusters, at + got)) if cfg.max_clusters else cap, st.assign.shape[-1])
@@ -116,9 +117,7 @@ def _fold_as_clusters(cfg: TacticConfig, part, b: int, lo: int, at: int, size: i
 def _fold_nearest(st: ClusterIndex, k: Tensor, b: int, start: int, end: int) -> None:
     """Each of tokens [start, end) of row b (keys k [Hkv, end - start, D]) joins its nearest
     centroid, which moves to the mean of its old and new members (radius and box kept
-    bounds). Nothing to fold into (no cluster): they stay always-attended."""
-    if int(st.num_clusters[b]) == 0:
-        return
+    bounds). The row has clusters (with none, its tokens stay always-attended)."""
     cent = st.centroids[b].float() if st.centroids.dtype != torch.float64 else st.centroids[b]  # [Hkv, C, D]
     x = k.to(cent.dtype)  # [Hkv, n, D]
     C = cent.shape[1]

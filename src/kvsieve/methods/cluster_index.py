@@ -121,6 +121,35 @@ class ClusterIndex:
         return not fits
 
 
+def build_csr_layers(states: List[ClusterIndex]) -> bool:
+    """build_csr() of every layer's index (a decode step's maintenance): the indexes whose
+    views fit and share their stale rows and shapes (the layers of a batch after a fold) are
+    rebuilt in one sort, the others one by one. True when any allocated new tensors."""
+    groups = {}
+    for st in states:
+        if (st.csr_stale and st.members is not None and st.members.shape == st.assign.shape
+                and st.sizes32.shape == st.sizes.shape):
+            groups.setdefault((tuple(sorted(st.csr_stale)), st.assign.shape, st.sizes.shape), []).append(st)
+    for (rows, _, _), group in groups.items():
+        if len(group) < 2:
+            continue
+        r = torch.tensor(rows, dtype=torch.long, device=group[0].assign.device)
+        members, start, sizes32 = csr_view(torch.cat([st.assign[r] for st in group]),
+                                           torch.cat([st.sizes[r] for st in group]))
+        R = len(rows)
+        tops = sizes32.view(len(group), -1).amax(-1).tolist() if sizes32.numel() else [0] * len(group)
+        for i, st in enumerate(group):
+            part = slice(i * R, (i + 1) * R)
+            st.members[r], st.entry_start[r], st.sizes32[r] = members[part], start[part], sizes32[part]
+            st.max_size = max(st.max_size, tops[i])
+            st.csr_stale = set()
+    changed = False
+    for st in states:
+        if st.members is None or st.csr_stale:
+            changed |= st.build_csr()
+    return changed
+
+
 ROW_TENSORS = ("centroids", "sizes", "assign", "num_indexed", "num_clusters", "radius", "box", "box_step",
                "members", "entry_start", "sizes32")  # one row per request: moved with it
 

@@ -21,7 +21,7 @@ from . import fit_tables
 from .base import (DENSE_BELOW_KV_BYTES, Selection, SparseMethod, TokenPlan, budget_capacity, budget_crossover,
                    capacity_bucket, dense_head_flags, streaming_window)
 from .cluster_fold import fold_layers
-from .cluster_index import ClusterIndex, concat_rows, csr_view, take_rows, widened
+from .cluster_index import ClusterIndex, build_csr_layers, concat_rows, csr_view, take_rows, widened
 
 
 THRESHOLD_DENSE_BELOW_KV_BYTES = 384 << 20  # 96K tokens of the Llama-3.1-8B shape (Tactic.dense_step_below_tokens)
@@ -283,9 +283,8 @@ class Tactic(SparseMethod):
             due = [(st, functools.partial(read, b)) for st, read in zip(states, readers) if self._fold_due(st, b, n)]
             if due:  # in place (a captured step stays valid) unless an index had to widen
                 changed |= fold_layers(self.config, self.cluster_size_for, due, b, self._fold_end(n))
+        changed |= build_csr_layers(states)
         for state in states:
-            if state.members is None or state.csr_stale:
-                changed |= state.build_csr()
             c = state.consts
             if self.config.budget is None and c is not None and "wkey" in c:  # in place while the widths hold
                 fit_tables.refresh(c, self.config, state.host_indexed or list(host_lengths), c["Hq"],
