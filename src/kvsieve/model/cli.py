@@ -223,8 +223,8 @@ def attended_densely_note(args, eng, attended) -> str:
     total = ""
     if eng.dense_step_below:  # a batch-wide plan: its payback grows near that line (Tactic.index_payback_at)
         total = f" ({eng.dense_step_below} for the prompts together, with enough new tokens to repay its index)"
-    return (f"--- attended densely: the prompt is below this device's dense/sparse crossover of "
-            f"{eng.dense_below} tokens{total}{few}, or {args.method}'s plans read most of the cache; pass "
+    return (f"--- attended densely: the prompt and its answer stayed below this device's dense/sparse crossover "
+            f"of {eng.dense_below} tokens{total}{few}, or {args.method}'s plans read most of the cache; pass "
             f"--dense-below 0 to force {args.method}")
 
 
