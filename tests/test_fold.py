@@ -142,3 +142,22 @@ def test_every_layer_folded_in_one_call_equals_one_layer_at_a_time(mode):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
         assert a.regions == b.regions and a.host_indexed == b.host_indexed and a.max_size == b.max_size
     assert int(one[0].num_indexed[0]) > 500 and int(one[0].num_indexed[1]) == 252  # row 1 never folded
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_an_index_with_no_cluster_keeps_the_keys_dtype_through_its_folds(dtype):
+    """A prompt within the sinks gets an index with no cluster; its centroids are in the
+    dtype a clustered prompt's are (the keys' own for fp16/bf16), so the clusters its folds
+    add merge with other requests' and write into their batch's rows in place."""
+    _, k, _ = clustered_qkv(1, 4, 2, 700, 64, seed=4, dtype=dtype)
+    m = make_method("tactic", fold_every=64, local=8, cluster_size=8)
+    short, long = m.prepare(k[:, :, :3], torch.tensor([3])), m.prepare(k, torch.tensor([500]))
+    for name in ("centroids", "radius", "box_step"):
+        assert getattr(short, name).dtype == getattr(long, name).dtype, name
+    short.widen(short.centroids.shape[2], 700)
+    list(fold_to(m, short, k, [300], step=16))
+    assert int(short.num_clusters[0]) > 0 and short.centroids.dtype == long.centroids.dtype
+    batch = m.merge_states([long, long])
+    batch.widen(max(batch.centroids.shape[2], short.centroids.shape[2]), 700)  # (room for its clusters)
+    assert batch.centroids.dtype == long.centroids.dtype and m.write_slot(batch, 1, short)
+

@@ -228,6 +228,34 @@ def test_under_the_crossover_decode_is_sdpa(tiny_llama):
     assert state.new_tokens == 4  # generate()'s max_new_tokens, for the index's payback on CUDA
 
 
+def test_the_tokens_left_to_repay_an_index_count_from_each_calls_prompt(tiny_llama):
+    """decodes_densely counts the tokens a generate() has left from that call's prompt, a
+    one-token prompt too (its prefill is a one-token forward), not from an earlier call's.
+    On an 8B-like CUDA key (budget 64: crossover 8,192, payback 256) a context of 8,292 from
+    a one-token prompt asking for 8,300 has 9 left: it stays dense."""
+    model, enc = tiny_llama
+
+    class CudaKey:  # what decodes_densely reads of a key
+        is_cuda, shape = True, (1, 8, 0, 128)
+
+        def element_size(self):
+            return 2
+
+    state = khf.enable(model, "tactic", budget=64)
+    try:
+        greedy(model, enc, 2)
+        assert state.prompt_tokens == 97
+        with torch.no_grad():
+            model.generate(input_ids=torch.tensor([[5]]), max_new_tokens=3, do_sample=False)
+        assert state.prompt_tokens == 1
+        state.new_tokens = 8300
+        assert state.decodes_densely(CudaKey(), [8292])  # 9 left
+        state.new_tokens = 9000
+        assert not state.decodes_densely(CudaKey(), [8292])  # 709 left
+    finally:
+        khf.disable(model)
+
+
 @pytest.mark.parametrize("method,opts", [("tactic", {"threshold": 1.0}), ("quest", {"budget": 16})])
 def test_a_generation_growing_past_the_crossover_is_indexed_there(tiny_llama, method, opts):
     """dense_below 99: the prefill (97 tokens) and the first decode step (98) use SDPA, the

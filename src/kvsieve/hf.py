@@ -221,7 +221,7 @@ def kvsieve_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
                          "tokens (max_new_tokens, or max_length in its GenerationConfig): kvsieve never runs past "
                          "the model's positions")
     method, idx = state.method, module.layer_idx
-    if T > 1:
+    if T > 1 or layer.index is None:  # a prefill (of one token too: a fresh cache's first forward)
         state.prompt_tokens = max(host)
     if T > 1 or layer.index is None or (layer.index is _DENSE and not state.decodes_densely(key, host)):
         if state.decodes_densely(key, host):
@@ -437,7 +437,7 @@ class _Generate:
                 _left_padded(mask.bool())
             kwargs.pop("cache", None), kwargs.pop("past_key_values", None)
             kwargs[self.cache_kw] = make_cache()
-        state.new_tokens = new_tokens
+        state.new_tokens, state.prompt_tokens = new_tokens, None
         state.kv_read_sum, state.kv_read_steps, state.attended_densely = 0.0, 0, 0
         return self.original(*args, **kwargs)
 

@@ -95,13 +95,15 @@ class Tactic(SparseMethod):
             # the unindexed tail starts after the sinks, where the sinks' columns end: tokens
             # [S, cfg.sink) still to come are sinks, attended once
             indexed = lengths.clamp(min=cfg.sink)
-            return [ClusterIndex(k.new_zeros(B, Hkv, 1, D, dtype=torch.float32),
+            wide = torch.float64 if ks[0].dtype == torch.float64 else torch.float32  # as K-means's would be
+            cent = ks[0].dtype if ks[0].dtype in (torch.float16, torch.bfloat16) else wide  # (folds add clusters)
+            return [ClusterIndex(k.new_zeros(B, Hkv, 1, D, dtype=cent),
                                  torch.zeros(B, Hkv, 1, dtype=torch.long, device=k.device),
                                  torch.full((B, Hkv, S), -1, dtype=torch.long, device=k.device),
                                  indexed.clone(), torch.zeros_like(lengths), host_indexed=indexed.tolist(),
-                                 radius=k.new_zeros(B, Hkv, 1, dtype=torch.float32),
+                                 radius=k.new_zeros(B, Hkv, 1, dtype=wide),
                                  dense=self._dense_flags(layer, Hkv, k.device),
-                                 **self._empty_box(k.new_zeros(B, Hkv, 1, D))) for k, layer in zip(ks, layers)]
+                                 **self._empty_box(k.new_zeros(B, Hkv, 1, D, dtype=wide))) for k, layer in zip(ks, layers)]
         sizes_by_row = [self.cluster_size_for(n - sink) for n in host]
         if len(set(sizes_by_row)) > 1:  # requests of different cluster sizes: each on its own
             per_request = [self.prepare_layers([k[b:b + 1] for k in ks], lengths[b:b + 1], layers) for b in range(B)]
