@@ -618,14 +618,15 @@ def test_dense_below_the_crossover_and_when_plans_read_most(tiny_model, monkeypa
     short = LLMEngine(tiny_model, None, "tactic", cluster_size=8, dense_below=100).generate(ps, params)
     dense = LLMEngine(tiny_model, None, "dense").generate(ps, params)
     assert all(o.attended_densely and o.kv_fraction == 1.0 and o.method == "tactic" for o in short)
-    assert [o.tokens for o in short] == [o.tokens for o in dense]
+    assert [o.tokens for o in short] == [o.tokens for o in dense] and {o.dense_reason for o in short} == {"not_indexed"}
     # random weights attend almost uniformly: P = 0.99 reads most of the cache, so after a
     # few such steps the request attends densely (the fallback is on once dense_below > 0)
     eng = LLMEngine(tiny_model, None, "tactic", cluster_size=8, threshold=0.99, dense_below=1)
     out = eng.generate(ps, params)
-    assert all(o.attended_densely for o in out)
+    assert all(o.attended_densely for o in out) and {o.dense_reason for o in out} == {"plans_read_most"}
     off = LLMEngine(tiny_model, None, "tactic", cluster_size=8, threshold=0.99, dense_below=0).generate(ps, params)
     assert not any(o.attended_densely for o in off) and min(o.kv_fraction for o in off) > 0.5
+    assert {o.dense_reason for o in off} == {None}
 
 
 def test_each_method_has_its_own_gpu_crossover(tiny_model):

@@ -228,6 +228,21 @@ def test_under_the_crossover_decode_is_sdpa(tiny_llama):
     assert state.new_tokens == 4  # generate()'s max_new_tokens, for the index's payback on CUDA
 
 
+def test_a_given_dense_below_keeps_the_payback_rule_as_the_engine_does(tiny_llama):
+    """With dense_below 99 and 4 new tokens, tactic's index (256 tokens to repay) is never
+    built: the whole generation decodes with SDPA, as the engine keeps such a request dense."""
+    model, enc = tiny_llama
+    ref = greedy(model, enc, 4)
+    state = khf.enable(model, "tactic", dense_below=99)
+    planned, plan = [], state.method.plan
+    state.method.plan = lambda *a, **k: (planned.append(1), plan(*a, **k))[1]
+    try:
+        out = greedy(model, enc, 4)
+    finally:
+        khf.disable(model)
+    assert torch.equal(out, ref) and state.kv_fraction == 1.0 and state.attended_densely == 2 and not planned
+
+
 def test_the_tokens_left_to_repay_an_index_count_from_each_calls_prompt(tiny_llama):
     """decodes_densely counts the tokens a generate() has left from that call's prompt, a
     one-token prompt too (its prefill is a one-token forward), not from an earlier call's.
@@ -257,10 +272,15 @@ def test_the_tokens_left_to_repay_an_index_count_from_each_calls_prompt(tiny_lla
 
 
 @pytest.mark.parametrize("method,opts", [("tactic", {"threshold": 1.0}), ("quest", {"budget": 16})])
-def test_a_generation_growing_past_the_crossover_is_indexed_there(tiny_llama, method, opts):
+def test_a_generation_growing_past_the_crossover_is_indexed_there(tiny_llama, method, opts, monkeypatch):
     """dense_below 99: the prefill (97 tokens) and the first decode step (98) use SDPA, the
     next steps (99, 100) build the index and plan: every layer decodes 3 steps, 2 of them
-    through the method. At a full threshold HF's own tokens; quest's 16-token budget reads part."""
+    through the method. At a full threshold HF's own tokens; quest's 16-token budget reads part.
+    (tactic's index payback set to 0 here: below.)"""
+    from kvsieve.methods import tactic
+
+    monkeypatch.setattr(tactic.Tactic, "index_payback_tokens", 0)
+    monkeypatch.setattr(tactic, "THRESHOLD_PAYBACK_STEPS", 0)
     model, enc = tiny_llama
     ref = greedy(model, enc, 4)
     state = khf.enable(model, method, dense_below=99, **opts)

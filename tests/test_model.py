@@ -229,7 +229,9 @@ def test_generate_json_contract(capsys):
                            "--method", "quest", "--budget", "64", "--dense-below", "1000", "--json")
     rep = json.loads(out)
     assert rc == 0 and rep["attended"] == ["dense"] and rep["kv_fraction"] == 1.0 and rep["dense_below"] == 1000
+    assert rep["dense_reason"] == ["not_indexed"] and "stayed below this device's dense/sparse crossover" in err
     assert "--- attended densely" in err and "pass --dense-below 0 to force quest" in err  # with --json too
+    assert "read more than" not in err
     rc, _, err = run_cli(capsys, "generate", "--prompt", "Name a color.", "--max-new-tokens", "3",
                          "--method", "quest", "--budget", "64", "--dense-below", "1000")
     assert rc == 0 and "quest (dense attention)" in err and "pass --dense-below 0 to force quest" in err
@@ -437,3 +439,24 @@ def test_streaming_heads_of_another_shape_are_refused_and_a_file_path_is_read(em
     for method in ("hybrid", "lserve"):  # a request's own method reads the path too (its characters were flags)
         key = eng.method_key(method, {"streaming_heads": str(EMBEDDED_PATTERN)})
         assert eng.runner.methods[key].config.streaming_heads == load_pattern(EMBEDDED_PATTERN, 30, 3, method)
+
+
+def test_the_attended_densely_note_names_the_rule_that_applied():
+    """One line on stderr naming why requests attended densely: under the crossover (or too
+    few tokens to repay an index), their plans reading most of the cache, or both."""
+    from types import SimpleNamespace
+    from kvsieve.model.cli import attended_densely_note
+    from kvsieve.methods import make_method
+
+    args = SimpleNamespace(method="tactic", max_new_tokens=64)
+    eng = SimpleNamespace(runner=SimpleNamespace(methods={"default": make_method("tactic")}), dense_below=150,
+                          dense_step_below=0)
+    assert attended_densely_note(args, eng, [None, None]) == ""
+    under = attended_densely_note(args, eng, ["not_indexed"])
+    assert "stayed below this device's dense/sparse crossover of 150 tokens" in under and "under the 256" in under
+    assert "read more than" not in under
+    most = attended_densely_note(args, eng, [None, "plans_read_most"])
+    assert "plans read more than 50% of the cache for 4 steps in a row" in most and "crossover" not in most
+    both = attended_densely_note(args, eng, ["plans_read_most", "not_indexed"])
+    assert "crossover of 150" in both and "read more than 50%" in both and both.endswith("--dense-below 0 to force tactic")
+

@@ -82,14 +82,15 @@ class HFState:
         (SparseMethod.index_payback_at), as the engine decides. Asked at the prefill and
         again at each step that decodes densely: a generation that grows past the crossover
         is indexed there."""
-        if self.dense_below is not None:
-            return max(host) < self.dense_below
+        m, total = self.method, sum(host)
+        left = None if self.new_tokens is None else self.new_tokens - (max(host) - (self.prompt_tokens or max(host)))
+        if self.dense_below is not None:  # (as the engine's: the payback rule holds unless 0 forces the method)
+            return max(host) < self.dense_below or (
+                self.dense_below > 0 and left is not None and left < m.index_payback_at(total, 0))
         if not key.is_cuda:
             return False
         kv_token_bytes = 2 * key.shape[1] * key.shape[3] * key.element_size()
-        m, total = self.method, sum(host)
         step_below = m.dense_step_below_tokens(kv_token_bytes)
-        left = None if self.new_tokens is None else self.new_tokens - (max(host) - (self.prompt_tokens or max(host)))
         return (max(host) < m.dense_below_tokens(kv_token_bytes) or total < step_below
                 or (left is not None and left < m.index_payback_at(total, step_below)))
 
@@ -356,9 +357,11 @@ def _check_length(model, prompt: Optional[int], new_tokens: Optional[int]) -> No
 def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **options) -> HFState:
     """Make model.generate() decode with kvsieve `method` (options as in sparse_decode; a
     known model's shipped heads are added as the CLI adds them, model_head_defaults).
-    dense_below: batches whose longest prompt is shorter decode with SDPA (None: the
-    method's measured crossovers on CUDA, HFState.decodes_densely, 0 on the CPU; 0 forces
-    the method everywhere). A model kvsieve cannot decode (_unsupported) or a bad option is
+    dense_below: a batch decodes with SDPA while its longest context (prompt and generated
+    tokens) is shorter, or while generate() has too few new tokens left to repay the
+    method's index, and is indexed at the step it gets past both (None: the method's
+    measured crossovers on CUDA, HFState.decodes_densely, 0 on the CPU; 0 forces the method
+    everywhere). A model kvsieve cannot decode (_unsupported) or a bad option is
     refused with ValueError, leaving the model as it was.
     Returns the state object, whose kv_fraction reports the fraction of KV read."""
     if dense_below is not None and (isinstance(dense_below, bool) or not isinstance(dense_below, numbers.Integral)

@@ -27,8 +27,8 @@ class BatchCrossover:
     """LLMEngine's dense-or-sparse decisions (self is the engine)."""
 
     def dense_below_for(self, key: str) -> int:
-        """Prompts shorter than this many tokens attend densely under method `key`: the
-        engine's dense_below if given, else on CUDA the method's crossover
+        """A request of method `key` attends densely while its context is shorter than this
+        many tokens: the engine's dense_below if given, else on CUDA the method's crossover
         (SparseMethod.dense_below_tokens), 0 on the CPU."""
         if self._dense_below_given is not None:
             return self._dense_below_given

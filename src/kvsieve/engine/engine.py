@@ -40,9 +40,11 @@ class LLMEngine(BatchCrossover, Warmup):
     name their own. kv_pages: pool size in pages of kv_page_size tokens (default: room for
     max_num_seqs requests of the model's full length, capped by gpu_memory_fraction of the
     free GPU memory on CUDA, by cpu_kv_gib GiB and half the free RAM on the CPU).
-    dense_below: prompts shorter than this many tokens attend densely, the others always
-    plan (default on CUDA: the request's method's crossovers, see dense_below_for and
-    dense_step_below_for; 0 on the CPU). Prompts are token ids or text (prompt_ids).
+    dense_below: a request attends densely while its context (prompt and generated tokens)
+    is shorter than this many tokens, and is indexed at the step it gets there if enough new
+    tokens are left to repay the index (default on CUDA: the request's method's crossovers,
+    see dense_below_for and dense_step_below_for; 0 on the CPU; 0 forces the methods: no
+    payback or fallback rule). Prompts are token ids or text (prompt_ids).
     Thread-safe: step, add_request, abort and the calls built on them take one lock, and
     generate / stream in several threads each get their own requests' outputs, whichever
     thread's step produced them."""
@@ -309,6 +311,7 @@ class LLMEngine(BatchCrossover, Warmup):
                     tr.high = tr.high + 1 if frac > DENSE_ABOVE and req.method_key != "dense" else 0
                 if self.dense_fallback and tr.high >= DENSE_AFTER and "dense" in self.runner.methods:
                     self.runner.attend_densely(req)
+                    tr.fell_back = True
                     if not self._warming:  # (warm-up's dummy prompt says nothing of the model's attention)
                         self._reads_most.add(tr.key)
                 agg = self.stats.kv_fraction.setdefault(tr.method, [0.0, 0])
@@ -366,13 +369,14 @@ class LLMEngine(BatchCrossover, Warmup):
         tr = self._track[req.id]
         new = req.output[tr.sent:]
         tr.sent = len(req.output)
+        dense = req.method_key == "dense" and tr.method != "dense"
         out = RequestOutput(req.id, new, list(req.output), len(req.prompt), req.finished, req.finish_reason,
                             tr.frac_sum / tr.steps if tr.steps else 1.0, tr.method,
                             None if tr.first is None else tr.first - tr.arrival,
-                            0.0 if tr.first is None else tr.last - tr.first,
-                            req.method_key == "dense" and tr.method != "dense",
+                            0.0 if tr.first is None else tr.last - tr.first, dense,
                             None if req.params.logprobs is None else list(tr.logprobs),
-                            None if req.params.prompt_logprobs is None else tr.prompt_logprobs)
+                            None if req.params.prompt_logprobs is None else tr.prompt_logprobs,
+                            ("plans_read_most" if tr.fell_back else "not_indexed") if dense else None)
         if req.finished:
             self._track.pop(req.id, None)
             self._later.discard(req.id)

@@ -31,6 +31,11 @@ class RequestOutput:
     attended_densely: bool = False  # below the crossover, or its plans read most of its cache
     logprobs: Optional[List[TokenLogprob]] = None
     prompt_logprobs: Optional[List[Optional[TokenLogprob]]] = None
+    # why it attended densely: "not_indexed" (its context stayed under its method's crossover,
+    # too few new tokens were left to repay an index, or the batch rule), "plans_read_most"
+    # (indexed, its plans read more than half of its cache for a few steps in a row: dense
+    # from there); None when it did not
+    dense_reason: Optional[str] = None
 
 
 @dataclass
@@ -43,6 +48,7 @@ class _Track:
     steps: int = 0
     sent: int = 0
     high: int = 0  # consecutive steps reading more than DENSE_ABOVE of the cache
+    fell_back: bool = False  # moved to dense after its plans read most of its cache
     key: str = ""  # the method key it asked for (req.method_key may become "dense")
     logprobs: List[TokenLogprob] = field(default_factory=list)  # per generated token, where asked
     prompt_logprobs: List[Optional[TokenLogprob]] = field(default_factory=lambda: [None])  # per prompt token

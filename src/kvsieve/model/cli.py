@@ -33,8 +33,10 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="default bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--device", help="default cuda when a GPU is present, else cpu")
-    p.add_argument("--dense-below", type=int, help="prompts shorter than this attend densely (default: the "
-                   "measured crossover on CUDA, 0 on the CPU)")
+    p.add_argument("--dense-below", type=int, help="a request attends densely while its context (prompt and "
+                   "generated tokens) is shorter than this, and is indexed where it gets there with enough tokens "
+                   "left to repay the index (default: the measured crossover on CUDA, 0 on the CPU; 0 forces the "
+                   "method)")
     p.add_argument("--no-warmup", action="store_true", help="skip kernel compilation before the request (CUDA)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true", help="do not stream tokens as they come")
@@ -157,6 +159,7 @@ def cmd_generate(args) -> int:
         "kv_fraction": round(frac, 5),
         "kv_fraction_per_request": [round(o.kv_fraction, 5) for o in res],
         "attended": ["dense" if o.attended_densely else o.method for o in res],
+        "dense_reason": [o.dense_reason for o in res],
         "dense_below": eng.dense_below,
         "dense_step_below": eng.dense_step_below,
         "kv_bytes": eng.runner.cache.page_bytes * sum(-(-(len(p) + len(o.tokens)) // eng.scheduler.page_size)
@@ -177,7 +180,7 @@ def cmd_generate(args) -> int:
         report["first_divergence"] = [first_divergence(d.tokens, o.tokens) for d, o in zip(dense, res)]
         if len(res) == 1:
             report["first_divergence"] = report["first_divergence"][0]
-    dense_note = attended_densely_note(args, eng, report["attended"])
+    dense_note = attended_densely_note(args, eng, [o.dense_reason for o in res])
     if args.json:
         if dense_note:  # (stderr: the JSON on stdout stays clean)
             print(dense_note, file=sys.stderr)
@@ -213,19 +216,27 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def attended_densely_note(args, eng, attended) -> str:
-    """The stderr line saying why some prompt attended densely under a sparse method ("" if none did)."""
-    if args.method == "dense" or "dense" not in attended:
+def attended_densely_note(args, eng, reasons) -> str:
+    """The stderr line saying why some prompt attended densely under a sparse method ("" if
+    none did); reasons: each request's RequestOutput.dense_reason."""
+    from ..engine.crossover import DENSE_ABOVE, DENSE_AFTER
+
+    if args.method == "dense" or not any(reasons):
         return ""
-    payback = eng.runner.methods["default"].index_payback_tokens
-    few = f", or --max-new-tokens is under the {payback} tokens that repay its index" \
-        if args.max_new_tokens < payback else ""
-    total = ""
-    if eng.dense_step_below:  # a batch-wide plan: its payback grows near that line (Tactic.index_payback_at)
-        total = f" ({eng.dense_step_below} for the prompts together, with enough new tokens to repay its index)"
-    return (f"--- attended densely: the prompt and its answer stayed below this device's dense/sparse crossover "
-            f"of {eng.dense_below} tokens{total}{few}, or {args.method}'s plans read most of the cache; pass "
-            f"--dense-below 0 to force {args.method}")
+    why = []
+    if "not_indexed" in reasons:
+        payback = eng.runner.methods["default"].index_payback_tokens
+        few = f", or --max-new-tokens is under the {payback} tokens that repay its index" \
+            if args.max_new_tokens < payback else ""
+        total = ""
+        if eng.dense_step_below:  # a batch-wide plan: its payback grows near that line (Tactic.index_payback_at)
+            total = f" ({eng.dense_step_below} for the prompts together, with enough new tokens to repay its index)"
+        why.append(f"the prompt and its answer stayed below this device's dense/sparse crossover of "
+                   f"{eng.dense_below} tokens{total}, or too few new tokens were left past it to repay its index{few}")
+    if "plans_read_most" in reasons:
+        why.append(f"{args.method}'s plans read more than {DENSE_ABOVE:.0%} of the cache for {DENSE_AFTER} steps in a "
+                   "row, so it attended densely from there (sparse would be slower)")
+    return f"--- attended densely: {'; and '.join(why)}; pass --dense-below 0 to force {args.method}"
 
 
 def run_requests(eng, tok, prompts, params, method, stream: bool):

@@ -39,8 +39,10 @@ def register(sub) -> None:
                    help="default bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--max-waiting", type=int, default=256, help="queue limit; past it requests get 503 with "
                                                                 "Retry-After (default 256)")
-    p.add_argument("--dense-below", type=int, help="prompts shorter than this attend densely (default: the "
-                   "measured crossover on CUDA, 0 on the CPU)")
+    p.add_argument("--dense-below", type=int, help="a request attends densely while its context (prompt and "
+                   "generated tokens) is shorter than this, and is indexed where it gets there with enough tokens "
+                   "left to repay the index (default: the measured crossover on CUDA, 0 on the CPU; 0 forces the "
+                   "method)")
     p.add_argument("--max-method-configs", type=int, default=32, help="distinct per-request kvsieve settings "
                    "in use by running or waiting requests at once (default 32; unused ones are released)")
     p.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds of a 503 (default 1)")
