@@ -51,8 +51,9 @@ _active = threading.local()  # the cache layer most recently updated: read by th
 class HFState:
     """dense_below: while the batch's longest (prompt and tokens generated) is shorter than
     this many tokens it decodes with SDPA (None: the method's crossovers on CUDA, see
-    decodes_densely; 0 elsewhere); attended_densely counts the layer prefills that did. The counters (and kv_fraction) cover the
-    latest generate() call: each call starts them afresh (model() calls of your own add up)."""
+    decodes_densely; 0 elsewhere); attended_densely counts the layer prefills that did.
+    The counters (and kv_fraction) cover the latest generate() call: each call starts them
+    afresh (model() calls of your own add up)."""
 
     method: SparseMethod
     dense_below: Optional[int] = None

@@ -47,11 +47,10 @@ class BatchCrossover:
     def _grows_past_crossover(self, key: str, prompt: int, max_new_tokens: int) -> bool:
         """A request under method `key`'s crossover whose generation can take its context past
         it with at least the method's index_payback_tokens still to generate there."""
-        m = self.runner.methods[key]
         if key == "dense" or not self.dense_fallback:
             return False
-        cross = self.dense_below_for(key)
-        return 0 < cross and prompt + max_new_tokens - max(cross, prompt) >= max(m.index_payback_tokens, 1)
+        cross, payback = self.dense_below_for(key), self.runner.methods[key].index_payback_tokens
+        return 0 < cross and prompt + max_new_tokens - max(cross, prompt) >= max(payback, 1)
 
     def _reached(self, req: Request, key: str) -> bool:
         """req's context (prompt and generated tokens) has reached method `key`'s crossover."""

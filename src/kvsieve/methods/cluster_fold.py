@@ -24,8 +24,8 @@ def fold_layers(cfg: TacticConfig, cluster_size_for: Callable[[int], int],
                 items: List[Tuple[ClusterIndex, Callable[[int, int], Optional[Tensor]]]], b: int, end: int) -> bool:
     """Fold row b's unindexed tokens before `end` in each layer's index. items: one
     (index, read(start, end) -> keys [Hkv, end - start, D], None for a row with no request)
-    per layer. Returns True when an
-    index was widened (new tensors: a captured step must be captured again)."""
+    per layer. Returns True when an index was widened (new tensors: a captured step must be
+    captured again)."""
     changed, groups = False, {}
     used = torch.stack([st.num_clusters[b] for st, _ in items]).tolist()  # (one host sync, not one a layer)
     for (st, read), n_used in zip(items, used):
@@ -34,8 +34,8 @@ def fold_layers(cfg: TacticConfig, cluster_size_for: Callable[[int], int],
             continue
         spec = _cluster_spec(cfg, cluster_size_for, st, b, start, end, n_used) if cfg.fold_mode == "cluster" else None
         if spec is None:
-            keys = read(start, end)
-            if keys is not None and n_used:  # (None: a batch row with no request; no cluster: nothing to join)
+            keys = read(start, end) if n_used else None  # (no cluster: nothing to join)
+            if keys is not None:  # (None: a batch row with no request)
                 _fold_nearest(st, keys, b, start, end)
         else:
             groups.setdefault(spec, []).append((st, read, n_used))
