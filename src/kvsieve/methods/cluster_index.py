@@ -37,7 +37,7 @@ class ClusterIndex:
     sizes [B, Hkv, C] int32); built on first use, rebuilt in place after a fold.
     max_size: the largest cluster size seen (host int; it sets fixed-budget list capacities).
     regions: per row, host (first token, first cluster, tokens at its last whole K-means) of
-    the tokens folded as clusters since the last closed region (Tactic._fold_as_clusters),
+    the tokens folded as clusters since the last closed region (methods.cluster_fold),
     or None when no region is open.
     consts: small per-shape tensors a plan reuses (budget, sink) instead of refilling them.
     """
