@@ -82,9 +82,11 @@ def grow8b(log, batch=8, prompt=6000, new_tokens=4000):
     from kvsieve.methods import tactic
 
     fold_s = [0.0, 0]
-    fold = tactic.fold_layers
+    fold = tactic.fold_rows
 
-    def timed_fold(*a, **k):  # each fold's own time (synchronized)
+    def timed_fold(*a, **k):  # each step's folds, their own time (synchronized)
+        if not a[4]:  # (no row due)
+            return fold(*a, **k)
         torch.cuda.synchronize()
         t = time.perf_counter()
         out = fold(*a, **k)
@@ -93,7 +95,7 @@ def grow8b(log, batch=8, prompt=6000, new_tokens=4000):
         fold_s[1] += 1
         return out
 
-    tactic.fold_layers = timed_fold
+    tactic.fold_rows = timed_fold
     rows = []
     for label, method, opts in (("dense", "dense", {}), ("tactic", "tactic", {"budget": 256}),
                                 ("tactic, nearest folds", "tactic", {"budget": 256, "fold_mode": "nearest"})):

@@ -29,6 +29,9 @@ def test_write_read_roundtrip_at_awkward_lengths():
         assert torch.equal(c.read(0, req, k.shape[1], at=at)[0], k)
         c.write(0, req, 5 % k.shape[1], k[:, 5 % k.shape[1]:] * 2, v[:, 5 % k.shape[1]:], at=at[:, 5 % k.shape[1]:])
         assert torch.equal(c.read(0, req, k.shape[1])[0][:, 5 % k.shape[1]:], 2 * k[:, 5 % k.shape[1]:])
+        for start, end in ((0, k.shape[1]), (k.shape[1] // 2, k.shape[1]), (k.shape[1] - 1, k.shape[1])):
+            # a span's keys alone (a fold's read), at pages not aligned to it
+            assert torch.equal(c.read_keys(1, c.rows(req, start, end - start)), k[:, start:end])
     kk, vv = c.view(1, [2, 0], [97, 1])
     assert torch.equal(kk[0], data[2][0]) and torch.equal(kk[1, :, :1], data[0][0]) and (kk[1, :, 1:] == 0).all()
 

@@ -161,3 +161,37 @@ def test_an_index_with_no_cluster_keeps_the_keys_dtype_through_its_folds(dtype):
     batch.widen(max(batch.centroids.shape[2], short.centroids.shape[2]), 700)  # (room for its clusters)
     assert batch.centroids.dtype == long.centroids.dtype and m.write_slot(batch, 1, short)
 
+
+
+@pytest.mark.parametrize("mode", ["cluster", "nearest"])
+@pytest.mark.parametrize("dtype,device", [(torch.float64, "cpu"), (torch.bfloat16, "cpu"),
+                                          pytest.param(torch.bfloat16, "cuda", marks=pytest.mark.gpu)])
+def test_rows_due_at_one_step_fold_together_as_each_alone(dtype, device, mode):
+    """Rows of different lengths whose folds fall due at the same decode step fold in one
+    batch (cluster: one K-means call, shorter rows padded; nearest: one batch of ops) and
+    are written once per layer: each row's index is the one its own fold gives it, through
+    whole-region re-clusters and blocks, a row with no request untouched (on the GPU: the
+    Triton K-means)."""
+    from kvsieve.methods.cluster_fold import fold_rows
+
+    layers = [clustered_qkv(4, 4, 2, 1000, 64, sharpness=6.0, seed=s, dtype=dtype)[1].to(device) for s in (1, 2)]
+    m = make_method("tactic", fold_every=64, local=8, cluster_size=8, fold_mode=mode)
+    lengths = torch.tensor([300, 341, 262, 280], device=device)
+    together = [m.prepare(k[:, :, :341], lengths) for k in layers]
+    alone = [m.prepare(k[:, :, :341], lengths) for k in layers]
+    for st in together + alone:
+        st.grow_positions(1000)
+    readers = [(lambda b, s, e, k=k: None if b == 3 else k[b, :, s:e]) for k in layers]
+    host = lengths.tolist()
+    for step in range(8):  # every row folds at each of these steps, over spans of different lengths
+        host = [n + 40 + 17 * ((b + step) % 3) for b, n in enumerate(host)]
+        due = [(b, n - 8, [0, 1]) for b, n in enumerate(host)]
+        fold_rows(m.config, m.cluster_size_for, together, readers, due)
+        for d in due:
+            fold_rows(m.config, m.cluster_size_for, alone, readers, [d])
+    for a, b in zip(alone, together):
+        for name in ("centroids", "sizes", "assign", "num_indexed", "num_clusters", "radius", "box", "box_step"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert a.regions == b.regions and a.host_indexed == b.host_indexed and a.csr_stale == b.csr_stale
+    assert int(together[0].num_indexed[3]) == 280 - 8 and int(together[0].num_indexed[0]) == host[0] - 8
+    assert (int(together[0].num_clusters[0]) > 60) == (mode == "cluster")

@@ -116,6 +116,12 @@ class PagedKVCache:
         v = self.v[layer].view(-1, D).index_select(0, rows).view(Hkv, length, D)
         return k, v
 
+    def read_keys(self, layer: int, rows: Tensor) -> Tensor:
+        """k [Hkv, n, D] of the tokens at rows (rows(req, start, n), [Hkv, n]): one layer's
+        keys of a span, without its values (a gather, not a view)."""
+        D = self.k.shape[4]
+        return self.k[layer].view(-1, D).index_select(0, rows.reshape(-1)).view(*rows.shape, D)
+
     def view(self, layer: int, reqs: List[int], lengths: List[int]):
         """Padded batch gather: k, v [B, Hkv, max(lengths), D] (zeros beyond each length)."""
         S = max(lengths)

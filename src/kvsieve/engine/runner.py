@@ -290,7 +290,7 @@ class ModelRunner(BatchRows):
                 alt.append(None)
                 continue
             if self.paged and type(m).maintain is not SparseMethod.maintain:
-                readers = [self._key_reader(layer, rows[a:b]) for layer in range(len(bt.states[g]))]
+                readers = self._key_readers(len(bt.states[g]), rows[a:b])
                 changed |= bool(m.maintain_layers(bt.states[g], (bt.positions + 1)[a:b], host_len[a:b], readers))
             if m.layer_independent_plan:
                 key.append(m.graph_key(bt.states[g][0], host_len[a:b]))
@@ -436,9 +436,18 @@ class ModelRunner(BatchRows):
         out = torch.stack([nxt.double(), frac])
         return torch.cat([out, logprob_rows(logits, nxt)]) if bt.logprobs else out
 
-    def _key_reader(self, layer: int, reqs: List[Optional[Request]]):
-        def read_keys(b: int, start: int, end: int) -> Optional[Tensor]:
-            if reqs[b] is None:  # a padding or dead row: its index is a copy nobody reads
-                return None
-            return self.cache.read(layer, reqs[b].id, end)[0][:, start:end]
-        return read_keys
+    def _key_readers(self, num_layers: int, reqs: List[Optional[Request]]):
+        """One read_keys(b, start, end) -> keys [Hkv, end - start, D] per layer (None for a
+        padding or dead row: its index is a copy nobody reads). The layers of a fold read the
+        same span: its pool rows are computed once (one page-table copy, not one a layer)."""
+        spans = {}
+
+        def reader(layer: int):
+            def read_keys(b: int, start: int, end: int) -> Optional[Tensor]:
+                if reqs[b] is None:
+                    return None
+                if (b, start, end) not in spans:
+                    spans[b, start, end] = self.cache.rows(reqs[b].id, start, end - start)
+                return self.cache.read_keys(layer, spans[b, start, end])
+            return read_keys
+        return [reader(layer) for layer in range(num_layers)]

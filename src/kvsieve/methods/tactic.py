@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import List, Optional
@@ -20,7 +19,7 @@ from ..side_branch import SideBranch
 from . import fit_tables
 from .base import (DENSE_BELOW_KV_BYTES, Selection, SparseMethod, TokenPlan, budget_capacity, budget_crossover,
                    capacity_bucket, dense_head_flags, streaming_window)
-from .cluster_fold import fold_layers
+from .cluster_fold import fold_rows
 from .cluster_index import ClusterIndex, build_csr_layers, concat_rows, csr_view, take_rows, widened
 
 
@@ -184,7 +183,7 @@ class Tactic(SparseMethod):
     def _fold(self, st: ClusterIndex, k: Tensor, b: int, end: int) -> bool:
         """Fold row b's unindexed tokens before `end` (keys k [Hkv, >=end, D]; cluster_fold).
         True when the index was widened."""
-        return fold_layers(self.config, self.cluster_size_for, [(st, lambda s, e: k[:, s:e])], b, end)
+        return fold_rows(self.config, self.cluster_size_for, [st], [lambda _, s, e: k[:, s:e]], [(b, end, [0])])
 
     def select(self, q, k, lengths, st: ClusterIndex):
         cfg = self.config
@@ -274,17 +273,17 @@ class Tactic(SparseMethod):
 
     def maintain_layers(self, states: List[ClusterIndex], lengths, host_lengths, readers) -> bool:
         """Grow the assignment buffers, fold tokens into the index every `fold_every` tokens
-        (every layer of a row in one K-means call, cluster_fold), and rebuild the CSR views
-        the plan reads."""
+        (every layer of the rows due at this step in one K-means call, cluster_fold), and
+        rebuild the CSR views the plan reads."""
         changed = False
         for state in states:
             if state.assign.shape[-1] < max(host_lengths):  # in steps of 1024 tokens (padded batch rows)
                 state.grow_positions(state.assign.shape[-1] + max(max(host_lengths) - state.assign.shape[-1], 1024))
                 changed = True
-        for b, n in enumerate(host_lengths):
-            due = [(st, functools.partial(read, b)) for st, read in zip(states, readers) if self._fold_due(st, b, n)]
-            if due:  # in place (a captured step stays valid) unless an index had to widen
-                changed |= fold_layers(self.config, self.cluster_size_for, due, b, self._fold_end(n))
+        due = [(b, self._fold_end(n), [i for i, st in enumerate(states) if self._fold_due(st, b, n)])
+               for b, n in enumerate(host_lengths)]
+        # in place (a captured step stays valid) unless an index had to widen
+        changed |= fold_rows(self.config, self.cluster_size_for, states, readers, [d for d in due if d[2]])
         changed |= build_csr_layers(states)
         for state in states:
             c = state.consts
