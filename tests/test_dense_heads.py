@@ -194,6 +194,29 @@ def test_generate_refuses_a_dense_head_that_the_hybrid_streams(capsys):
     assert rc == 2 and f"dense head {layer}:{head} is one of this method's streaming heads" in err
 
 
+@pytest.mark.skipif(not EMBEDDED_PATTERN.is_file(), reason="no shipped pattern")
+def test_a_dense_heads_file_loses_the_heads_its_pattern_streams_in_generate(tmp_path, capsys):
+    """README's calibrate recipe (--streaming-heads FILE --dense-heads FILE): an lserve drops
+    the file's dense heads that the file streams, in generate and serve as in eval; heads
+    typed one by one stay the user's (a streamed one is refused, test above)."""
+    from kvsieve.cli import main
+
+    path = tmp_path / "mine.streaming.json"
+    save_pattern(path, [[layer == 7 and h == 2 for h in range(3)] for layer in range(30)], {},
+                 {"model": "m", "dense_heads": [[7, 2], [18, 2]]})
+    given = load_dense_heads(path, 30, 3)
+    assert model_head_options("lserve", {"dense_heads": given}, EMBEDDED_DIR, 30, 3, str(path))["dense_heads"] \
+        == ((18, 2),)
+    assert "dense_heads" not in model_head_options("lserve", {"dense_heads": ((7, 2), (18, 2))}, EMBEDDED_DIR, 30,
+                                                   3, str(path))
+    assert dense_heads_of(model_heads(EMBEDDED_DIR, 30, 3, str(path), given), "lserve") == ((18, 2),)
+    rc = main(["generate", "--method", "lserve", "--streaming-heads", str(path), "--dense-heads", str(path),
+               "--prompt", "hi", "--max-new-tokens", "2", "--json", "--no-progress"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert json.loads(out.out)["generated_tokens"] == 2
+
+
 def test_the_report_names_each_method_dense_heads():
     from kvsieve.eval.report import _dense_heads_note
 

@@ -314,10 +314,12 @@ def unstreamed(dense, pattern: Optional[Pattern]) -> Tuple[Tuple[int, int], ...]
 
 def model_head_options(method: str, options: Dict, model_dir, num_layers: int, num_kv_heads: int,
                        streaming_path: Optional[str] = None) -> Dict:
-    """The options a model's head files add to `method`'s (the user's `options` win):
-    streaming_heads for lserve/hybrid (pattern_for), dense_heads for tactic, hybrid, quest
-    and lserve (dense_heads_for; lserve's and hybrid's shipped ones less those their pattern
-    streams)."""
+    """The options a model's head files add to `method`'s (the user's `options` win, but for
+    the streamed heads of a dense-heads file): streaming_heads for lserve/hybrid (pattern_for), dense_heads for tactic, hybrid, quest
+    and lserve (dense_heads_for; lserve's and hybrid's less those their pattern streams: the
+    shipped ones, and a file's the user gives (--dense-heads FILE), as eval and serve's
+    per-request methods take them; heads the user lists one by one are kept, so a streamed
+    one is refused by the method's config)."""
     from .methods.hybrid import HybridConfig
 
     out: Dict = {}
@@ -328,6 +330,8 @@ def model_head_options(method: str, options: Dict, model_dir, num_layers: int, n
     dense = dense_heads_for(method, options, model_dir, num_layers, num_kv_heads)
     if dense is not None:
         out["dense_heads"] = unstreamed(dense, heads)
+    elif heads is not None and isinstance(options.get("dense_heads"), FileHeads):  # a file's, as eval takes them
+        out["dense_heads"] = unstreamed(options["dense_heads"], heads)
     return out
 
 

@@ -131,12 +131,12 @@ def cmd_serve(args) -> int:
     sock = bind(args.host, args.port)
     model, tok, model_dir = load_model(args.model, dtype=dtype, device=device)
     cfg = model.cfg
+    given = opts.get("dense_heads") if args.method in DENSE_HEAD_METHODS else None  # (before a pattern drops any)
     opts.update(model_head_options(args.method, opts, model_dir, cfg.num_layers, cfg.num_kv_heads,
                                    args.streaming_heads))
     # the heads a request asking for lserve/hybrid (each method's own ratio of the file) or tactic runs with
     shipped = model_heads(model_dir, cfg.num_layers, cfg.num_kv_heads,
-                          args.streaming_heads if args.method in STREAMING_METHODS else None,
-                          opts.get("dense_heads") if args.method in DENSE_HEAD_METHODS else None)
+                          args.streaming_heads if args.method in STREAMING_METHODS else None, given)
     eng = LLMEngine(model, tok, args.method, kv_pages=args.kv_pages, max_num_seqs=args.max_num_seqs,
                     max_waiting=args.max_waiting, dense_below=args.dense_below,
                     gpu_memory_fraction=args.gpu_memory_fraction, cpu_kv_gib=args.cpu_kv_gib, **opts)
