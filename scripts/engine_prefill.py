@@ -22,6 +22,7 @@ import time
 from collections import defaultdict
 
 import torch
+from needs_gpu import need_cuda  # noqa: E402
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
@@ -109,6 +110,7 @@ def main() -> int:
     ap.add_argument("--no-cudnn", action="store_true", help="turn SDPA's cuDNN backend off for the whole run")
     ap.add_argument("--prompt-range", default="1024,7500", help="--concurrent: prompt lengths drawn from LO,HI")
     args = ap.parse_args()
+    need_cuda(args.device)
     os.makedirs(args.out, exist_ok=True)
     if args.no_cudnn:
         torch.backends.cuda.enable_cudnn_sdp(False)

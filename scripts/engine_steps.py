@@ -20,11 +20,14 @@ import gc
 import json
 import os
 import random
+import sys
 import time
 
 import torch
 
-from kvsieve.engine import LLMEngine, SamplingParams
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+from needs_gpu import need_cuda  # noqa: E402
+from kvsieve.engine import LLMEngine, SamplingParams  # noqa: E402
 
 
 def timed(fn, log, kind):
@@ -144,6 +147,7 @@ def main():
     ap.add_argument("--warm", default="default", help="default, buckets, or both (each method twice)")
     ap.add_argument("--soon", default="on", help="on, off (rebuilds size groups for their rows only) or both")
     args = ap.parse_args()
+    need_cuda()
     os.makedirs(args.out, exist_ok=True)
     log_compiles()
     big = e2e.random_model()

@@ -32,6 +32,7 @@ import sys
 import time
 
 import torch
+from needs_gpu import need_cuda  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
@@ -295,6 +296,7 @@ def main():
                     "one call per method keeps a long run within a time limit)")
     ap.add_argument("--new-tokens", type=int, help="cb8b/cb64: new tokens per request (default 32 / 64)")
     args = ap.parse_args()
+    need_cuda()
     os.makedirs(args.out, exist_ok=True)
     embedded = any(p not in ("e2e8b", "cb8b", "cb64", "batchrule") for p in args.parts.split(","))
     model, tok, MODEL_DIR[0] = load_model(args.model, dtype=torch.bfloat16, device="cuda") if embedded else (None, None, None)

@@ -23,6 +23,7 @@ import sys
 import time
 
 import torch
+from needs_gpu import need_cuda  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
@@ -149,6 +150,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=3000)
     ap.add_argument("--device", default="cuda", help="long: where to run (cpu for a quick dry run)")
     args = ap.parse_args()
+    need_cuda(args.device, dry_run=True)
     os.makedirs(args.out, exist_ok=True)
     report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d")}
 

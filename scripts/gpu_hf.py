@@ -20,6 +20,7 @@ import sys
 import time
 
 import torch
+from needs_gpu import need_cuda  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
@@ -48,6 +49,7 @@ def main() -> int:
     ap.add_argument("--dense-below", default="default,0",
                     help="comma list of enable(dense_below=) settings; 'default' is None (the crossover)")
     args = ap.parse_args()
+    need_cuda(args.device, dry_run=True)
     import transformers
 
     d = resolve_model_dir(None)

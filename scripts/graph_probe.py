@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpu_engine  # noqa: E402  (puts ../src on the path)
+from needs_gpu import need_cuda  # noqa: E402
 from kvsieve.engine import LLMEngine, SamplingParams  # noqa: E402
 from kvsieve.model.loader import load_model  # noqa: E402
 
@@ -21,6 +22,7 @@ VARIANTS = [("lserve", {}), ("lserve", {"budget": 4096}), ("quest", {"budget": 6
 
 
 def main() -> int:
+    need_cuda()
     dt = getattr(torch, os.environ.get("DT", "bfloat16"))
     model, tok, gpu_engine.MODEL_DIR[0] = load_model(None, dtype=dt, device="cuda")
     ids = gpu_engine.doc_ids(tok, 3000)

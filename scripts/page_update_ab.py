@@ -13,6 +13,7 @@ import os
 import sys
 
 import torch
+from needs_gpu import need_cuda  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
@@ -26,6 +27,7 @@ def main() -> int:
     ap.add_argument("--contexts", default="16384,32768")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    need_cuda()
     model = e2e.random_model()
     fused = dispatch.update_page_summaries
     rows = []

@@ -11,11 +11,15 @@ length fold at the same step: kvsieve.hf's padded batches, same-length prompts).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
+from needs_gpu import need_cuda  # noqa: E402
 
-from kvsieve import make_method
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+from kvsieve import make_method  # noqa: E402
 
 
 def states_for(m, keys, prompt, batch):
@@ -48,6 +52,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="the torch profiler's table of one more fold")
     ap.add_argument("--device", default="cuda", help="cpu: a quick dry run")
     args = ap.parse_args()
+    need_cuda(args.device, dry_run=True)
     L, B, H, D, P = args.layers, args.batch, 8, 128, args.prompt
     dev = torch.device(args.device)
     g = torch.Generator(device=dev).manual_seed(0)

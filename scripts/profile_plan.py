@@ -12,6 +12,7 @@ import os
 import sys
 
 import torch
+from needs_gpu import need_cuda  # noqa: E402
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
@@ -340,6 +341,7 @@ def main() -> int:
     ap.add_argument("--sweep-rank", action="store_true",
                     help="also time the ranking's sort (torch's, or in the kernel)")
     args = ap.parse_args()
+    need_cuda()
     f = open(os.path.join(args.out, "profile_plan.jsonl"), "w") if args.out else None
 
     def log(**kw):

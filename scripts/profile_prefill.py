@@ -14,13 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from kvsieve import dispatch, make_method
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+from needs_gpu import need_cuda  # noqa: E402
+
+from kvsieve import dispatch, make_method  # noqa: E402
 
 
 def ms(fn, reps=5):
@@ -74,6 +78,7 @@ def main():
     ap.add_argument("--cluster-sizes", default="", help="comma-separated (default: the method's)")
     ap.add_argument("--no-chunks", action="store_true", help="skip the prefill-attention part")
     args = ap.parse_args()
+    need_cuda()
     os.makedirs(args.out, exist_ok=True)
     sizes = [int(c) for c in args.cluster_sizes.split(",") if c] or [None]
     index = [index_profile(int(L), c) for L in args.length.split(",") for c in sizes]

@@ -22,6 +22,9 @@ from kvsieve.prompts import document_prompt  # noqa: E402
 
 
 def main() -> int:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     from transformers import AutoModelForCausalLM
 
     eng = LLMEngine.load(method="tactic")

@@ -25,6 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from kvsieve.model.loader import resolve_model_dir  # noqa: E402
 from kvsieve.prompts import document_prompt  # noqa: E402
 
+if len(sys.argv) != 4 or not sys.argv[1].isdigit():  # (--help too)
+    sys.exit(__doc__ + "\nusage: python3 scripts/serve_check.py PORT LABEL OUT.json")
 port, label, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 base = f"http://127.0.0.1:{port}"
 client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)

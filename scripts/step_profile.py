@@ -25,6 +25,7 @@ import time
 from collections import defaultdict
 
 import torch
+from needs_gpu import need_cuda  # noqa: E402
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
@@ -158,6 +159,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--host", action="store_true", help="also profile the host side (cProfile) of the steps")
     args = ap.parse_args()
+    need_cuda()
     if not 1 <= args.steps <= 12:
         ap.error(f"--steps {args.steps}: give 1-12 (the dead24 case's live request has 60 tokens to decode)")
     os.makedirs(args.out, exist_ok=True)

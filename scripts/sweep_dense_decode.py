@@ -18,6 +18,7 @@ import sys
 import time
 
 import torch
+from needs_gpu import need_cuda  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
@@ -53,6 +54,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     args = ap.parse_args()
+    need_cuda()
     copy = copy_bandwidth_gbs()
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "copy_GBps": copy, "rows": []}
     print(f"copy bandwidth {copy:.0f} GB/s")

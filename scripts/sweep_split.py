@@ -10,6 +10,7 @@ import os
 import sys
 
 import torch
+from needs_gpu import need_cuda  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
@@ -29,6 +30,7 @@ def main() -> int:
     ap.add_argument("--batches", default="8,32")
     ap.add_argument("--most", default="512,1024,2048,8192")
     args = ap.parse_args()
+    need_cuda()
     for S in map(int, args.contexts.split(",")):
         for B in map(int, args.batches.split(",")):
             q, k, v = make_qkv("calibrated", B, 32, 8, S, 128, torch.bfloat16, seed=S + B)

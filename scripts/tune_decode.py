@@ -10,6 +10,7 @@ import argparse
 import json
 
 import torch
+from needs_gpu import need_cuda  # noqa: E402
 
 from kvsieve import dispatch
 from kvsieve.bench.data import aimed_queries, clustered_kv
@@ -298,6 +299,7 @@ def main():
     ap.add_argument("--no-budget-cells", action="store_true")
     ap.add_argument("--l2", action="store_true", help="only the L2-state comparison cells")
     args = ap.parse_args()
+    need_cuda()
     global CONFIGS_ONLY_DEFAULT
     CONFIGS_ONLY_DEFAULT = args.no_attention_sweep
     from kvsieve.bench.timing import copy_bandwidth_gbs

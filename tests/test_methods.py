@@ -401,3 +401,11 @@ def test_sparse_decode_layer_picks_the_layers_heads_and_seed():
     assert torch.equal(sparse_decode(q, k, v, layer=5).mask,
                        sparse_decode(q, k, v, seed=7919 * 5).mask)
     assert not torch.equal(index(0), index(5))
+
+
+def test_the_demo_runs_every_method():
+    """README: `kvsieve demo` runs every method (kvsieve.METHOD_NAMES)."""
+    from kvsieve import METHOD_NAMES
+    from kvsieve.demo import DEMO_ROWS
+
+    assert {name for name, _ in DEMO_ROWS} == set(METHOD_NAMES)

@@ -9,7 +9,8 @@ from .ops.attention import dense_attend
 # (method, options): each method as `generate` runs it (no options), and the page selectors
 # and tactic at one small budget, where their choices differ most
 DEMO_ROWS = [
-    ("dense", {}), ("streaming", {}), ("quest", {}), ("quest", {"budget": 512}), ("lserve", {}),
+    ("dense", {}), ("streaming", {}), ("quest", {}), ("quest", {"budget": 512}), ("pages", {}),
+    ("pages", {"budget": 512}), ("lserve", {}),
     ("lserve", {"budget": 512}), ("tactic", {}), ("tactic", {"budget": 512}),
     ("hybrid", {"streaming_heads": [1, 0, 0, 0]}),
 ]
