@@ -562,6 +562,7 @@ def test_per_request_kvsieve_settings_are_honoured_and_reported(live, engine, cl
                                             "cluster_size": 8, "protect": 0}})
         kv = r.usage.model_extra["kvsieve"]
         assert kv["method"] == "tactic" and r.usage.prompt_tokens < 100
+        assert kv["attended_densely"] is False and kv["dense_reason"] is None
         fractions[threshold] = kv["kv_fraction"]
     assert 0 < fractions[0.3] < fractions[0.95] < 1  # a lower attention-mass target reads less
     configs = [getattr(m, "config", None) for m in engine.runner.methods.values()]
@@ -767,3 +768,20 @@ def test_serve_stops_cleanly_on_a_signal(signals):
         events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
         assert events[-1]["choices"][0]["finish_reason"] == "abort", lines[-3:]
         assert [x for x in lines if x][-1] == "data: [DONE]", lines[-3:]
+
+
+def test_usage_says_why_a_choice_attended_densely():
+    """usage.kvsieve.dense_reason: the reason of the first choice that attended densely
+    (RequestOutput.dense_reason), None when none did."""
+    from types import SimpleNamespace as NS
+
+    from kvsieve.server.responses import Responses
+
+    def out(dense, reason=None, kv=1.0):
+        return NS(tokens=[1, 2], method="tactic", kv_fraction=kv, attended_densely=dense, dense_reason=reason)
+
+    usage = Responses().usage(5, [out(False, kv=0.25), out(True, "plans_read_most"), out(True, "not_indexed")])
+    assert usage["kvsieve"] == {"method": "tactic", "kv_fraction": 0.75, "attended_densely": True,
+                                "dense_reason": "plans_read_most"}
+    assert usage["completion_tokens"] == 6 and usage["total_tokens"] == 11
+    assert Responses().usage(5, [out(False, kv=0.5)])["kvsieve"]["dense_reason"] is None

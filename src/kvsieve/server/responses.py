@@ -65,13 +65,16 @@ class Responses:
 
     def usage(self, prompt_tokens: int, outs: list) -> dict:
         """OpenAI's usage over a request's choices (prompts counted once each, completions
-        summed); kvsieve's: the method, the mean KV fraction of the choices, and whether any
-        attended densely."""
+        summed); kvsieve's: the method, the mean KV fraction of the choices, whether any
+        attended densely and why the first that did (RequestOutput.dense_reason; None when
+        none did)."""
         n = sum(len(o.tokens) for o in outs)
+        dense = [o for o in outs if o.attended_densely]
         return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
                 "kvsieve": {"method": outs[0].method,
                             "kv_fraction": round(sum(o.kv_fraction for o in outs) / len(outs), 6),
-                            "attended_densely": any(o.attended_densely for o in outs)}}
+                            "attended_densely": bool(dense),
+                            "dense_reason": dense[0].dense_reason if dense else None}}
 
     async def complete(self, request: Request, streams: List[RequestStream], stops, chat: bool, rid: str,
                        n_prompt: int, echo: Optional[list] = None):
