@@ -236,7 +236,8 @@ def test_demo_prints_every_method_at_its_defaults_with_its_error(capsys):
     assert main(["demo", "--seq-len", "1024"]) == 0
     rows = {line[:42].strip(): line[42:].split() for line in capsys.readouterr().out.splitlines()[3:]}
     assert set(rows) == {"dense", "streaming (sink 128 + local 256, default)", "quest (budget 2048, default)",
-                         "quest (budget 512)", "lserve (budget 6144, default)", "lserve (budget 512)",
+                         "quest (budget 512)", "pages (budget 4096, default)", "pages (budget 512)",
+                         "lserve (budget 6144, default)", "lserve (budget 512)",
                          "tactic (P = 0.92, default)", "tactic (budget 512)",
                          "hybrid (P = 0.92, 1 of 4 heads streaming)"}, rows
     read, err = {k: float(v[0].rstrip("%")) for k, v in rows.items()}, {k: float(v[1]) for k, v in rows.items()}
@@ -278,3 +279,7 @@ def test_a_budget_with_threshold_mode_options_is_refused_and_a_requests_mode_win
         config_for("tactic", cluster_size=20000)
     with pytest.raises(ValueError, match="counted from 0: name layers 0-29 and heads 0-2"):
         check_dense_heads([(30, 0)], 30, 3, "dense_heads (--dense-heads)")
+    # a value that starts with '-' reaches the range check, not argparse's "expected one argument"
+    assert main(["generate", "--method", "tactic", "--dense-heads", "-1:0", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "pairs of integers >= 0" in err and "got ((-1, 0),)" in err

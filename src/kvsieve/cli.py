@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -149,10 +150,24 @@ def main(argv=None) -> int:
         return _run(argv)
 
 
+def _joined_values(argv: list) -> list:
+    """argv with `--dense-heads -1:0` as `--dense-heads=-1:0`: argparse takes a value that
+    starts with '-' and is not a plain number for an option, and would answer "expected one
+    argument" instead of the range error the value deserves."""
+    out = []
+    for a in argv:
+        if out and out[-1] == "--dense-heads" and re.match(r"-\d", a):
+            out[-1] = f"--dense-heads={a}"
+        else:
+            out.append(a)
+    return out
+
+
 def _run(argv) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(_joined_values(argv))
+    args.argv = argv
     try:
         return args.func(args)
     except (ValueError, OSError, UsageError, ModuleNotFoundError) as e:  # OSError: an unreadable file, a full disk
