@@ -173,6 +173,7 @@ def test_rows_due_at_one_step_fold_together_as_each_alone(dtype, device, mode):
     whole-region re-clusters and blocks, a row with no request untouched (on the GPU: the
     Triton K-means)."""
     from kvsieve.methods.cluster_fold import fold_rows
+    from kvsieve.methods.cluster_index import build_csr_layers
 
     layers = [clustered_qkv(4, 4, 2, 1000, 64, sharpness=6.0, seed=s, dtype=dtype)[1].to(device) for s in (1, 2)]
     m = make_method("tactic", fold_every=64, local=8, cluster_size=8, fold_mode=mode)
@@ -181,6 +182,7 @@ def test_rows_due_at_one_step_fold_together_as_each_alone(dtype, device, mode):
     alone = [m.prepare(k[:, :, :341], lengths) for k in layers]
     for st in together + alone:
         st.grow_positions(1000)
+        st.build_csr()  # (views of this shape: a fold's stale rows are then rebuilt in place)
     readers = [(lambda b, s, e, k=k: None if b == 3 else k[b, :, s:e]) for k in layers]
     host = lengths.tolist()
     for step in range(8):  # every row folds at each of these steps, over spans of different lengths
@@ -189,9 +191,15 @@ def test_rows_due_at_one_step_fold_together_as_each_alone(dtype, device, mode):
         fold_rows(m.config, m.cluster_size_for, together, readers, due)
         for d in due:
             fold_rows(m.config, m.cluster_size_for, alone, readers, [d])
+    assert together[0].csr_stale == alone[0].csr_stale == {0, 1, 2}
+    members = together[0].members
+    assert not build_csr_layers(together) and together[0].members is members  # (in place, both layers in one sort)
+    for st in alone:
+        st.build_csr()
     for a, b in zip(alone, together):
-        for name in ("centroids", "sizes", "assign", "num_indexed", "num_clusters", "radius", "box", "box_step"):
+        for name in ("centroids", "sizes", "assign", "num_indexed", "num_clusters", "radius", "box", "box_step",
+                     "members", "entry_start", "sizes32"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
-        assert a.regions == b.regions and a.host_indexed == b.host_indexed and a.csr_stale == b.csr_stale
+        assert a.regions == b.regions and a.host_indexed == b.host_indexed and a.max_size == b.max_size
     assert int(together[0].num_indexed[3]) == 280 - 8 and int(together[0].num_indexed[0]) == host[0] - 8
     assert (int(together[0].num_clusters[0]) > 60) == (mode == "cluster")
