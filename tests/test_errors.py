@@ -280,6 +280,7 @@ def test_a_budget_with_threshold_mode_options_is_refused_and_a_requests_mode_win
     with pytest.raises(ValueError, match="counted from 0: name layers 0-29 and heads 0-2"):
         check_dense_heads([(30, 0)], 30, 3, "dense_heads (--dense-heads)")
     # a value that starts with '-' reaches the range check, not argparse's "expected one argument"
-    assert main(["generate", "--method", "tactic", "--dense-heads", "-1:0", "--prompt", "hi"]) == 2
-    err = capsys.readouterr().err
-    assert "pairs of integers >= 0" in err and "got ((-1, 0),)" in err
+    for flag in ("--dense-heads", "--dense-head"):
+        assert main(["generate", "--method", "tactic", flag, "-1:0", "--prompt", "hi"]) == 2
+        err = capsys.readouterr().err
+        assert "--dense-heads: layers and KV heads are counted from 0, got '-1:0'" in err, err

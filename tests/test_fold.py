@@ -81,6 +81,22 @@ def test_no_room_under_max_clusters_folds_into_the_nearest_centroids():
     assert int((st.sizes - before).sum()) == 2 * 100 and st.regions == [None]
 
 
+def test_folds_across_windows_keep_within_max_clusters():
+    """A span longer than cluster_window is clustered a window at a time (a cluster in each
+    window at least): the fold's cluster size makes all windows' clusters fit max_clusters
+    (a size for the whole span made one more here, past the cap)."""
+    _, k, _ = clustered_qkv(1, 4, 2, 2000, 64, sharpness=6.0, seed=1, dtype=torch.float64)
+    m = make_method("tactic", fold_every=32, local=8, cluster_size=8, max_clusters=64, cluster_window=96)
+    st = m.prepare(k[:, :, :341], torch.tensor([341]))
+    read, n, most = [lambda b, s, e: k[b, :, s:e]], 341, 0
+    for _ in range(40):
+        n += 23
+        m.maintain_layers([st], torch.tensor([n]), [n], read)
+        most = max(most, int(st.num_clusters[0]))
+        assert int((st.sizes[0, :, 64:] > 0).sum()) == 0
+    assert most == 64 and int(st.num_indexed[0]) == n - 8
+
+
 def test_a_prompt_too_short_to_cluster_gets_clusters_from_its_folds():
     """A prompt within sink + local has no cluster; "cluster" folds give it an index that
     plans (part of the cache), where "nearest" had nothing to fold into and read it all."""

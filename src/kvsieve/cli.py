@@ -79,10 +79,14 @@ def parse_heads(text: str) -> tuple:
 
         return load_dense_heads(text, required=True)
     try:
-        return tuple((int(a), int(b)) for a, b in (p.split(":") for p in text.split(",") if p.strip()))
+        heads = tuple((int(a), int(b)) for a, b in (p.split(":") for p in text.split(",") if p.strip()))
     except ValueError:
         raise ValueError(f"--dense-heads must be layer:kv_head pairs separated by commas, e.g. 7:2,18:2; "
                          f"got {text!r}") from None
+    if any(a < 0 or b < 0 for a, b in heads):
+        raise ValueError(f"--dense-heads: layers and KV heads are counted from 0, got {text!r}; give "
+                         "layer:kv_head pairs such as 7:2,18:2")
+    return heads
 
 
 def cmd_demo(args) -> int:
@@ -155,8 +159,8 @@ def _joined_values(argv: list) -> list:
     starts with '-' and is not a plain number for an option, and would answer "expected one
     argument" instead of the range error the value deserves."""
     out = []
-    for a in argv:
-        if out and out[-1] == "--dense-heads" and re.match(r"-\d", a):
+    for a in argv:  # (argparse also takes a prefix of the flag: --dense-head, --dense-h)
+        if out and out[-1].startswith("--dense-h") and "--dense-heads".startswith(out[-1]) and re.match(r"-\d", a):
             out[-1] = f"--dense-heads={a}"
         else:
             out.append(a)

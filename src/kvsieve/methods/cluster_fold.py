@@ -40,9 +40,10 @@ def fold_rows(cfg: TacticConfig, cluster_size_for: Callable[[int], int], states:
     """Fold each due row's unindexed tokens before its `end` in the layers listed with it.
     states, readers: one index and one key reader per layer (a reader returns None for a
     batch row with no request); due: (row, end, layer ids). The rows' "cluster" folds of
-    one cluster size run as one K-means call over every listed layer, their "nearest"
-    folds as one batch of ops. Returns True when an index was widened (new tensors: a
-    captured step must be captured again)."""
+    one cluster size and spans within 2x of each other run as one K-means call over every
+    listed layer (shorter spans padded), their "nearest" folds as one batch of ops.
+    Returns True when an index was widened (new tensors: a captured step must be captured
+    again)."""
     if not due:
         return False
     rows = torch.tensor([b for b, _, _ in due], device=states[0].num_clusters.device)
@@ -61,13 +62,14 @@ def fold_rows(cfg: TacticConfig, cluster_size_for: Callable[[int], int], states:
                 specs.setdefault(spec, []).append(l)
             elif used[l][i]:  # (no cluster: nothing to join)
                 joins.setdefault(start, []).append(l)
-        for (lo, at, size), ls in specs.items():
-            groups.setdefault((size, tuple(ls)), []).append(_Job(b, lo, at, end, [used[l][i] for l in ls]))
+        for (lo, at, size), ls in specs.items():  # (spans within 2x of each other share a call: padding stays cheap)
+            key = (size, tuple(ls), (end - lo - 1).bit_length())
+            groups.setdefault(key, []).append(_Job(b, lo, at, end, [used[l][i] for l in ls]))
         for start, ls in joins.items():
             near.setdefault(tuple(ls), []).append(_Job(b, start, 0, end, [used[l][i] for l in ls]))
     for ls, jobs in near.items():
         _fold_nearest([states[l] for l in ls], [readers[l] for l in ls], jobs)
-    for (size, ls), jobs in groups.items():
+    for (size, ls, _), jobs in groups.items():
         changed |= _fold_as_clusters(cfg, [states[l] for l in ls], [readers[l] for l in ls], jobs, size)
     return changed
 
@@ -81,17 +83,22 @@ def _cluster_spec(cfg: TacticConfig, cluster_size_for, st: ClusterIndex, b: int,
     few hundred keys makes looser clusters than on thousands (real SmolLM2 attention,
     docs/accuracy.md "Long generations"), and growing by half keeps the work linear (three
     times the tokens folded). None where max_clusters leaves no room (the region closes;
-    the tokens join their nearest centroids). used: the row's clusters in use."""
+    the tokens join their nearest centroids); a span longer than cluster_window is
+    clustered a window at a time, at a size whose clusters over all its windows fit.
+    used: the row's clusters in use."""
     base, first, last = st.region_of(b) or (start, used, 0)
     whole = end - base >= min(int(last * REGION_GROWTH), cfg.cluster_window or math.inf)
     lo, at = (base, first) if whole else (start, used)
-    n = end - lo
+    n, w = end - lo, cfg.cluster_window
     want = -(-n // cluster_size_for(end - cfg.sink))
     new = min(want, cfg.max_clusters - at) if cfg.max_clusters else want
-    if new < 1:
+    if new < 1 or (w and -(-n // w) > new):  # (K-means makes a cluster in each window at least)
         st.set_region(b, None)
         return None
-    return lo, at, -(-n // new)
+    size = -(-n // new)
+    while w and n > w and (n // w) * -(-w // size) + -(-(n % w) // size) > new:
+        size += 1  # each window is clustered alone: their clusters together must fit too
+    return lo, at, size
 
 
 def _fold_as_clusters(cfg: TacticConfig, states: List[ClusterIndex], readers: List[KeyReader],
