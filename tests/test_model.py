@@ -460,3 +460,23 @@ def test_the_attended_densely_note_names_the_rule_that_applied():
     both = attended_densely_note(args, eng, ["plans_read_most", "not_indexed"])
     assert "crossover of 150" in both and "read more than 50%" in both and both.endswith("--dense-below 0 to force tactic")
 
+
+
+def test_a_loaded_engines_streaming_file_serves_its_per_request_methods(tmp_path):
+    """LLMEngine.load(method="lserve", streaming_heads=FILE): a request for hybrid streams
+    FILE's heads at hybrid's own ratio (as `kvsieve serve --streaming-heads FILE` does), not
+    the model's shipped pattern nor lserve's flags."""
+    import json
+
+    from kvsieve.engine import LLMEngine
+    from kvsieve.patterns import EMBEDDED_PATTERN, load_pattern
+
+    doc = json.loads(EMBEDDED_PATTERN.read_text())
+    doc["method_ratios"] = {"hybrid": 0.5}  # (the shipped file: 0.125)
+    path = tmp_path / "mine.streaming.json"
+    path.write_text(json.dumps(doc))
+    eng = LLMEngine.load(device="cpu", method="lserve", streaming_heads=str(path), kv_pages=8)
+    mine = load_pattern(path, 30, 3, "hybrid")
+    assert mine != load_pattern(EMBEDDED_PATTERN, 30, 3, "hybrid") and mine != load_pattern(path, 30, 3, "lserve")
+    assert eng.runner.methods[eng.method_key("hybrid", {})].config.streaming_heads == mine
+    assert eng.runner.methods[eng.method_key("hybrid", {"streaming_heads": "none"})].config.streaming_heads in ((), None)

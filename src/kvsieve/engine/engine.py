@@ -92,6 +92,7 @@ class LLMEngine(BatchCrossover, Warmup):
         self._method_names = {"default": method, "dense": "dense"}
         # (method, options) -> the model's head options for a per-request method (set by load())
         self.head_defaults: Optional[Callable[[str, dict], dict]] = None
+        self.streaming_file: Optional[Callable[[str], object]] = None  # lserve/hybrid -> its heads in the user's file
         self._forced: Dict[int, List[int]] = {}  # request id -> tokens fed instead of sampled ones (score)
         self._scored: Dict[int, List[torch.Tensor]] = {}  # request id -> log-probs per decode step (score)
 
@@ -108,10 +109,14 @@ class LLMEngine(BatchCrossover, Warmup):
         device, dt = resolve_device(device, dtype)
         m, tok, model_dir = load_model(model, dtype=dt, device=device)
         L, H = m.cfg.num_layers, m.cfg.num_kv_heads
+        given = kwargs.get("streaming_heads")
         if "streaming_heads" in kwargs:  # "none", or a `kvsieve calibrate` file
-            kwargs["streaming_heads"] = read_streaming_heads(kwargs["streaming_heads"], L, H, kwargs.get("method"))
+            kwargs["streaming_heads"] = read_streaming_heads(given, L, H, kwargs.get("method"))
         eng = cls(m, tok, **kwargs, **head_defaults(kwargs.get("method", "dense"), kwargs, model_dir, L, H))
         eng.head_defaults = lambda name, opts: head_defaults(name, opts, model_dir, L, H)  # per-request methods too
+        if isinstance(given, (str, os.PathLike)) and str(given).strip().lower() != "none":
+            # a calibrate file: a request for lserve or hybrid streams the file's heads at that method's own ratio
+            eng.streaming_file = lambda name: read_streaming_heads(given, L, H, name)
         return eng
 
     def _page_bytes(self, page_size: int) -> int:
@@ -153,6 +158,8 @@ class LLMEngine(BatchCrossover, Warmup):
             return "dense", "dense", {}
         name = method or self.default_method
         opts = self._model_heads(dict(options or {}), name)  # checked, a calibrate file's path read into flags
+        if self.streaming_file is not None and name in ("lserve", "hybrid") and "streaming_heads" not in opts:
+            opts["streaming_heads"] = self.streaming_file(name)
         if method is None or method == self.default_method:
             opts = merge_options(self.default_options, opts, name)
         elif self.head_defaults is not None:  # the model's shipped heads for this method (LLMEngine.load)
