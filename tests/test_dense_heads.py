@@ -231,3 +231,26 @@ def test_the_report_names_each_method_dense_heads():
     assert _dense_heads_note({"dense_heads": {"tactic": [[7, 2]], "file": "f"}}) == [
         "- dense KV heads of tactic (layer:head, attended densely): 7:2 (f)"]  # results before hybrid took them
     assert _dense_heads_note({"dense_heads": {"file": "f"}}) == [] and _dense_heads_note({}) == []
+
+
+def test_a_server_of_any_method_streams_its_streaming_file_in_per_request_lserve_and_hybrid(tmp_path):
+    """serve --method tactic --streaming-heads FILE: the server's tactic takes no streaming
+    heads, and a request for lserve or hybrid streams FILE at its own ratio (README: they
+    stream the server's --streaming-heads); generate, which runs one method, still refuses it."""
+    from kvsieve.patterns import load_pattern
+    from kvsieve.server.cli import server_heads
+
+    doc = json.loads(EMBEDDED_PATTERN.read_text())
+    doc["method_ratios"] = {"hybrid": 0.5}
+    path = tmp_path / "mine.streaming.json"
+    path.write_text(json.dumps(doc))
+    opts = {}
+    heads = server_heads("tactic", opts, str(path), EMBEDDED_DIR, 30, 3)
+    assert "streaming_heads" not in opts and opts["dense_heads"] == load_dense_heads(EMBEDDED_PATTERN, 30, 3)
+    for method in ("lserve", "hybrid"):
+        assert heads_for(heads, method) == load_pattern(path, 30, 3, method)
+    lserve = {}
+    assert heads_for(server_heads("lserve", lserve, str(path), EMBEDDED_DIR, 30, 3), "hybrid") == \
+        load_pattern(path, 30, 3, "hybrid") and lserve["streaming_heads"] == load_pattern(path, 30, 3, "lserve")
+    with pytest.raises(ValueError, match="--streaming-heads applies to lserve and hybrid only"):
+        model_head_options("tactic", {}, EMBEDDED_DIR, 30, 3, str(path))

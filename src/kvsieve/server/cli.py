@@ -56,6 +56,19 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def server_heads(method: str, opts: dict, streaming_path, model_dir, num_layers: int, num_kv_heads: int) -> dict:
+    """Adds to `opts` the heads the server's own method runs with (patterns.model_head_options)
+    and returns those a request naming another method runs with (patterns.model_heads: each
+    streaming method's own ratio of --streaming-heads FILE, the user's --dense-heads). A
+    server of any method takes --streaming-heads: its per-request lserve and hybrid stream it."""
+    from ..patterns import DENSE_HEAD_METHODS, STREAMING_METHODS, model_head_options, model_heads
+
+    given = opts.get("dense_heads") if method in DENSE_HEAD_METHODS else None  # (before a pattern drops any)
+    opts.update(model_head_options(method, opts, model_dir, num_layers, num_kv_heads,
+                                   streaming_path if method in STREAMING_METHODS else None))
+    return model_heads(model_dir, num_layers, num_kv_heads, streaming_path, given)
+
+
 def warmup_methods(text: str) -> List[str]:
     """--warmup-methods: comma-separated method names, or "all"; each checked by name."""
     from ..methods import METHOD_NAMES
@@ -112,7 +125,6 @@ def cmd_serve(args) -> int:
     from ..engine import LLMEngine, resolve_device
     from ..methods import config_for
     from ..model.loader import load_model
-    from ..patterns import DENSE_HEAD_METHODS, STREAMING_METHODS, model_head_options, model_heads
     from .app import create_app
 
     if not 0 <= args.port <= 65535:
@@ -131,12 +143,7 @@ def cmd_serve(args) -> int:
     sock = bind(args.host, args.port)
     model, tok, model_dir = load_model(args.model, dtype=dtype, device=device)
     cfg = model.cfg
-    given = opts.get("dense_heads") if args.method in DENSE_HEAD_METHODS else None  # (before a pattern drops any)
-    opts.update(model_head_options(args.method, opts, model_dir, cfg.num_layers, cfg.num_kv_heads,
-                                   args.streaming_heads))
-    # the heads a request asking for lserve/hybrid (each method's own ratio of the file) or tactic runs with
-    shipped = model_heads(model_dir, cfg.num_layers, cfg.num_kv_heads,
-                          args.streaming_heads if args.method in STREAMING_METHODS else None, given)
+    shipped = server_heads(args.method, opts, args.streaming_heads, model_dir, cfg.num_layers, cfg.num_kv_heads)
     eng = LLMEngine(model, tok, args.method, kv_pages=args.kv_pages, max_num_seqs=args.max_num_seqs,
                     max_waiting=args.max_waiting, dense_below=args.dense_below,
                     gpu_memory_fraction=args.gpu_memory_fraction, cpu_kv_gib=args.cpu_kv_gib, **opts)
