@@ -180,6 +180,14 @@ def test_calibrate_writes_the_head_losing_the_most_needle_mass(tmp_path, capsys)
     assert "--dense-heads must be >= 0" in capsys.readouterr().err
     assert main(["calibrate", "--length", "600", "--dense-lengths", "9000"]) == 2
     assert "--dense-lengths must be in [64, 8176]" in capsys.readouterr().err
+    assert main(["calibrate", "--steps", "9000"]) == 2  # (it blamed --sink/--local, and its advice failed again)
+    assert "--steps 9000 leaves no room for a prompt in this model's 8192 positions; give at most 8189" in \
+        capsys.readouterr().err
+    assert main(["calibrate", "--sink", "4", "--local", "60", "--length", "128", "--steps", "2", "--retrieval", "2",
+                 "--retrieval-data", "suite", "--dense-heads", "0", "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err  # before any measurement, naming the flags
+    assert "--retrieval-data suite at --length 128" in err and "give a longer --length, or --retrieval 0" in err
+    assert not (tmp_path / "x.json").exists()
 
 
 @pytest.mark.skipif(not EMBEDDED_PATTERN.is_file(), reason="no shipped pattern")
@@ -254,3 +262,15 @@ def test_a_server_of_any_method_streams_its_streaming_file_in_per_request_lserve
         load_pattern(path, 30, 3, "hybrid") and lserve["streaming_heads"] == load_pattern(path, 30, 3, "lserve")
     with pytest.raises(ValueError, match="--streaming-heads applies to lserve and hybrid only"):
         model_head_options("tactic", {}, EMBEDDED_DIR, 30, 3, str(path))
+
+
+def test_a_pattern_files_method_ratios_name_streaming_methods(tmp_path):
+    """A misspelled method in method_ratios is refused, not silently ignored."""
+    from kvsieve.patterns import load_pattern
+
+    doc = json.loads(EMBEDDED_PATTERN.read_text())
+    doc["method_ratios"] = {"hybird": 0.5}
+    path = tmp_path / "typo.streaming.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"'method_ratios' must map a streaming method \(lserve, hybrid\)"):
+        load_pattern(path, 30, 3, "hybrid")

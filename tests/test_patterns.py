@@ -151,8 +151,8 @@ def test_local_layers_stream_by_construction_and_the_ratio_applies_to_global_lay
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("method_ratios", [0.125], "'method_ratios' must map a method to a fraction"),
-    ("method_ratios", "hybrid=0.1", "'method_ratios' must map a method to a fraction"),
+    ("method_ratios", [0.125], "'method_ratios' must map a streaming method"),
+    ("method_ratios", "hybrid=0.1", "'method_ratios' must map a streaming method"),
     ("score", [["x", 0.1], [0.2, 0.3], [0.8, 0.7]], "'score' must hold numbers"),
     ("score", [[None, 0.1], [0.2, 0.3], [0.8, 0.7]], "'score' must hold numbers"),
     ("score", "0.5", "'score' must have one value per layer"),

@@ -108,9 +108,9 @@ def load_pattern(path, num_layers: Optional[int] = None, num_kv_heads: Optional[
         if len({len(r) for r in rows}) != 1:
             raise ValueError("every layer of 'streaming' must have the same number of KV heads")
         ratios = doc.get("method_ratios") or {}
-        if not isinstance(ratios, dict):
-            raise ValueError(f"'method_ratios' must map a method to a fraction, e.g. {{\"hybrid\": 0.125}}, "
-                             f"got {ratios!r}")
+        if not isinstance(ratios, dict) or not set(ratios) <= set(STREAMING_METHODS):
+            raise ValueError(f"'method_ratios' must map a streaming method ({', '.join(STREAMING_METHODS)}) to a "
+                             f"fraction, e.g. {{\"hybrid\": 0.125}}, got {ratios!r}")
         ratio = ratios.get(method) if method else None
         if ratio is not None:
             if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:

@@ -20,6 +20,7 @@ sits in low-ranked clusters: attended densely, they cost 1/heads of the KV read 
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -290,6 +291,9 @@ def cmd_calibrate(args) -> int:
     limit = model.cfg.max_positions
     length = args.length if args.length is not None else min(4096, limit // 2)
     most = limit - args.steps - 1
+    if most < 2:  # no prompt fits beside the decode steps: --steps is the thing to change
+        raise ValueError(f"--steps {args.steps} leaves no room for a prompt in this model's {limit} positions; give "
+                         f"at most {limit - 3} (default 16)")
     if args.sink + args.local >= most:  # no --length fits: the window is the thing to change
         raise ValueError(f"--sink + --local ({args.sink + args.local}) must be below --length, which can be "
                          f"at most {most} on this model ({limit} positions, --steps {args.steps}); lower --sink and "
@@ -299,7 +303,8 @@ def cmd_calibrate(args) -> int:
                          f"--steps ({args.steps}) and one more token within the model's {limit} positions "
                          f"(at most {limit - args.steps - 1}), got {length}")
     dense_lengths = parse_dense_lengths(args.dense_lengths, length, limit) if args.dense_heads else ()
-    out = Path(args.out or f"{model_dir.name}.streaming.json")
+    out_model = Path(os.path.abspath(model_dir)).name  # (`--model .` has no name of its own)
+    out = Path(args.out or f"{out_model}.streaming.json")
     if args.out is None:
         check_out(str(out))
     ids = tok.encode(text, add_special_tokens=False)
@@ -310,6 +315,14 @@ def cmd_calibrate(args) -> int:
                          "longer --text-file")
     # each window: a prompt of `length` tokens, then --steps teacher-forced decode steps
     windows = text_windows(ids, length, args.steps, args.windows, prefix)
+    retrieval = None
+    if args.retrieval:  # built before any measurement: a length too short for them fails now
+        make = suite_retrieval_prompts if args.retrieval_data == "suite" else retrieval_prompts
+        try:
+            retrieval = make(tok, length, args.retrieval)
+        except ValueError as e:
+            raise ValueError(f"--retrieval-data {args.retrieval_data} at --length {length}: {str(e).split('; use')[0]}; "
+                             "give a longer --length, or --retrieval 0") from None
     cases = []
     if args.dense_heads:  # built before any measurement: a length too short for them fails now
         try:
@@ -321,9 +334,8 @@ def cmd_calibrate(args) -> int:
     mass, err = measure_lambda_mass(model, [w[:length] for w in windows], [w[length:] for w in windows],
                                     args.sink, args.local)
     tables = {"lambda_mass_text": mass.tolist(), "lambda_err_text": err.tolist()}
-    if args.retrieval:
-        make = suite_retrieval_prompts if args.retrieval_data == "suite" else retrieval_prompts
-        r_mass, r_err = measure_lambda_mass(model, *make(tok, length, args.retrieval), args.sink, args.local)
+    if retrieval is not None:
+        r_mass, r_err = measure_lambda_mass(model, *retrieval, args.sink, args.local)
         tables.update(lambda_mass_retrieval=r_mass.tolist(), lambda_err_retrieval=r_err.tolist())
         mass = torch.minimum(mass, r_mass)
     window = getattr(model.cfg, "layer_window", None)
@@ -342,7 +354,7 @@ def cmd_calibrate(args) -> int:
                                              "device": str(model.device), "dtype": str(model.dtype)}}
     pattern = choose_streaming(mass.tolist(), args.ratio, local)
     save_pattern(out, pattern, {"score": mass.tolist(), **tables}, {
-        "model": model_dir.name, "ratio": args.ratio, "sink": args.sink, "local": args.local,
+        "model": out_model, "ratio": args.ratio, "sink": args.sink, "local": args.local,
         "window_layers": local,  # the model's own sliding-window layers: streaming by construction
         "criterion": "score = dense softmax mass kept by the sink+local (Λ) mask per KV head, the smaller of its "
                      "means over teacher-forced decode steps on real text and over retrieval answer steps; the "
