@@ -480,3 +480,24 @@ def test_a_loaded_engines_streaming_file_serves_its_per_request_methods(tmp_path
     assert mine != load_pattern(EMBEDDED_PATTERN, 30, 3, "hybrid") and mine != load_pattern(path, 30, 3, "lserve")
     assert eng.runner.methods[eng.method_key("hybrid", {})].config.streaming_heads == mine
     assert eng.runner.methods[eng.method_key("hybrid", {"streaming_heads": "none"})].config.streaming_heads in ((), None)
+
+
+def test_a_streaming_file_of_another_window_warns_through_the_python_api(tmp_path):
+    """LLMEngine.load (as generate and serve): heads a file chose for another window than the
+    one this engine streams them with warn once, naming both windows."""
+    import json
+    import warnings
+
+    from kvsieve.engine import LLMEngine
+    from kvsieve.patterns import EMBEDDED_PATTERN
+
+    doc = json.loads(EMBEDDED_PATTERN.read_text())
+    doc.update(sink=4, local=63)
+    path = tmp_path / "narrow.streaming.json"
+    path.write_text(json.dumps(doc))
+    with pytest.warns(UserWarning, match=r"chosen for a sink 4 \+ local 63 window, and this run streams them with "
+                                         r"sink 128 \+ local 256"):
+        LLMEngine.load(device="cpu", method="lserve", streaming_heads=str(path), kv_pages=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the file's own window: no warning
+        LLMEngine.load(device="cpu", method="lserve", streaming_heads=str(path), sink=4, local=63, kv_pages=8)

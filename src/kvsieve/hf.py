@@ -41,7 +41,7 @@ from . import dispatch
 from .methods import SparseMethod, make_method
 from .ops.attention import attend
 from .ops.paged import PagedKeys
-from .patterns import read_streaming_heads
+from .patterns import read_streaming_heads, warn_file_window
 
 ATTN_NAME = "kvsieve"
 _active = threading.local()  # the cache layer most recently updated: read by the attention call that follows
@@ -385,6 +385,7 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
     if "streaming_heads" in options:  # "none", or a `kvsieve calibrate` file
         options = {**options, "streaming_heads": read_streaming_heads(options["streaming_heads"],
                                                                       cfg.num_hidden_layers, kv_heads, method)}
+        warn_file_window(options["streaming_heads"], options)  # (heads chosen for another window)
     state = HFState(make_method(method, **{**model_head_defaults(model, method, options), **options}), dense_below,
                     max_positions=getattr(cfg, "max_position_embeddings", None))
     _check_streaming_heads(state.method, cfg.num_hidden_layers, kv_heads)

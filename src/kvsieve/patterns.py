@@ -152,6 +152,13 @@ def warn_window(pattern, sink: int, local: int) -> None:
                   "and pass --streaming-heads FILE", stacklevel=3)
 
 
+def warn_file_window(pattern, options: Dict) -> None:
+    """warn_window at the window `options` stream with (sink, local; else the defaults)."""
+    from .methods.hybrid import HybridConfig
+
+    warn_window(pattern, options.get("sink", HybridConfig.sink), options.get("local", HybridConfig.local))
+
+
 def default_pattern(model_dir, num_layers: Optional[int] = None, num_kv_heads: Optional[int] = None) -> Optional[Path]:
     """The shipped pattern for a known model directory (the embedded default, by its name),
     else None; given the model's counts, only where they are the file's (another model in a
@@ -320,13 +327,12 @@ def model_head_options(method: str, options: Dict, model_dir, num_layers: int, n
     shipped ones, and a file's the user gives (--dense-heads FILE), as eval and serve's
     per-request methods take them; heads the user lists one by one are kept, so a streamed
     one is refused by the method's config)."""
-    from .methods.hybrid import HybridConfig
-
     out: Dict = {}
     heads = pattern_for(method, streaming_path, model_dir, num_layers, num_kv_heads)
     if heads is not None:
         out["streaming_heads"] = heads
-        warn_window(heads, options.get("sink", HybridConfig.sink), options.get("local", HybridConfig.local))
+        if "streaming_heads" not in options:  # (else the caller's heads win: these are not streamed)
+            warn_file_window(heads, options)
     dense = dense_heads_for(method, options, model_dir, num_layers, num_kv_heads)
     if dense is not None:
         out["dense_heads"] = unstreamed(dense, heads)

@@ -104,7 +104,7 @@ class LLMEngine(BatchCrossover, Warmup):
         ships head files (the embedded one) gets its dense and streaming heads unless kwargs
         name them, as with `kvsieve generate`."""
         from ..model.loader import load_model
-        from ..patterns import head_defaults
+        from ..patterns import head_defaults, warn_file_window
 
         device, dt = resolve_device(device, dtype)
         m, tok, model_dir = load_model(model, dtype=dt, device=device)
@@ -112,6 +112,7 @@ class LLMEngine(BatchCrossover, Warmup):
         given = kwargs.get("streaming_heads")
         if "streaming_heads" in kwargs:  # "none", or a `kvsieve calibrate` file
             kwargs["streaming_heads"] = read_streaming_heads(given, L, H, kwargs.get("method"))
+            warn_file_window(kwargs["streaming_heads"], kwargs)  # (heads chosen for another window)
         eng = cls(m, tok, **kwargs, **head_defaults(kwargs.get("method", "dense"), kwargs, model_dir, L, H))
         eng.head_defaults = lambda name, opts: head_defaults(name, opts, model_dir, L, H)  # per-request methods too
         if isinstance(given, (str, os.PathLike)) and str(given).strip().lower() != "none":

@@ -167,7 +167,7 @@ def cmd_eval(args) -> int:
 
     from ..model.loader import load_model
     from ..cli import parse_heads
-    from ..patterns import STREAMING_METHODS, model_heads, pattern_tag
+    from ..patterns import STREAMING_METHODS, model_heads, pattern_tag, warn_file_window
     from .harness import plan_cell_ids, run_fidelity, run_retrieval, special_prefix
     from .report import write_report
     from .store import ResultStore
@@ -189,6 +189,8 @@ def cmd_eval(args) -> int:
     # each streaming method's own pattern (a file may give hybrid another ratio), tactic's/hybrid's dense heads
     heads = model_heads(model_dir, model.cfg.num_layers, model.cfg.num_kv_heads, args.streaming_heads,
                         None if args.dense_heads is None else parse_heads(args.dense_heads))
+    if args.streaming_heads:  # eval streams them at the default window
+        warn_file_window(heads["lserve"], {})
     text_ids = tok.encode(text, add_special_tokens=False) if "fidelity" in plan.tasks else []
     import kvsieve
 
