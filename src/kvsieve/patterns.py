@@ -322,11 +322,12 @@ def unstreamed(dense, pattern: Optional[Pattern]) -> Tuple[Tuple[int, int], ...]
 def model_head_options(method: str, options: Dict, model_dir, num_layers: int, num_kv_heads: int,
                        streaming_path: Optional[str] = None) -> Dict:
     """The options a model's head files add to `method`'s (the user's `options` win, but for
-    the streamed heads of a dense-heads file): streaming_heads for lserve/hybrid (pattern_for), dense_heads for tactic, hybrid, quest
-    and lserve (dense_heads_for; lserve's and hybrid's less those their pattern streams: the
-    shipped ones, and a file's the user gives (--dense-heads FILE), as eval and serve's
-    per-request methods take them; heads the user lists one by one are kept, so a streamed
-    one is refused by the method's config)."""
+    the streamed heads of a dense-heads file): streaming_heads for lserve/hybrid
+    (pattern_for), dense_heads for tactic, hybrid, quest and lserve (dense_heads_for;
+    lserve's and hybrid's less those their pattern streams: the shipped ones, and a file's
+    the user gives (--dense-heads FILE), as eval and serve's per-request methods take them;
+    heads the user lists one by one are kept, so a streamed one is refused by the method's
+    config)."""
     out: Dict = {}
     heads = pattern_for(method, streaming_path, model_dir, num_layers, num_kv_heads)
     if heads is not None:

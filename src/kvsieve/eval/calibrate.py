@@ -321,8 +321,9 @@ def cmd_calibrate(args) -> int:
         try:
             retrieval = make(tok, length, args.retrieval)
         except ValueError as e:
-            raise ValueError(f"--retrieval-data {args.retrieval_data} at --length {length}: {str(e).split('; use')[0]}; "
-                             "give a longer --length, or --retrieval 0") from None
+            why = str(e).split("; use")[0]
+            raise ValueError(f"--retrieval-data {args.retrieval_data} at --length {length}: {why}; give a longer "
+                             "--length, or --retrieval 0") from None
     cases = []
     if args.dense_heads:  # built before any measurement: a length too short for them fails now
         try:

@@ -181,7 +181,8 @@ def _index_writer(jobs: List[_Job], got: List[int], L: int, Hkv: int, C: int, N:
     c_row, c_id = idx([jobs[i].b for i in c_job]), idx([jobs[i].at + k for i, k in zip(c_job, c_k)])
     tj, tp, t_row, t_pos = _token_entries(jobs, device)
     t_at = idx([j.at for j in jobs])[tj][:, None, None]
-    j_row, after, ends = idx([j.b for j in jobs]), idx([j.at + g for j, g in zip(jobs, got)]), idx([j.end for j in jobs])
+    j_row, ends = idx([j.b for j in jobs]), idx([j.end for j in jobs])
+    after = idx([j.at + g for j, g in zip(jobs, got)])
     gathered = {}
 
     def per_cluster(t: Tensor) -> Tensor:  # [L * J * Hkv, C, ...] -> [entries, L, Hkv, ...]
