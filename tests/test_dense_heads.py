@@ -274,3 +274,11 @@ def test_a_pattern_files_method_ratios_name_streaming_methods(tmp_path):
     path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match=r"'method_ratios' must map a streaming method \(lserve, hybrid\)"):
         load_pattern(path, 30, 3, "hybrid")
+
+
+def test_a_dense_heads_file_naming_a_head_the_model_lacks_is_named_in_the_error(tmp_path):
+    path = tmp_path / "oob.streaming.json"
+    path.write_text(json.dumps({"format": "kvsieve-streaming-heads/1", "dense_heads": [[30, 0]]}))
+    with pytest.raises(ValueError, match=r"dense heads of file '.*oob.streaming.json' name 30:0, but this model has "
+                                         r"30 layers x 3 KV heads"):
+        dense_heads_for("tactic", {"dense_heads": parse_heads(str(path))}, EMBEDDED_DIR, 30, 3)

@@ -298,7 +298,9 @@ def dense_heads_for(method: str, options: Dict, model_dir, num_layers: int, num_
     and for tactic's and hybrid's fixed-budget mode (there dense heads belong to the
     threshold mode; quest's and lserve's budget is their only mode)."""
     if "dense_heads" in options:
-        check_dense_heads(options["dense_heads"], num_layers, num_kv_heads, "dense_heads (--dense-heads)")
+        given = options["dense_heads"]
+        source = getattr(given, "source", None) or "dense_heads (--dense-heads)"  # (a file's: its file)
+        check_dense_heads(given, num_layers, num_kv_heads, source)
         return None
     if method not in DENSE_HEAD_METHODS or budget_drops_dense_heads(method, options):
         return None
