@@ -124,8 +124,8 @@ def _fold_as_clusters(cfg: TacticConfig, states: List[ClusterIndex], readers: Li
     radius = cluster_radius(x, res.assign, cent)
     box = quantize_box(*cluster_box(x, res.assign, C_res), cent) if states[0].box is not None else None
 
-    write = _slice_writer(jobs[0], got[0]) if J == 1 else _index_writer(jobs, got, L, Hkv, C_res, N, dev)
     values = (cent, res.sizes, radius, box, res.assign)
+    write = _slice_writer(jobs[0], got[0], values) if J == 1 else _index_writer(jobs, got, values, L, Hkv, C_res, N)
     grew = False
     for l, st in enumerate(states):
         C = st.centroids.shape[2]
@@ -140,7 +140,7 @@ def _fold_as_clusters(cfg: TacticConfig, states: List[ClusterIndex], readers: Li
                 st.sizes[j.b, :, gone], st.radius[j.b, :, gone] = 0, 0
                 if st.box is not None:
                     st.box[j.b, :, gone], st.box_step[j.b, :, gone] = 0, 0
-        write(st, l, values)
+        write(st, l)
         for j in jobs:
             base, first, last = st.region_of(j.b) or (j.lo, j.at, 0)
             whole = j.lo == base
@@ -150,12 +150,13 @@ def _fold_as_clusters(cfg: TacticConfig, states: List[ClusterIndex], readers: Li
     return grew
 
 
-def _slice_writer(j: _Job, g: int):
-    """write(st, l, values): layer l's clusters and assignments of a single job, as slices.
+def _slice_writer(j: _Job, g: int, values):
+    """write(st, l): layer l's clusters and assignments of a single job, as slices.
     values: the K-means call's centroids, sizes, radius, box (codes, step) or None, and
     assignment, rows ordered (layer, KV head)."""
-    def write(st: ClusterIndex, l: int, values) -> None:
-        cent, sizes, radius, box, assign = values
+    cent, sizes, radius, box, assign = values
+
+    def write(st: ClusterIndex, l: int) -> None:
         Hkv = st.centroids.shape[1]
         rows, span = slice(l * Hkv, (l + 1) * Hkv), slice(j.at, j.at + g)
         st.centroids[j.b, :, span] = cent[rows, :g]
@@ -168,12 +169,14 @@ def _slice_writer(j: _Job, g: int):
     return write
 
 
-def _index_writer(jobs: List[_Job], got: List[int], L: int, Hkv: int, C: int, N: int, device):
-    """write(st, l, values) for several jobs (values as _slice_writer's, rows ordered
-    (layer, job, KV head), C clusters and N positions each): one indexed write per tensor
-    and layer, whatever the number of jobs. Cluster entry e is cluster k_e of job j_e,
-    written at (row b_e, cluster at + k_e); token entries likewise. Every layer's values
-    are gathered at the first write."""
+def _index_writer(jobs: List[_Job], got: List[int], values, L: int, Hkv: int, C: int, N: int):
+    """write(st, l) for several jobs (values as _slice_writer's, rows ordered (layer, job,
+    KV head), C clusters and N positions each): one indexed write per tensor and layer,
+    whatever the number of jobs. Cluster entry e is cluster k_e of job j_e, written at
+    (row b_e, cluster at + k_e); token entries likewise. Every layer's values are gathered
+    once, here."""
+    cent, sizes, radius, box, assign = values
+    device = cent.device
     idx = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
     c_job = [i for i, g in enumerate(got) for _ in range(g)]
     c_k = [k for g in got for k in range(g)]
@@ -183,23 +186,20 @@ def _index_writer(jobs: List[_Job], got: List[int], L: int, Hkv: int, C: int, N:
     t_at = idx([j.at for j in jobs])[tj][:, None, None]
     j_row, ends = idx([j.b for j in jobs]), idx([j.end for j in jobs])
     after = idx([j.at + g for j, g in zip(jobs, got)])
-    gathered = {}
 
     def per_cluster(t: Tensor) -> Tensor:  # [L * J * Hkv, C, ...] -> [entries, L, Hkv, ...]
         return t.view(L, len(jobs), Hkv, C, *t.shape[2:])[:, cj, :, ck]
 
-    def write(st: ClusterIndex, l: int, values) -> None:
-        if not gathered:
-            cent, sizes, radius, box, assign = values
-            gathered.update(centroids=per_cluster(cent), sizes=per_cluster(sizes), radius=per_cluster(radius),
-                            assign=assign.view(L, len(jobs), Hkv, N)[:, tj, :, tp] + t_at)
-            if box is not None:
-                gathered.update(box=per_cluster(box[0]), box_step=per_cluster(box[1]))
-        names = ("centroids", "sizes", "radius") + (("box", "box_step") if "box" in gathered else ())
-        for name in names:  # (index_put: the dtypes must match)
+    per_tensor = {"centroids": per_cluster(cent), "sizes": per_cluster(sizes), "radius": per_cluster(radius)}
+    if box is not None:
+        per_tensor.update(box=per_cluster(box[0]), box_step=per_cluster(box[1]))
+    tokens = assign.view(L, len(jobs), Hkv, N)[:, tj, :, tp] + t_at  # [token entries, L, Hkv]
+
+    def write(st: ClusterIndex, l: int) -> None:
+        for name, v in per_tensor.items():  # (index_put: the dtypes must match)
             dst = getattr(st, name)
-            dst[c_row, :, c_id] = gathered[name][:, l].to(dst.dtype)
-        st.assign[t_row, :, t_pos] = gathered["assign"][:, l]
+            dst[c_row, :, c_id] = v[:, l].to(dst.dtype)
+        st.assign[t_row, :, t_pos] = tokens[:, l]
         st.num_clusters[j_row], st.num_indexed[j_row] = after, ends
     return write
 
