@@ -1,4 +1,6 @@
 """kvsieve.hf on the embedded model through transformers' own generate()."""
+import json
+
 import pytest
 import torch
 
@@ -87,6 +89,30 @@ def test_the_embedded_model_gets_its_shipped_heads_as_in_the_cli(hf_model):
     cfg = khf.enable(model, "hybrid", streaming_heads=stream).method.config
     khf.disable(model)
     assert cfg.dynamic_config.dense_heads == tuple(h for h in dense if h[0] != 7)
+
+
+def test_enable_reads_a_dense_heads_file_as_the_cli(hf_model, tmp_path):
+    """dense_heads=FILE (a `kvsieve calibrate` file, README's recipe) is read as --dense-heads
+    FILE: tactic takes all its heads, lserve and hybrid those their pattern does not stream;
+    a missing file is named."""
+    from kvsieve.patterns import EMBEDDED_PATTERN, load_pattern, unstreamed
+
+    doc = json.loads(EMBEDDED_PATTERN.read_text())
+    lserve_pattern = load_pattern(EMBEDDED_PATTERN, 30, 3, "lserve")
+    streamed = next((a, b) for a in range(30) for b in range(3) if lserve_pattern[a][b])
+    doc["dense_heads"] = [[7, 2], list(streamed)]
+    path = tmp_path / "mine.streaming.json"
+    path.write_text(json.dumps(doc))
+    model = hf_model[0]
+    want = tuple(sorted({(7, 2), streamed}))
+    for method, heads in [("tactic", want), ("quest", want), ("lserve", unstreamed(want, lserve_pattern))]:
+        cfg = khf.enable(model, method, dense_heads=str(path)).method.config
+        khf.disable(model)
+        assert tuple(getattr(cfg, "dynamic_config", cfg).dense_heads) == heads, method
+    assert unstreamed(want, lserve_pattern) == ((7, 2),)
+    with pytest.raises(FileNotFoundError, match="dense-heads file '.*missing.json' not found"):
+        khf.enable(model, "tactic", dense_heads=str(tmp_path / "missing.json"))
+    assert getattr(model, "_kvsieve", None) is None
 
 
 def test_disable_restores_the_model(hf_model):

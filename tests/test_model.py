@@ -369,6 +369,36 @@ def test_engine_load_gets_the_shipped_heads_as_the_cli(embedded, monkeypatch):
     assert LLMEngine.load(method="tactic", kv_pages=8, dense_heads=()).runner.methods["default"].config.dense_heads == ()
 
 
+def test_engine_load_reads_a_dense_heads_file_for_every_method_it_runs(embedded, monkeypatch, tmp_path):
+    """LLMEngine.load(dense_heads=FILE) reads a `kvsieve calibrate` file as --dense-heads FILE;
+    a request for another dense-head method takes the same heads (as serve's per-request
+    methods take --dense-heads), lserve and hybrid less those their pattern streams, a fixed
+    budget none; the request's own dense heads win."""
+    from kvsieve.engine import LLMEngine
+    from kvsieve.model import loader
+    from kvsieve.patterns import EMBEDDED_PATTERN, load_pattern, unstreamed
+
+    model, tok, path = embedded
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: (model, tok, path))
+    lserve_pattern = load_pattern(EMBEDDED_PATTERN, 30, 3, "lserve")
+    streamed = next((a, b) for a in range(30) for b in range(3) if lserve_pattern[a][b])
+    doc = json.loads(EMBEDDED_PATTERN.read_text())
+    doc["dense_heads"] = [[9, 1], list(streamed)]
+    file = tmp_path / "mine.streaming.json"
+    file.write_text(json.dumps(doc))
+    mine = tuple(sorted({(9, 1), streamed}))
+    for default in ("tactic", "lserve"):
+        eng = LLMEngine.load(method=default, kv_pages=8, dense_heads=str(file))
+        dense = {default: eng.default_options["dense_heads"]}
+        for method, opts in [("tactic", {}), ("quest", {}), ("lserve", {}), ("tactic", {"budget": 64}),
+                             ("quest", {"dense_heads": "7:2"})]:
+            dense[method, str(opts)] = eng.request_key(method, opts)[2].get("dense_heads")
+        assert dense[default] == (mine if default == "tactic" else unstreamed(mine, lserve_pattern)), default
+        assert dense["tactic", "{}"] == mine == dense["quest", "{}"], default
+        assert dense["lserve", "{}"] == unstreamed(mine, lserve_pattern) == ((9, 1),), default
+        assert dense["tactic", "{'budget': 64}"] is None and dense["quest", "{'dense_heads': '7:2'}"] == "7:2"
+
+
 def test_the_embedded_gguf_by_its_path_is_the_embedded_model(embedded):
     """--model <the embedded GGUF's own path> is the embedded model: its converted cache (and
     with it its shipped dense and streaming heads), not a second conversion."""

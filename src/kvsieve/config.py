@@ -81,7 +81,10 @@ def dense_head_pairs(value) -> Tuple[Tuple[int, int], ...]:
         ok = False
     if not ok:
         raise ValueError(f"dense_heads must be (layer, kv_head) pairs of integers >= 0, e.g. ((7, 2),) or \"7:2,18:2\", "
-                         f"or None / () for none, got {given!r}")
+                         f"or None / () for none, got {given!r}" + (
+                             "; a `kvsieve calibrate` file's heads are read at load: LLMEngine.load(dense_heads=FILE), "
+                             "kvsieve.hf.enable(model, method, dense_heads=FILE), --dense-heads FILE"
+                             if isinstance(given, str) and given.strip().endswith(".json") else ""))
     return tuple(sorted(set(pairs)))
 
 

@@ -41,7 +41,7 @@ from . import dispatch
 from .methods import SparseMethod, make_method
 from .ops.attention import attend
 from .ops.paged import PagedKeys
-from .patterns import read_streaming_heads, warn_file_window
+from .patterns import read_dense_heads, read_streaming_heads, warn_file_window
 
 ATTN_NAME = "kvsieve"
 _active = threading.local()  # the cache layer most recently updated: read by the attention call that follows
@@ -382,11 +382,13 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
                          "decoder-only models (Llama, Qwen2/3, Mistral, SmolLM2, Gemma 3, ...)")
     cfg = _text_config(model)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    if "dense_heads" in options:  # a `kvsieve calibrate` file's path is read
+        options = {**options, "dense_heads": read_dense_heads(options["dense_heads"], cfg.num_hidden_layers, kv_heads)}
     if "streaming_heads" in options:  # "none", or a `kvsieve calibrate` file
         options = {**options, "streaming_heads": read_streaming_heads(options["streaming_heads"],
                                                                       cfg.num_hidden_layers, kv_heads, method)}
         warn_file_window(options["streaming_heads"], options)  # (heads chosen for another window)
-    state = HFState(make_method(method, **{**model_head_defaults(model, method, options), **options}), dense_below,
+    state = HFState(make_method(method, **{**options, **model_head_defaults(model, method, options)}), dense_below,
                     max_positions=getattr(cfg, "max_position_embeddings", None))
     _check_streaming_heads(state.method, cfg.num_hidden_layers, kv_heads)
     if getattr(model, "_kvsieve", None) is not None:

@@ -274,6 +274,19 @@ def load_dense_heads(path, num_layers: Optional[int] = None, num_kv_heads: Optio
     return heads
 
 
+def read_dense_heads(value, num_layers: int, num_kv_heads: int):
+    """A dense_heads option as the Python entry points take it: a `kvsieve calibrate` file's
+    path (a PathLike, or a string naming a .json or an existing file) read into its heads
+    (load_dense_heads, checked against the model), anything else as given ("7:2,18:2", pairs,
+    None, "none")."""
+    if isinstance(value, str) and (value.strip().lower() in ("", "none") or ":" in value
+                                   and not value.endswith(".json") and not Path(value).is_file()):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        return load_dense_heads(value, num_layers, num_kv_heads, required=True)
+    return value
+
+
 def check_dense_heads(heads, num_layers: Optional[int], num_kv_heads: Optional[int], source: str) -> None:
     """Every (layer, KV head) pair names a head of a model with these counts; heads from a
     file (load_dense_heads) also come from a file calibrated for this shape."""
@@ -358,14 +371,27 @@ def model_heads(model_dir, num_layers: int, num_kv_heads: int, streaming_path: O
     return heads
 
 
-def head_defaults(method: str, options: Dict, model_dir, num_layers: int, num_kv_heads: int) -> Dict:
+def head_defaults(method: str, options: Dict, model_dir, num_layers: int, num_kv_heads: int,
+                  inherited=None) -> Dict:
     """What the CLI adds for a known model (model_head_options), less whatever `options`
     names, for the Python entry points (LLMEngine.load, kvsieve.hf): the shipped streaming
-    heads (lserve, hybrid) and dense heads; an lserve or hybrid given its own streaming heads
-    drops the dense heads they stream."""
+    heads (lserve, hybrid) and dense heads. `inherited`: the dense heads an engine was loaded
+    with, which a request's dense-head method takes when it names none (as serve's per-request
+    methods take --dense-heads). An lserve or hybrid drops the dense heads its streaming heads
+    (its own or the shipped) stream, shipped or inherited ones, or a file's the caller gives
+    (read_dense_heads); the heads it keeps are returned then."""
     from .methods.hybrid import normalize_pattern
 
+    if (inherited is not None and "dense_heads" not in options and method in DENSE_HEAD_METHODS
+            and not budget_drops_dense_heads(method, options)):
+        options = {**options, "dense_heads": FileHeads(inherited)}  # (returned below, less the streamed ones)
     heads = model_head_options(method, options, model_dir, num_layers, num_kv_heads)
-    if options.get("streaming_heads") is not None and "dense_heads" in heads:
-        heads["dense_heads"] = unstreamed(heads["dense_heads"], normalize_pattern(options["streaming_heads"]))
-    return {k: v for k, v in heads.items() if k not in options}
+    from_file = isinstance(options.get("dense_heads"), FileHeads)
+    if from_file and method in STREAMING_METHODS:  # a file's heads, less those streamed (below), as the CLI takes them
+        heads["dense_heads"] = options["dense_heads"]
+    if method in STREAMING_METHODS and "dense_heads" in heads:
+        pattern = options["streaming_heads"] if "streaming_heads" in options else heads.get("streaming_heads")
+        heads["dense_heads"] = unstreamed(heads["dense_heads"], normalize_pattern(pattern))
+    elif from_file:
+        heads["dense_heads"] = options["dense_heads"]
+    return {k: v for k, v in heads.items() if k not in options or k == "dense_heads" and from_file}

@@ -22,7 +22,7 @@ from ..config import dense_head_pairs
 from ..methods import config_for, make_method, merge_options
 from ..methods.base import DENSE_BELOW_KV_BYTES  # noqa: F401 (re-exported by kvsieve.engine)
 from ..methods.hybrid import normalize_pattern
-from ..patterns import check_dense_heads, read_streaming_heads
+from ..patterns import check_dense_heads, read_dense_heads, read_streaming_heads
 from .crossover import DENSE_ABOVE, DENSE_AFTER, BatchCrossover
 from .inputs import (Prompt, check_params, check_score_lists, check_sizes, params_per_prompt, prompt_token_ids,
                      resolve_device)  # noqa: F401 (resolve_device: kvsieve.engine's name for it)
@@ -102,7 +102,9 @@ class LLMEngine(BatchCrossover, Warmup):
         """Load a model (None = the embedded default) and build an engine. device: default
         CUDA when present; dtype: default bfloat16 on CUDA, float32 on the CPU. A model that
         ships head files (the embedded one) gets its dense and streaming heads unless kwargs
-        name them, as with `kvsieve generate`."""
+        name them, as with `kvsieve generate`. dense_heads and streaming_heads may name a
+        `kvsieve calibrate` file; a request for another method takes them too (its own
+        options win), lserve and hybrid less the dense heads they stream."""
         from ..model.loader import load_model
         from ..patterns import head_defaults, warn_file_window
 
@@ -110,11 +112,14 @@ class LLMEngine(BatchCrossover, Warmup):
         m, tok, model_dir = load_model(model, dtype=dt, device=device)
         L, H = m.cfg.num_layers, m.cfg.num_kv_heads
         given = kwargs.get("streaming_heads")
+        if "dense_heads" in kwargs:  # a `kvsieve calibrate` file's path is read
+            kwargs["dense_heads"] = read_dense_heads(kwargs["dense_heads"], L, H)
         if "streaming_heads" in kwargs:  # "none", or a `kvsieve calibrate` file
             kwargs["streaming_heads"] = read_streaming_heads(given, L, H, kwargs.get("method"))
             warn_file_window(kwargs["streaming_heads"], kwargs)  # (heads chosen for another window)
-        eng = cls(m, tok, **kwargs, **head_defaults(kwargs.get("method", "dense"), kwargs, model_dir, L, H))
-        eng.head_defaults = lambda name, opts: head_defaults(name, opts, model_dir, L, H)  # per-request methods too
+        eng = cls(m, tok, **{**kwargs, **head_defaults(kwargs.get("method", "dense"), kwargs, model_dir, L, H)})
+        given_dense = kwargs.get("dense_heads")  # (a request's dense-head method takes them, as serve's do)
+        eng.head_defaults = lambda name, opts: head_defaults(name, opts, model_dir, L, H, given_dense)
         if isinstance(given, (str, os.PathLike)) and str(given).strip().lower() != "none":
             # a calibrate file: a request for lserve or hybrid streams the file's heads at that method's own ratio
             eng.streaming_file = lambda name: read_streaming_heads(given, L, H, name)
@@ -164,7 +169,7 @@ class LLMEngine(BatchCrossover, Warmup):
         if method is None or method == self.default_method:
             opts = merge_options(self.default_options, opts, name)
         elif self.head_defaults is not None:  # the model's shipped heads for this method (LLMEngine.load)
-            opts = {**self.head_defaults(name, opts), **opts}
+            opts = {**opts, **self.head_defaults(name, opts)}
         if self.default_options.get("streaming_heads") is not None and name in ("lserve", "hybrid"):
             opts.setdefault("streaming_heads", self.default_options["streaming_heads"])
         cfg = config_for(name, **opts)  # one clear ValueError for a bad method or option
