@@ -220,6 +220,36 @@ def test_e2e_budget_is_one_page_at_least(monkeypatch):
     assert [("note" in r) for r in rows] == [("threshold" in o) for o in seen]
 
 
+def test_bench_table_never_cuts_a_setting_and_names_a_skipped_clustering():
+    """lserve's settings (budget + streaming + reuse) were cut at 36 and 14 characters, hiding
+    the streaming heads; a clustering part skipped for memory is named, not a KeyError."""
+    from dataclasses import asdict
+
+    from kvsieve.bench.cli import format_table
+    from kvsieve.bench.kernels import Row
+
+    long = "budget 1.0% + 50% streaming, reuse 4"
+    rows = [asdict(Row(131072, 8, "sdpa_cudnn", "dense", 0.96, attn_ms=0.96, speedup=1.0, rel_err_vs_dense=0.003)),
+            asdict(Row(131072, 8, "lserve", long + " (a longer label)", 0.40, 0.3, 0.1, 0.05, speedup=2.4,
+                       rel_err_vs_dense=0.043))]
+    text = format_table({"device": "GPU", "copy_bandwidth_gbs": 4000.0, "data": "calibrated", "rows": rows,
+                         "matched": matched_fidelity(rows),
+                         "clustering": {"context": 10 ** 8, "note": "out of GPU memory: skipped"}})
+    assert long + " (a longer label)" in text.splitlines()[3]
+    assert long + " (a longer label) 2.40x 5.0% 0.043" in text
+    assert "clustering at 100000000: out of GPU memory: skipped" in text
+
+
+def test_prefill_work_of_a_streaming_head_is_its_causal_window():
+    """The unified prefill row's TFLOP/s counts each streaming head's (query, key) pairs:
+    every causal pair while the window covers the prefix, `window` per query after it."""
+    from kvsieve.bench.prefill import window_pairs
+
+    for S, W in ((1, 4), (4, 4), (5, 4), (97, 16), (4096, 8320), (131072, 8320)):
+        assert window_pairs(S, W) == sum(min(i + 1, W) for i in range(S)), (S, W)
+    assert window_pairs(4096, 8320) == 4096 * 4097 // 2  # the whole causal square: dense's work
+
+
 def test_bench_table_without_kernel_rows_prints_no_kernel_header():
     from kvsieve.bench.cli import format_table
 

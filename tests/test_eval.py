@@ -3,6 +3,7 @@ store, shared-prefill runs against independent ones, the CLI's --quick smoke run
 bad-input errors."""
 import json
 import math
+import shlex
 
 import pytest
 import torch
@@ -116,6 +117,12 @@ def test_attention_fidelity_observer_averages_per_layer():
     assert s["layer_head"]["mass"][0] == pytest.approx([1.0] * 4)
     assert all(m < 1 for m in s["layer_head"]["mass"][1])
     assert s["kv_fraction"] == pytest.approx(0.75)
+    every = torch.cat(obs.all_mass)
+    assert sorted(s["mass_reaching"]) == ["0.8", "0.9", "0.95"]
+    levels = obs.summary((0.92, 0.5))["mass_reaching"]  # a point's own P (the default 0.92) too
+    assert sorted(levels) == ["0.5", "0.8", "0.9", "0.92", "0.95"]
+    for p, share in levels.items():
+        assert share == pytest.approx((every >= float(p)).double().mean().item()), p
 
 
 def test_attention_fidelity_on_sliding_window_layers():
@@ -258,6 +265,7 @@ def test_eval_lists_labels_and_fingerprints_keep_settings_apart():
     for argv in (("--passkey-depths", "0.1,0.9"), ("--needle-depths", "0.2"), ("--suite-cases", "5"),
                  ("--suite-sources", "stdlib")):
         assert fp(*argv) != base, argv
+    assert run_fingerprint(plan(), "m", "t", 1, "float32", {}, "NVIDIA H100 80GB HBM3") != base  # another device
 
 
 @pytest.mark.parametrize("value", ["0", "1.5", "-0.2"])
@@ -281,10 +289,11 @@ def test_eval_small_smoke_and_resume(capsys, tmp_path):
     out_dir = tmp_path / "small"
     argv = ["eval", "--quick", "--out", str(out_dir), "--no-progress", "--methods", "dense,tactic,quest",
             "--lengths", "1024", "--retrieval-lengths", "512", "--suite-lengths", "512", "--suite-cases", "3",
-            "--variants", "passkey", "--decode-tokens", "4"]
+            "--variants", "passkey", "--decode-tokens", "4", "--suite-thresholds", ""]
     code, out = run_cli(capsys, *argv)
     assert code == 0, out.err
     res = json.loads((out_dir / "results.json").read_text())
+    assert shlex.split(res["command"]) == ["kvsieve", *argv]  # the stored command re-runs (empty values quoted)
     from kvsieve.patterns import EMBEDDED_PATTERN, load_dense_heads, pattern_tag
 
     shipped = load_dense_heads(EMBEDDED_PATTERN)
@@ -388,6 +397,8 @@ def test_suite_summary_counts_only_what_dense_answers(tmp_path):
     assert (tmp_path / "c.png").stat().st_size > 10_000
     none_right = [cell(512, "dense", "dense", [0.0, 0.0, 0.0], 1.0), cell(512, "quest", "quest", [0.0, 1.0, 0.0], 0.4)]
     assert "| quest | 40.0% | — | — | — | — | 40.0% |" in suite_section({"cells": none_right})  # (divided by 0)
+    assert suite_curve({"cells": none_right, "model": "m"}, tmp_path / "none.png") == ""  # nothing to draw
+    assert not (tmp_path / "none.png").exists()
 
 
 def test_pool_suite_sums_found_over_seeds_and_counts_a_point_once(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from dataclasses import asdict
@@ -116,7 +117,7 @@ def cmd_bench(args) -> int:
                          cluster_context=args.cluster_context or None, data=args.data)
     result["e2e"] = e2e.run(e2e_contexts, e2e_batches, log=log) if e2e_contexts else []
     result["prefill"] = prefill.run(prefill_contexts, prefill_e2e, log=log)
-    command = "kvsieve " + " ".join(getattr(args, "argv", sys.argv[1:]))
+    command = "kvsieve " + shlex.join(getattr(args, "argv", sys.argv[1:]))
     result.update({"date": time.strftime("%Y-%m-%d"), "command": command, "seconds": time.time() - t0,
                    "torch": torch.__version__, "triton": triton.__version__})
     with open(os.path.join(args.out, "bench.json"), "w") as f:
@@ -135,13 +136,14 @@ def _f(x, fmt):
 
 
 def format_table(result) -> str:
+    sw = max([36] + [len(r["setting"]) for r in result["rows"]])  # (a setting is never cut)
     lines = [f"device: {result['device']}   copy bandwidth: {result['copy_bandwidth_gbs']:.0f} GB/s   "
              f"data: {result.get('data', '-')}",
-             f"{'ctx':>7} {'B':>3} {'method':<13} {'setting':<36} {'step ms':>8} {'sel ms':>7} {'attn ms':>8} "
+             f"{'ctx':>7} {'B':>3} {'method':<13} {'setting':<{sw}} {'step ms':>8} {'sel ms':>7} {'attn ms':>8} "
              f"{'KV read':>8} {'attn GB/s':>9} {'%copy':>6} {'%c stk':>6} {'speedup':>8} {'clean L2':>8} {'err':>8} "
              f"{'mass':>6} {'min':>6}"][:2 if result["rows"] else 1]  # no kernel header without its rows
     for r in result["rows"]:
-        lines.append(f"{r['context']:>7} {r['batch']:>3} {r['method']:<13} {r['setting'][:36]:<36} "
+        lines.append(f"{r['context']:>7} {r['batch']:>3} {r['method']:<13} {r['setting']:<{sw}} "
                      f"{_f(r['step_ms'], '.4f'):>8} {_f(r['select_ms'], '.4f'):>7} {_f(r['attn_ms'], '.4f'):>8} "
                      f"{_f(r['kv_fraction'], '.2%'):>8} {_f(r['attn_gbs'], '.0f'):>9} "
                      f"{_f(r['attn_bw_fraction'], '.0%'):>6} {_f(r.get('attn_stack_bw_fraction'), '.0%'):>6} "
@@ -151,7 +153,9 @@ def format_table(result) -> str:
                      f"{_f(r.get('attn_mass_min'), '.3f'):>6} {r['note'][:40]}")
     lines += format_matched(result.get("matched", []))
     c = result.get("clustering")
-    if c:
+    if c and c.get("note"):
+        lines.append(f"clustering at {c['context']}: {c['note']}")
+    elif c:
         lines.append(f"clustering at {c['context']} (1 layer, 8 KV heads): windowed {c['cluster_windowed_ms']:.1f} ms "
                      f"= {c['cluster_windowed_fraction']:.1%} of dense prefill attention {c['prefill_attention_ms']:.1f}"
                      f" ms; full K-means {c['cluster_full_ms']:.1f} ms = {c['cluster_full_fraction']:.1%}")
@@ -185,13 +189,18 @@ def format_matched(matched) -> list:
     lines = ["matched fidelity: fastest setting whose output error vs dense is within the bound (speedup vs the "
              "best dense kernel; KV read; error)",
              f"{'ctx':>7} {'B':>3} {'method':<14} " + " ".join(f"{b:<40}" for b in bounds)]
+    rows = []
     for m in matched:
         cells = []
         for b in bounds:
             e = m[b]
             cells.append("none" if e is None else
-                         f"{e['setting'][:14]} {e['speedup']:.2f}x {e['kv_fraction']:.1%} {e['rel_err']:.3f}")
-        lines.append(f"{m['context']:>7} {m['batch']:>3} {m['method']:<14} " + " ".join(f"{c:<40}" for c in cells))
+                         f"{e['setting']} {e['speedup']:.2f}x {e['kv_fraction']:.1%} {e['rel_err']:.3f}")
+        rows.append((m, cells))
+    width = max([40] + [len(c) + 1 for _, cells in rows for c in cells])  # (a setting is never cut)
+    lines[-1] = f"{'ctx':>7} {'B':>3} {'method':<14} " + " ".join(f"{b:<{width}}" for b in bounds)
+    for m, cells in rows:
+        lines.append(f"{m['context']:>7} {m['batch']:>3} {m['method']:<14} " + " ".join(f"{c:<{width}}" for c in cells))
     return lines
 
 

@@ -259,7 +259,7 @@ def stacked_attention_ms(q, pk, pv, bt, plan, layers: int = STACK_LAYERS) -> flo
 def _reused_step_ms(opts, st, q, lengths, host, pk, pv, bt, keys) -> float:
     """Step time when the page selection is reused (plan = token-list compaction only)."""
     m = make_method("lserve", **{**opts, "reuse_steps": 4})
-    st.dynamic.last_plan, st.dynamic.step = None, 0
+    st.dynamic.last_plan, st.dynamic.steps = None, None  # every row at its step 0: selects anew
     m.plan(q, st, lengths, host, keys)  # step 0: fresh; steps 1-3 (warm-up and capture) reuse it
 
     def step():
@@ -317,7 +317,14 @@ def run(contexts, batches, budgets, thresholds, log=print,
                 torch.cuda.empty_cache()
                 rows.append(Row(S, B, "all", "-", float("nan"), note="out of GPU memory: skipped"))
                 log(rows[-1])
-    clustering = bench_clustering(cluster_context, shapes, log) if cluster_context else None
+    clustering = None
+    if cluster_context:
+        try:
+            clustering = bench_clustering(cluster_context, shapes, log)
+        except torch.cuda.OutOfMemoryError:  # (the rows above are kept)
+            torch.cuda.empty_cache()
+            clustering = {"context": cluster_context, "note": "out of GPU memory: skipped"}
+            log(clustering)
     rows = [asdict(r) for r in rows]
     return {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": copy, "data": data,
             "shapes": {k: str(v) for k, v in asdict(shapes).items()},

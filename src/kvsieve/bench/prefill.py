@@ -21,6 +21,12 @@ from .timing import median_ms
 SINK, LOCAL = 128, 8192
 
 
+def window_pairs(S: int, window: int) -> int:
+    """(query, key) pairs a streaming head computes over S causal tokens when each query sees
+    at most `window` keys (its sink and local ones): sum over i < S of min(i + 1, window)."""
+    w = min(S, window)
+    return w * (w + 1) // 2 + (S - w) * window
+
 def bench_prefill_kernels(S: int, shapes: Shapes, log) -> List[Dict]:
     from ..kernels.prefill import block_sparse_prefill
 
@@ -46,8 +52,7 @@ def bench_prefill_kernels(S: int, shapes: Shapes, log) -> List[Dict]:
             rows.append({"context": S, "method": name, "ms": None, "note": f"unavailable: {type(e).__name__}"[:80]})
         log(rows[-1])
     streaming = torch.tensor(half_streaming(1, Hkv)[0], device="cuda")
-    lam = min(S, SINK + LOCAL)
-    flops_sparse = flops_dense / 2 + 4 * (Hq / 2) * D * S * lam  # upper bound of the Λ work
+    flops_sparse = flops_dense / 2 + 4 * (Hq / 2) * D * window_pairs(S, SINK + LOCAL)  # the Λ heads' causal work
     for name, flags in (("triton_dense", None), ("triton_unified_50%", streaming)):
         def run():
             return block_sparse_prefill(q, k, v, flags, SINK, LOCAL)

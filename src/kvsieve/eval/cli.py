@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import platform
+import shlex
 import sys
 import time
 from typing import Optional
@@ -39,7 +40,8 @@ def register(sub) -> None:
     p.add_argument("--passkey-depths", help="needle depths of the passkey grid, in [0, 1]")
     p.add_argument("--needle-depths", help="needle depths of the RULER-style variants, in [0, 1]")
     p.add_argument("--suite-lengths", help="retrieval-suite prompt lengths in tokens (default 1024 and the "
-                                           "fidelity lengths)")
+                                           "preset's fidelity lengths, whatever --lengths says: 1024,2048,4096,"
+                                           "7680 or up to the model's limit; --quick: 1024)")
     p.add_argument("--suite-cases", type=int, help="retrieval-suite cases per length (default 50)")
     p.add_argument("--suite-sources", help=f"filler texts of the suite, from: {', '.join(SUITE_SOURCES)} "
                                            "(default pydoc,stdlib,generated; files: texts under /usr/share, "
@@ -80,11 +82,13 @@ def listed(args, name: str, kind=float, may_be_empty: bool = False) -> Optional[
     return _list(text, "--" + name.replace("_", "-"), kind)
 
 
-def run_fingerprint(plan: EvalPlan, model_dir, text: str, text_tokens: int, dtype: str, versions: dict) -> dict:
-    """What a stored cell must share with this run to be reused: the model, text, dtype and
-    versions, and the plan's settings that a cell's id does not name (another passkey depth
-    or suite case count must not reuse cells measured at the old one)."""
-    return {"model": str(model_dir), "text": text, "text_tokens": text_tokens, "dtype": dtype,
+def run_fingerprint(plan: EvalPlan, model_dir, text: str, text_tokens: int, dtype: str, versions: dict,
+                    device: str = "cpu") -> dict:
+    """What a stored cell must share with this run to be reused: the model, text, dtype,
+    device ("cpu" or the GPU's name: the report names one device) and versions, and the
+    plan's settings that a cell's id does not name (another passkey depth or suite case
+    count must not reuse cells measured at the old one)."""
+    return {"model": str(model_dir), "text": text, "text_tokens": text_tokens, "dtype": dtype, "device": device,
             "decode_tokens": plan.decode_tokens, "samples": plan.samples, "seed": plan.seed, "versions": versions,
             "streaming_heads": None, "passkey_depths": plan.passkey_depths, "needle_depths": plan.needle_depths,
             "suite_cases": plan.suite_cases, "suite_sources": plan.suite_sources,
@@ -197,7 +201,8 @@ def cmd_eval(args) -> int:
     versions = {"kvsieve": getattr(kvsieve, "__version__", "?"), "torch": torch.__version__,
                 "transformers": __import__("transformers").__version__, "python": platform.python_version()}
     text_source = args.text_file or "pydoc_data.topics"
-    store = ResultStore(args.out, run_fingerprint(plan, model_dir, text_source, len(text_ids), args.dtype, versions))
+    store = ResultStore(args.out, run_fingerprint(plan, model_dir, text_source, len(text_ids), args.dtype, versions,
+                                                 _device_kind(args.device)))
     ids = plan_cell_ids(plan, heads)
     bar = _bar(len(ids), not args.no_progress)
 
@@ -224,14 +229,14 @@ def cmd_eval(args) -> int:
             run_suite(eng, tok, plan, store, progress, heads)
     if bar:
         bar.close()
-    runs = store.log_run({"date": time.strftime("%Y-%m-%d %H:%M"), "command": "kvsieve " + " ".join(args.argv),
+    runs = store.log_run({"date": time.strftime("%Y-%m-%d %H:%M"), "command": "kvsieve " + shlex.join(args.argv),
                           "wall_s": round(time.time() - t_start, 1), "new_cells": len(ids) - resumed,
                           "device": _device_name(args.device)})
     results = {
         "model": str(model_dir), "model_config": dataclasses.asdict(model.cfg), "text": text_source,
         "text_tokens": len(text_ids), "plan": dataclasses.asdict(plan), "versions": versions,
         "device": _device_name(args.device), "dtype": args.dtype, "date": time.strftime("%Y-%m-%d"),
-        "command": "kvsieve " + " ".join(args.argv), "wall_s": time.time() - t_start, "resumed_cells": resumed,
+        "command": "kvsieve " + shlex.join(args.argv), "wall_s": time.time() - t_start, "resumed_cells": resumed,
         "runs": runs, "streaming_heads": None if heads["lserve"] is None else {
             "file": args.streaming_heads or "shipped pattern", "tag": pattern_tag(heads["lserve"]),
             "streaming": sum(map(sum, heads["lserve"])), "kv_heads": sum(map(len, heads["lserve"])),
@@ -248,6 +253,12 @@ def cmd_eval(args) -> int:
     print(f"results: {store.dir}/report.md, results.json, {len(report.plots)} plots "
           f"({time.time() - t_start:.0f} s, {resumed} cells resumed)")
     return 0
+
+
+def _device_kind(device: str) -> str:
+    """"cpu", or the GPU's name: what a stored cell's device must match to be reused."""
+    name = _device_name(device)
+    return "cpu" if name.startswith("cpu") else name
 
 
 def _device_name(device: str) -> str:

@@ -25,7 +25,7 @@ from .needles import MAX_NEW_TOKENS, VARIANTS, make_task
 from .metrics import AttentionFidelity, next_token_metrics, pool_next_token_metrics
 from .store import ResultStore
 from ..patterns import STREAMING_METHODS, dense_heads_of, heads_for, pattern_tag
-from .sweep import EVAL_METHODS, MethodPoint, headline_points, sweep_points
+from .sweep import EVAL_METHODS, THRESHOLD_METHODS, MethodPoint, headline_points, sweep_points
 
 TASKS = ("fidelity", "retrieval", "suite")
 SUITE_SOURCES = ("pydoc", "stdlib", "files", "generated")
@@ -195,7 +195,7 @@ def run_fidelity(engine, text_ids: Sequence[int], plan: EvalPlan, store: ResultS
             stats = AttentionFidelity(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
                                       [cfg.layer_window(i) for i in range(cfg.num_layers)])
             lps, _ = engine.score(prompts, fed, p.method, p.options(L, streaming_heads), observe=stats)
-            lp, attn = torch.stack(lps), stats.summary()
+            lp, attn = torch.stack(lps), stats.summary((p.knob,) if p.method in THRESHOLD_METHODS and p.knob else ())
             if p.method == "dense":
                 dense_lp = lp
                 store.save_tensor(f"fidelity-{L}", lp)

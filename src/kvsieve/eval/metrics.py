@@ -8,7 +8,7 @@ next-token distributions against a dense run on the same teacher-forced text.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -44,7 +44,9 @@ class AttentionFidelity:
         if layer in self.judged:
             self.all_mass.append(mass.flatten().cpu())
 
-    def summary(self) -> Dict:
+    def summary(self, levels: Sequence[float] = ()) -> Dict:
+        """Per-layer means and their statistics; mass_reaching: the share of (step, request,
+        layer, head) masses at or above each of MASS_LEVELS and `levels` (a point's own P)."""
         n = self.count.clamp(min=1)[:, None]
         mass, err, frac = self.mass / n, self.err / n, self.frac / n
         every = torch.cat(self.all_mass) if self.all_mass else torch.ones(1, dtype=torch.float64)
@@ -56,7 +58,7 @@ class AttentionFidelity:
             "mass_mean": mass[j].mean().item(),
             "mass_p10": torch.quantile(every, 0.1).item(),
             "mass_min": every.min().item(),
-            "mass_reaching": {f"{p:g}": (every >= p).double().mean().item() for p in MASS_LEVELS},
+            "mass_reaching": {f"{p:g}": (every >= p).double().mean().item() for p in sorted({*MASS_LEVELS, *levels})},
             "out_err_mean": err[j].mean().item(),
             "out_err_max_head": err[j].max().item(),
             "layer_head": {"mass": _rows(mass), "out_err": _rows(err), "kv_fraction": _rows(frac)},

@@ -127,8 +127,11 @@ def suite_curve(results: Dict, path: Path, rows: Optional[List[Dict]] = None, ti
     """Retrieval (share of dense's correct cases found) against KV read, one panel for all
     lengths and one per length; every point of a method joined in order of KV read, its
     default point ringed; the dotted line is the 99% target. rows: report.suite_summary's
-    rows to draw instead of the results' own (e.g. pooled over seeds)."""
+    rows to draw instead of the results' own (e.g. pooled over seeds). No plot ("") where
+    dense answered no case: found is then undefined everywhere."""
     rows = [r for r in (rows if rows is not None else suite_summary(results)) if r["method"] != "dense"]
+    if not any(r["found"].get(k, (0, 0))[1] for r in rows for k in r["found"]):
+        return ""
     lengths = sorted({k for r in rows for k in r["kv"] if k != "all"})
     keys = ["all", *lengths]
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
