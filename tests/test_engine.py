@@ -10,9 +10,9 @@ from kvsieve.engine import LLMEngine, SamplingParams
 from kvsieve.engine.sampling import filter_logits, sample
 
 METHODS = [("dense", {}), ("tactic", {"cluster_size": 8, "fold_every": 16, "local": 8}),
-           ("quest", {"budget": 32}), ("lserve", {"budget": 64, "sink": 4, "local": 8}),
+           ("quest", {"budget": 32}), ("lserve", {"budget": 64}),
            ("tactic", {"budget": 24, "cluster_size": 8}),
-           ("lserve", {"budget": 64, "sink": 4, "local": 8, "dense_heads": ((1, 0),)})]
+           ("lserve", {"budget": 64, "dense_heads": ((1, 0),)})]
 
 
 def prompts(n, lo=20, hi=140, seed=0):
@@ -56,7 +56,7 @@ def test_continuous_batching_equals_each_request_alone(tiny_model, method, opts,
 
 
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("method,opts", METHODS + [("hybrid", {"cluster_size": 8, "local": 8, "sink": 4}),
+@pytest.mark.parametrize("method,opts", METHODS + [("hybrid", {"cluster_size": 8}),
                                                    ("streaming", {"sink": 4, "local": 8})])
 def test_prompts_shorter_than_the_sinks_decode_as_dense(tiny_model, method, opts, paged):
     """Prompts of 1-5 tokens (fewer than or as many as the 4 sinks), decoded while the whole
@@ -136,8 +136,7 @@ def test_dead_rows_change_nothing(tiny_model, method, opts):
                                   paged=True)[0]
 
 
-@pytest.mark.parametrize("method,opts", METHODS + [("lserve", {"budget": 16, "sink": 4, "local": 8,
-                                                                 "physical_page_size": 16})])
+@pytest.mark.parametrize("method,opts", METHODS + [("lserve", {"budget": 16, "physical_page_size": 16})])
 def test_joins_take_free_rows_in_place(tiny_model, method, opts):
     """With dead rows kept (as under CUDA graphs), a request arriving mid-flight takes a
     padding row or the row of a finished request, its index written in place: fewer batch
@@ -190,7 +189,7 @@ def test_a_rebuild_on_the_step_a_fold_is_due_leaves_padding_rows_unfolded(tiny_m
     assert eng.scheduler.used_pages == 0
 
 
-@pytest.mark.parametrize("method,opts", METHODS + [("hybrid", {"cluster_size": 8, "local": 8}),
+@pytest.mark.parametrize("method,opts", METHODS + [("hybrid", {"cluster_size": 8}),
                                                    ("tactic", {"cluster_size": 8, "dense_below": 1})])  # all dense
 def test_a_burst_of_arrivals_joins_one_batch_in_place(tiny_model, method, opts):
     """Requests submitted together (short and long prompts in any order) decode in one
@@ -841,7 +840,7 @@ def test_score_observer_needs_the_reference_path(tiny_model):
     assert eng.score([prompts(1)[0]], [[1, 2]])[0][0].shape[0] == 2  # without an observer the paged path scores
 
 
-@pytest.mark.parametrize("method,opts", [("quest", {"budget": 16}), ("lserve", {"budget": 64, "sink": 4, "local": 8})])
+@pytest.mark.parametrize("method,opts", [("quest", {"budget": 16}), ("lserve", {"budget": 64})])
 def test_a_page_selector_whose_every_head_is_dense_decodes_as_dense(tiny_model, method, opts):
     """quest/lserve with every KV head dense read every token (kv_fraction 1) and give dense's
     tokens; with one dense head they read more than without and less than everything."""

@@ -226,8 +226,8 @@ def test_prompt_logprobs_on_cuda_beside_a_graph_batch(tiny_cuda):
 
 
 @pytest.mark.parametrize("method,opts", [("tactic", {"cluster_size": 8, "local": 8, "sink": 4}),
-                                         ("hybrid", {"cluster_size": 8, "local": 8, "sink": 4}),
-                                         ("lserve", {"budget": 64, "sink": 4, "local": 8})])
+                                         ("hybrid", {"cluster_size": 8}),
+                                         ("lserve", {"budget": 64})])
 def test_prompts_shorter_than_the_sinks_decode_as_dense_on_graphs(tiny_cuda, method, opts):
     """On CUDA graphs too, prompts of 1-5 tokens decoded while the context fits sinks +
     local window attend every token once: dense's tokens, no more than the whole cache read."""

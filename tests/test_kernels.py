@@ -5,6 +5,8 @@ on the GPU machine `scripts/gpu_tests.sh` runs the same tests on CUDA tensors (m
 `gpu` variants use larger sizes). The interpreter rounds bf16 casts by truncation, which
 doubles bf16 output error, hence the looser bf16 factor there.
 """
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -315,6 +317,44 @@ def test_select_by_budget(N, ties):
         for r in zip(*torch.nonzero(over, as_tuple=True)):
             ss = s[r].masked_fill((sizes[r] == 0), float("-inf"))
             assert chosen[r][ss == ss.max()].all() and chosen[r].sum() == (ss == ss.max()).sum()
+
+
+@pytest.mark.parametrize("N", [1, 54, 97, 300, 5000])
+@pytest.mark.parametrize("ties", [False, True])
+def test_select_by_budget_fill_takes_the_longest_fitting_prefix(N, ties):
+    """fill (page selection): the entries taken are the longest prefix of (score descending,
+    then entry order) that fits the budget, at least the first candidate: ties are split in
+    entry order instead of taken together (a float64 loop is the oracle); kernel = twin."""
+    g = torch.Generator().manual_seed(N + 1)
+    s = torch.randn(3, 2, N, generator=g) * 4
+    if ties:
+        s = s.round()
+        s[2, 1] = 1.0  # every entry tied
+    s[0, 0, : N // 3] = float("-inf")
+    sizes = torch.randint(0, 40, (3, 2, N), generator=g)
+    sizes[1] = 16  # page-like rows: all one size
+    for budget in (0, 7, 16, 100, 5000, 10 ** 6):
+        bud = torch.full((3, 2), budget)
+        want = rselect.select_by_budget(s, sizes, bud, listed=True, fill=True)
+        got = kselect.select_by_budget(s.to(DEV), sizes.int().to(DEV), torch.tensor(budget).to(DEV).expand(3, 2),
+                                       listed=True, fill=True)
+        for w, x in zip(want[:3] + tuple(want[3]), got[:3] + tuple(got[3])):
+            assert torch.equal(w.int().cpu(), x.int().cpu())
+        for r in range(3):
+            for h in range(2):
+                cand = [i for i in range(N) if sizes[r, h, i] > 0 and math.isfinite(s[r, h, i].item())]
+                order = sorted(cand, key=lambda i: (-s[r, h, i].item(), i))
+                taken, total = [], 0
+                for i in order:
+                    if total + int(sizes[r, h, i]) > budget and taken:
+                        break
+                    taken.append(i)
+                    total += int(sizes[r, h, i])
+                    if total > budget:  # the first alone, over budget
+                        break
+                assert torch.equal(want[0][r, h].nonzero()[:, 0], torch.tensor(sorted(taken), dtype=torch.long)), \
+                    (r, h, budget)
+                assert int(want[2][r, h]) == total
 
 
 @pytest.mark.parametrize("case", ["extremes", "narrow", "signed_zeros"])

@@ -54,6 +54,37 @@ def test_streaming_selects_exactly_sink_and_local():
     assert rel_err(r.out, ref) < 1e-12
 
 
+@pytest.mark.parametrize("method,opts", [("tactic", {"threshold": 0.2, "cluster_size": 8}),
+                                         ("tactic", {"budget": 16, "cluster_size": 8}),
+                                         ("quest", {"budget": 16}), ("pages", {"budget": 64})])
+def test_a_dynamic_method_with_local_zero_attends_the_token_being_decoded(method, opts):
+    """sparse_decode's k holds the token being decoded: at local=0 tactic clustered it (it
+    could be left out), and quest/pages left its page out when a whole page ended at it."""
+    q, k, v = clustered_qkv(2, 4, 2, 1024, 64, seed=4)
+    q = -q  # (attention away from the newest tokens: nothing but the rule keeps the last one)
+    lengths = torch.tensor([1024, 1000])
+    r = sparse_decode(q, k, v, method=method, sink=0, local=0, lengths=lengths, **opts)
+    assert r.mask[torch.arange(2), :, lengths - 1].all()
+    if "threshold" in opts:  # (its plan reads keys from a paged cache: test_paged's plan = select)
+        return
+    m = make_method(method, sink=0, local=0, **opts)
+    plan = m.plan(q, m.prepare(k, lengths), lengths, lengths.tolist())
+    for b, n in enumerate(lengths.tolist()):
+        for h in range(2):
+            assert n - 1 in plan.indices[b, h, :int(plan.counts[b, h])].tolist(), (b, h)
+
+
+@pytest.mark.parametrize("method", ["lserve", "hybrid"])
+def test_a_window_for_no_streaming_head_is_refused(method):
+    """lserve's and hybrid's sink/local set their streaming heads' window: with no streaming
+    head they were silently unused (the page selector keeps its own)."""
+    q, k, v = clustered_qkv(1, 4, 2, 300, 64)
+    for opts in ({"sink": 0}, {"local": 5000}, {"sink": 4, "streaming_heads": [0, 0]}):
+        with pytest.raises(ValueError, match=f"sets the window of {method}'s streaming heads, but it streams no head"):
+            sparse_decode(q, k, v, method=method, **opts)
+    sparse_decode(q, k, v, method=method, sink=4, streaming_heads=[1, 0])  # a streaming head: taken
+    sparse_decode(q, k, v, method=method, sink=128, local=256)  # the defaults: nothing unused
+
 
 @pytest.mark.parametrize("method,opts", [("streaming", {}), ("lserve", {"streaming_heads": [1, 1]}),
                                          ("hybrid", {"streaming_heads": [1, 1], "cluster_size": 8, "budget": 32})])

@@ -102,7 +102,8 @@ def test_kernel_matches_twin_and_oracle(G, D, dtype, reduce, r, skip, config):
 
 def old_choose(self, q, state, lengths, skip=None):
     """PageSelect._choose before the fused kernel (per-head scores, torch reductions and
-    candidate masking, sizes per page); it had no skip."""
+    candidate masking, sizes per page), with today's semantics: tied pages split in page
+    order (fill), the page of the token being decoded kept even at local=0; it had no skip."""
     cfg = self.config
     pp = cfg.physical_page_size
     B, Hq, _ = q.shape
@@ -116,14 +117,14 @@ def old_choose(self, q, state, lengths, skip=None):
     Pp = s.shape[-1]
     L = lengths[:, None]
     always_end = (-(-cfg.sink // pp) * pp + torch.zeros_like(L)).clamp(max=L)
-    always_start = torch.maximum(((L - cfg.local).clamp(min=0) // pp) * pp, always_end)
+    always_start = torch.maximum(((L - max(cfg.local, 1)).clamp(min=0) // pp) * pp, always_end)
     start = torch.arange(Pp, device=q.device)[None, :] * pp
     cand = (start >= always_end) & (start + pp <= always_start)
     sizes = (cand * pp)[:, None, :].expand(B, Hkv, Pp)
     s = s.masked_fill(~cand[:, None, :], float("-inf"))
     kpages = min(max(1, cfg.budget // pp), Pp)
     budget = torch.full((B, Hkv), kpages * pp, dtype=torch.int32, device=q.device)
-    chosen, offsets, total = dispatch.select_by_budget(s, sizes, budget)
+    chosen, offsets, total = dispatch.select_by_budget(s, sizes, budget, fill=True)
     ends = always_end.expand(B, Hkv).contiguous(), always_start.expand(B, Hkv).contiguous()
     return chosen, offsets, total, *ends, *chosen_list(chosen)  # (the list: the twin's, of the same choice)
 
@@ -173,6 +174,37 @@ def test_fresh_selection_is_unchanged(kernels, G, D, dtype, opts, monkeypatch):
     plan = m.plan(q, st, lengths, LENGTHS)
     monkeypatch.setattr(PageSelect, "_choose", old_choose)
     assert plans_equal(plan, m.plan(q, st, lengths, LENGTHS))
+
+
+@pytest.mark.parametrize("kernels", ["reference", "auto"])
+@pytest.mark.parametrize("name,opts", [("quest", {"budget": 32}), ("quest", {"budget": 32, "sink": 0, "local": 0}),
+                                       ("pages", {"budget": 128, "sink": 0, "local": 0}),
+                                       ("pages", {"budget": 192, "sink": 16, "local": 64})])
+def test_tied_pages_keep_the_budget_and_the_page_being_decoded(kernels, name, opts, monkeypatch):
+    """Pages whose summaries tie (identical keys) are taken in page order up to the budget,
+    in the plan as in select(): the plan took every tied page, overflowed its list and cut
+    the local window, the token being decoded with it. local=0 keeps the page of the token
+    being decoded even when a whole page ends at it (lengths 1024, 1023 and 1000)."""
+    monkeypatch.setenv("KVSIEVE_KERNELS", kernels)
+    from kvsieve.bench.fidelity import plan_token_mask
+
+    g = torch.Generator().manual_seed(5)
+    B, Hkv, G, D, S = 3, 2, 3, 64, 1024
+    k = torch.randn(1, Hkv, 1, D, generator=g).expand(B, Hkv, S, D).clone()  # every page ties
+    k[1, :, 512:] = torch.randn(Hkv, 512, D, generator=g)  # row 1: half its pages tie
+    q = torch.randn(B, Hkv * G, D, generator=g)
+    lengths = torch.tensor([1024, 1023, 1000])
+    m = make_method(name, reuse_steps=1, **opts)
+    want = m.select(q, k, lengths, m.prepare(k, lengths)).mask
+    st = m.prepare(k.to(DEV), lengths.to(DEV))
+    plan = m.plan(q.to(DEV), st, lengths.to(DEV), lengths.tolist())
+    got = plan_token_mask(plan.indices, plan.counts, False, None, 0, S).cpu()
+    assert torch.equal(got, want) and torch.equal(plan.counts.cpu(), want.sum(-1).int())  # (no token twice)
+    assert want[torch.arange(B), :, lengths - 1].all()  # the token being decoded
+    pp = m.config.physical_page_size
+    windows = -(-min(m.config.sink, S) // pp) * pp + max(m.config.local, 1) + 2 * pp
+    assert (want.sum(-1) <= m.config.budget + windows).all()  # never past the budget (ties split)
+    assert (plan.counts <= plan.cap).all()
 
 
 @pytest.mark.parametrize("kernels", ["reference", "auto"])

@@ -14,7 +14,7 @@ CASES = [("tactic", {"budget": 24, "cluster_size": 8, "local": 8, "fold_every": 
          ("tactic", {"cluster_size": 8, "local": 8, "fold_every": 0}),
          ("quest", {"budget": 16}),
          ("quest", {"budget": 16, "reuse_steps": 3}),
-         ("lserve", {"budget": 16, "sink": 4, "local": 8, "physical_page_size": 16, "reuse_steps": 3}),
+         ("lserve", {"budget": 16, "physical_page_size": 16, "reuse_steps": 3}),
          ("dense", {})]
 
 
@@ -69,7 +69,7 @@ def test_write_slot_plans_as_a_rebuilt_batch(method, opts):
 
 @pytest.mark.parametrize("method,opts", CASES + [("tactic", {"cluster_size": 4, "max_clusters": 12,
                                                               "cluster_window": 64, "local": 8}),
-                                               ("hybrid", {"cluster_size": 8, "local": 8})])
+                                               ("hybrid", {"cluster_size": 8})])
 def test_reserve_makes_room_for_a_longer_request(method, opts):
     """A batch of short requests reserved for `length` tokens takes the index of a request
     of any length up to it in place, and plans as a batch rebuilt around it."""

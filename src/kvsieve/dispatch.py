@@ -106,11 +106,11 @@ def windowed_page_scores(q, kmin, kmax, lengths, sink, local, page_size, physica
     return impl(q, kmin, kmax, lengths, sink, local, page_size, physical_page_size, gqa_reduce, skip)
 
 
-def select_by_budget(scores, sizes, budget, listed=False):
+def select_by_budget(scores, sizes, budget, listed=False, fill=False):
     if use_triton(scores):
         from .kernels.select import select_by_budget as kernel
-        return kernel(scores, sizes, budget, listed)
-    return _select_ref.select_by_budget(scores, sizes, budget, listed)
+        return kernel(scores, sizes, budget, listed, fill)
+    return _select_ref.select_by_budget(scores, sizes, budget, listed, fill)
 
 
 def compact_tokens(chosen, offsets, total, members, entry_start, sizes, width,

@@ -243,10 +243,10 @@ def _key_value(k):
 
 @triton.jit(do_not_specialize=('N', 'sz_r', 'sb_r'))
 def _budget_kernel(S, Z, BUD, CHOSEN, OFF, TOT, IDS, NCH, N, sz_r, sb_r, BLOCK: tl.constexpr, K: tl.constexpr,
-                   LISTED: tl.constexpr, PDL: tl.constexpr):
+                   LISTED: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):
     """Program (row): the row's budgeted choice (ops.select.select_by_budget) with its entries
     in registers; LISTED: also the chosen entries as a list (IDS [R, N]: ascending, then -1;
-    NCH [R]: how many), as ops.select.chosen_list."""
+    NCH [R]: how many), as ops.select.chosen_list; FILL: ties split in entry order."""
     start_after_producer(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -292,6 +292,15 @@ def _budget_kernel(S, Z, BUD, CHOSEN, OFF, TOT, IDS, NCH, N, sz_r, sb_r, BLOCK: 
         rnd += 1
     thr = tl.minimum(hi, top.to(tl.int64)).to(tl.int32)  # nothing fits: the best group alone
     chosen = cand & (key >= thr)
+    if FILL:  # the group after the admissible threshold (or the best one, if none fits) in entry order
+        fits = tl.sum(tl.where(chosen, zc, 0), 0) <= budget
+        chosen = chosen & fits
+        room = budget - tl.sum(tl.where(chosen, zc, 0), 0)
+        nxt = tl.where(fits, tl.max(tl.where(cand & (key < thr), key, -2147483648), 0), top)
+        tie = cand & (key == nxt)
+        tz = tl.where(tie, zc, 0)
+        upto = tl.cumsum(tz, 0)
+        chosen = (chosen | (tie & ((upto <= room) | ((upto == tz) & (fits == 0))))) != 0
     csz = tl.where(chosen, z, 0)
     off = tl.cumsum(csz, 0) - csz
     tl.store(CHOSEN + row * N + offs, chosen.to(tl.int8), mask=inb)
@@ -310,11 +319,11 @@ THRESHOLDS_PER_ROUND = 4  # fastest on the H200 at 4096 entries: 8 or 16 need fe
 # but each costs more than it saves
 
 
-def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor, listed: bool = False,
+def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor, listed: bool = False, fill: bool = False,
                      _config: Optional[Tuple[int, int]] = None) -> tuple:
     """Triton twin of ops.select.select_by_budget (one program per row, entries in
-    registers; with `listed` the same launch writes the ChosenList). `_config` =
-    (thresholds per round, warps) overrides the launch."""
+    registers; with `listed` the same launch writes the ChosenList; `fill` splits ties in
+    entry order). `_config` = (thresholds per round, warps) overrides the launch."""
     lead, N = scores.shape[:-1], scores.shape[-1]
     s = scores.reshape(-1, N).to(torch.float32).contiguous()
     R = s.shape[0]
@@ -331,6 +340,6 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor, listed: bool
     # 4 warps' 18.3 at x 8 (scripts/profile_plan.py --methods lserve --sweep)
     k, warps = _config or (THRESHOLDS_PER_ROUND, min(16, max(8 if block >= 2048 else 4, block // 1024)))
     _budget_kernel[(R,)](s, z, bud, chosen, off, tot, ids, nch, N, z.stride(0), bud.stride(0), BLOCK=block, K=k,
-                         LISTED=listed, num_warps=warps, **launch_args(s))
+                         LISTED=listed, FILL=fill, num_warps=warps, **launch_args(s))
     out = chosen.view(torch.bool).view(*lead, N), off.view(*lead, N), tot.view(lead)
     return (*out, ChosenList(ids.view(*lead, N), nch.view(lead))) if listed else out

@@ -111,6 +111,11 @@ class HybridConfig(MethodConfig):
         from . import REGISTRY
 
         own = {k: options.pop(k) for k in cls.OWN_OPTIONS if k in options}
+        unused = [k for k in ("sink", "local") if k in own and own[k] != cls.__dataclass_fields__[k].default]
+        if unused and not any(map(any, normalize_pattern(own.get("streaming_heads")) or ())):
+            raise ValueError(f"{unused[0]}={own[unused[0]]!r} sets the window of {method}'s streaming heads, but it "
+                             "streams no head (streaming_heads is none or all off); give streaming heads "
+                             "(streaming_heads=..., --streaming-heads FILE) or drop sink/local")
         dynamic = own.get("dynamic", cls.__dataclass_fields__["dynamic"].default)
         if dynamic in REGISTRY:  # (an unknown one is refused by config_for, naming it)
             accepted = cls.accepted_options(dynamic)

@@ -15,6 +15,12 @@ from .base import (Selection, SparseMethod, TokenPlan, all_valid, budget_capacit
                    dense_head_flags, streaming_window)
 
 
+def _local(cfg) -> int:
+    """The local window a page selection keeps: at least the token being decoded (local=0
+    still keeps its page when a whole page ends at it)."""
+    return max(cfg.local, 1)
+
+
 @dataclass
 class PageState:
     """kmin, kmax: [B, Hkv, P, D] per logical page; lengths: [B] tokens summarised;
@@ -136,14 +142,15 @@ class PageSelect(SparseMethod):
         B, Hkv, Pp = scores.shape
         start = torch.arange(Pp, device=q.device) * pp
         L = lengths[:, None]
-        forced = ((start[None, :] < cfg.sink) | (start[None, :] + pp > L - cfg.local)) & (start[None, :] < L)
+        forced = ((start[None, :] < cfg.sink) | (start[None, :] + pp > L - _local(cfg))) & (start[None, :] < L)
         forced = forced[:, None, :].expand(B, Hkv, Pp)
         if state.dense is not None:  # every page of the dense heads
             forced = forced | (state.dense[None, :, None] & (start[None, None, :] < L[:, :, None]))
         cand = scores.masked_fill(forced | torch.isinf(scores), float("-inf"))
         kpages = min(max(1, cfg.budget // pp), Pp)
-        top = cand.topk(kpages, dim=-1)
-        chosen = torch.zeros_like(forced).scatter_(-1, top.indices, top.values > float("-inf"))
+        top = cand.sort(dim=-1, descending=True, stable=True)  # (ties in page order, as select_by_budget's fill)
+        top_values, top_indices = top.values[..., :kpages], top.indices[..., :kpages]
+        chosen = torch.zeros_like(forced).scatter_(-1, top_indices, top_values > float("-inf"))
         page_mask = forced | chosen
         token_mask = page_mask.repeat_interleave(pp, dim=-1)[..., :S]
         if token_mask.shape[-1] < S:
@@ -319,11 +326,12 @@ class PageSelect(SparseMethod):
         B, Hkv = q.shape[0], state.kmin.shape[1]
         # windows [B, 1]: the kernels broadcast them over heads
         s, always_end, always_start = dispatch.windowed_page_scores(q, state.kmin, state.kmax, lengths, cfg.sink,
-                                                                    cfg.local, cfg.page_size, pp, cfg.gqa_reduce, skip)
+                                                                    _local(cfg), cfg.page_size, pp, cfg.gqa_reduce,
+                                                                    skip)
         Pp = s.shape[-1]
         sizes, budget = self._consts(state, Pp, q.device)
         chosen, offsets, total, listed = dispatch.select_by_budget(s, sizes.expand(B, Hkv, Pp), budget.expand(B, Hkv),
-                                                                   listed=True)
+                                                                   listed=True, fill=True)
         return chosen, offsets, total, always_end, always_start, *listed
 
     def _consts(self, state: PageState, Pp: int, device):

@@ -88,7 +88,8 @@ class Tactic(SparseMethod):
         L = len(ks)
         B, Hkv, S, D = ks[0].shape
         sink = min(cfg.sink, S)
-        indexed_end = torch.maximum((lengths - cfg.local).clamp(min=sink), torch.zeros_like(lengths) + sink)
+        # the local window, and never the last key (sparse_decode's k holds the token being decoded)
+        indexed_end = torch.maximum((lengths - max(cfg.local, 1)).clamp(min=sink), torch.zeros_like(lengths) + sink)
         host = indexed_end.tolist()
         if S == sink:  # nothing to cluster: every token is a sink
             # the unindexed tail starts after the sinks, where the sinks' columns end: tokens
@@ -320,7 +321,7 @@ class Tactic(SparseMethod):
         """Cluster slots prepare() gives the index of one `length`-token request."""
         cfg = self.config
         sink = min(cfg.sink, length)
-        n = max(length - cfg.local, sink) - sink
+        n = max(length - max(cfg.local, 1), sink) - sink
         if n <= 0:
             return 1
         cs, w = self.cluster_size_for(n), cfg.cluster_window

@@ -139,13 +139,16 @@ def radius_bound(per_head: Tensor, q: Tensor, radius: Tensor) -> Tensor:
     return (per_head.to(ct).view(B, Hkv, Hq // Hkv, C) + qn * radius.to(ct)[:, :, None]).amax(2)
 
 
-def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor, listed: bool = False) -> tuple:
+def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor, listed: bool = False,
+                     fill: bool = False) -> tuple:
     """Take entries in descending score order while their total size stays <= budget.
 
     scores [R..., N] float (-inf: not a candidate); sizes [R..., N] int (0: not a
     candidate); budget [R...] int. Entries tied in score are taken together or not at
     all; if even the best-scored group exceeds the budget it is taken alone (a row with
-    any candidate never selects nothing).
+    any candidate never selects nothing). fill (page selection: top pages, never more
+    than the budget): ties are split in entry order instead, so the entries taken are the
+    longest prefix of the order (score descending, then entry) that fits, at least the first.
     Returns chosen [R..., N] bool, offsets [R..., N] int32 (exclusive running sum of the
     chosen sizes in entry order: where each chosen entry's tokens go) and total [R...]
     int32 (tokens chosen), and with `listed` the ChosenList of chosen.
@@ -155,8 +158,13 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor, listed: bool
     z = sizes.reshape(-1, N).long()
     cand = torch.isfinite(s) & (z > 0)
     s = s.masked_fill(~cand, float("-inf"))
-    srt, order = s.sort(-1, descending=True)
+    srt, order = s.sort(dim=-1, descending=True, stable=True)
     csum = (z.gather(-1, order) * cand.gather(-1, order)).cumsum(-1)
+    if fill:
+        first = torch.arange(N, device=s.device) == 0
+        keep = torch.isfinite(srt) & ((csum <= budget.reshape(-1, 1).long()) | first)
+        chosen = torch.zeros_like(cand).scatter_(-1, order, keep)
+        return _budget_outputs(chosen, z, lead, N, listed)
     # tokens taken if the threshold is srt[j]: every entry scoring >= srt[j]
     group_end = torch.searchsorted(-srt.contiguous(), -srt.contiguous(), right=True) - 1
     taken = csum.gather(-1, group_end)
@@ -164,7 +172,11 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor, listed: bool
     # lowest admissible threshold; else the best group alone
     j = (ok.sum(-1) - 1).clamp(min=0)  # ok holds on a prefix: taken grows with j
     thr = srt.gather(-1, j[:, None])
-    chosen = cand & (s >= thr)
+    return _budget_outputs(cand & (s >= thr), z, lead, N, listed)
+
+
+def _budget_outputs(chosen: Tensor, z: Tensor, lead, N: int, listed: bool) -> tuple:
+    """select_by_budget's outputs from chosen [R, N] bool and sizes z [R, N]."""
     chosen_sizes = (z * chosen).to(torch.int32)
     offsets = chosen_sizes.cumsum(-1, dtype=torch.int32) - chosen_sizes
     out = chosen.view(*lead, N), offsets.view(*lead, N), chosen_sizes.sum(-1, dtype=torch.int32).view(lead)
