@@ -293,14 +293,20 @@ def _budget_kernel(S, Z, BUD, CHOSEN, OFF, TOT, IDS, NCH, N, sz_r, sb_r, BLOCK: 
     thr = tl.minimum(hi, top.to(tl.int64)).to(tl.int32)  # nothing fits: the best group alone
     chosen = cand & (key >= thr)
     if FILL:  # the group after the admissible threshold (or the best one, if none fits) in entry order
-        fits = tl.sum(tl.where(chosen, zc, 0), 0) <= budget
-        chosen = chosen & fits
-        room = budget - tl.sum(tl.where(chosen, zc, 0), 0)
-        nxt = tl.where(fits, tl.max(tl.where(cand & (key < thr), key, -2147483648), 0), top)
-        tie = cand & (key == nxt)
-        tz = tl.where(tie, zc, 0)
-        upto = tl.cumsum(tz, 0)
-        chosen = (chosen | (tie & ((upto <= room) | ((upto == tz) & (fits == 0))))) != 0
+        # lo, the last threshold that did not fit, is that group's key (hi - lo == 1), or
+        # below every key when all fit; hi > top when not even the best group fits. A group
+        # of one changes nothing (it does not fit; the best alone is taken), so the scan
+        # runs only where entries tie (H100, quest 128K x 8: 31 us before fill, 36 with the
+        # scan on every row, 34 with it only there)
+        tie = cand & (key.to(tl.int64) == lo)
+        if tl.sum(tie.to(tl.int32), 0) > 1:
+            none_fit = hi > top.to(tl.int64)
+            chosen = tl.where(none_fit, False, chosen)
+            room = budget - tl.sum(tl.where(chosen, zc, 0), 0)
+            tz = tl.where(tie, zc, 0)
+            upto = tl.cumsum(tz, 0)
+            first = tl.where(none_fit, upto == tz, False)  # not even the best group fits: its first entry
+            chosen = chosen | (tie & ((upto <= room) | first))
     csz = tl.where(chosen, z, 0)
     off = tl.cumsum(csz, 0) - csz
     tl.store(CHOSEN + row * N + offs, chosen.to(tl.int8), mask=inb)
