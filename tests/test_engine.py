@@ -163,6 +163,40 @@ def test_joins_take_free_rows_in_place(tiny_model, method, opts):
     assert eng.scheduler.used_pages == 0
 
 
+@pytest.mark.parametrize("joiner", [
+    {"temperature": 1.5, "top_k": 5, "seed": 7},
+    {"temperature": 0.8, "top_p": 0.9, "seed": 3, "presence_penalty": 1.5, "frequency_penalty": 0.5},
+    {"logit_bias": {5: 8.0, 17: -100.0}},
+    {"temperature": 1.0, "seed": 11, "logit_bias": {9: 3.0}, "frequency_penalty": 1.0, "logprobs": 2}])
+def test_a_joiner_in_place_samples_with_its_own_settings(tiny_model, joiner):
+    """A request joining a greedy batch's free row in place (as under CUDA graphs) keeps its
+    own sampling, penalties, bias and log-probs: its tokens equal its run alone. (The batch's
+    greedy rows carry a penalty and a bias, so a joiner with its own joins in place.)"""
+    pa, pb, pc = prompts(3, lo=40, hi=70, seed=21)
+    greedy = SamplingParams(max_new_tokens=30, ignore_eos=True, frequency_penalty=0.1, logit_bias={3: 0.5})
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, **joiner)
+    eng = LLMEngine(tiny_model, None, "dense", paged=True)
+    eng.runner.keep_dead_rows = True
+    ids = {eng.add_request(pa, greedy): "a", eng.add_request(pc, SamplingParams(max_new_tokens=3, ignore_eos=True,
+                                                                             logit_bias={4: 0.5})): "c"}
+    done, step = {}, 0
+    while eng.has_unfinished:
+        step += 1
+        if step == 6:
+            ids[eng.add_request(pb, params)] = "b"
+        for o in eng.step():
+            if o.finished:
+                done[ids[o.id]] = o
+    assert eng.runner.row_joins >= 1
+    ref = LLMEngine(tiny_model, None, "dense", paged=True).generate([pb], params)[0]
+    assert done["b"].tokens == ref.tokens
+    assert (done["b"].logprobs is None) == (ref.logprobs is None)
+    for got, want in zip(done["b"].logprobs or (), ref.logprobs or ()):  # its own log-probs, top entries too
+        assert got.token == want.token and got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
+    assert len(done["b"].logprobs or ()) == len(ref.logprobs or ())
+
+
 @pytest.mark.parametrize("method", ["tactic", "hybrid"])
 def test_a_rebuild_on_the_step_a_fold_is_due_leaves_padding_rows_unfolded(tiny_model, method):
     """Three tactic rows pad to a bucket of 4 with a copy of the last one's index; a request of

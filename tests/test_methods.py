@@ -157,6 +157,38 @@ def test_tactic_selection_is_whole_clusters_and_respects_floor_and_cap():
         assert hm[h].sum() >= 100
 
 
+def test_tactic_max_budget_at_a_cluster_boundary_keeps_that_prefix():
+    """max_budget equal to a cluster prefix's size keeps exactly that prefix (the largest
+    whole-cluster prefix within the cap), in select() and in the plan's keep_clusters; a cap
+    one token below it keeps one cluster fewer."""
+    from kvsieve.config import TacticConfig
+    from kvsieve.methods import fit_tables
+    from kvsieve.ops.select import key_dtype, sort_keys
+    from kvsieve.ops.threshold import keep_clusters, read_positions, read_widths
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 2, 16, generator=g), torch.randn(1, 1, 200, 16, generator=g)
+    lengths = torch.tensor([200])
+    opts = dict(cluster_size=16, threshold=0.999, sink=0, local=0, fold_every=0, protect=0)
+    st = make_method("tactic", **opts).prepare(k, lengths)
+    scores = torch.einsum("bhd,bhcd->bhc", q, st.centroids.repeat_interleave(2, 1))
+    order = sort_keys(scores, st.sizes, key_dtype(q.dtype)).argsort(dim=-1, descending=True, stable=True)
+    csize = st.sizes.repeat_interleave(2, 1).gather(-1, order).cumsum(-1)
+    for r in (1, 2):
+        cap = int(csize[0, 0, r])  # exactly the first r + 1 clusters of head 0
+        for m_cap, want in ((cap, cap), (cap - 1, int(csize[0, 0, r - 1]))):
+            sel = make_method("tactic", max_budget=m_cap, **opts).select(q, k, lengths, st)
+            assert int(sel.stats["head_budget"][0, 0]) == want, (r, m_cap)
+    n, sizes = torch.tensor([30]), torch.tensor([[10, 20, 30]])
+    layout = fit_tables.layout_for(TacticConfig(cluster_size=10), n)
+    hw, sw = read_widths(layout, n)
+    pos = read_positions(layout, n, hw, sw)
+    read = torch.where(pos >= 0, 0.0, float("-inf"))  # equal scores: P = 0.99 wants all three
+    always = torch.full((1, 0), float("-inf"))
+    for cap, want in ((None, 3), (30, 3), (29, 2), (20, 2), (19, 1), (5, 1)):
+        assert int(keep_clusters(read, pos, always, layout, n, sizes, hw, 0.99, 0, cap)[0]) == want, cap
+
+
 def test_tactic_prefix_follows_centroid_ranking():
     q, k, v = clustered_qkv(1, 1, 1, 1024, 64, sharpness=5.0, seed=4)
     m = make_method("tactic", local=0, protect=0)

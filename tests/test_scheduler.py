@@ -207,6 +207,53 @@ def test_requests_that_can_never_run_are_refused(prompt, new, msg):
     assert not sched.has_unfinished
 
 
+@pytest.mark.parametrize("prompt,new", [(60, 5), (64, 1), (63, 2), (48, 17)])
+def test_a_request_that_just_fits_the_pool_runs(prompt, new):
+    """The last new token is never fed back, so a request caches prompt + max_new_tokens - 1
+    tokens: one that fills the pool exactly runs (it was refused as one page too large; with
+    max_new_tokens 1, admission waited for a decode token that never comes); one page more
+    is refused."""
+    sched = S.Scheduler(num_pages=4, page_size=16, max_num_seqs=2, step_tokens=64, max_model_len=1000)
+    r = sched.add(list(range(prompt)), S.SamplingParams(max_new_tokens=new))
+    assert sched.admissible() == [r]
+    drive(sched, steps=100)
+    assert r.finished and len(r.output) == new and r.finish_reason == "length" and len(sched.free_pages) == 4
+    with pytest.raises(ValueError, match=f"caches up to {prompt + new} tokens: 5 KV pages of 16 tokens, but the "
+                                         "pool has 4"):
+        sched.add(list(range(prompt)), S.SamplingParams(max_new_tokens=new + 1))
+
+
+def test_admissible_agrees_with_schedule_at_the_page_boundary():
+    """admissible() names exactly the requests schedule() admits next (the crossover reads
+    it): a prompt of whole pages needs one page more for its first decode token."""
+    sched = S.Scheduler(num_pages=3, page_size=16, max_num_seqs=4, step_tokens=256, max_model_len=1000)
+    a = sched.add(list(range(16)), S.SamplingParams(max_new_tokens=30))
+    sched.schedule()
+    sched.prefilled(a, 16)
+    sched.append_token(a, 1)  # a decodes from now on
+    assert len(a.pages) == 2  # 16 prompt tokens + the first decode token
+    b = sched.add(list(range(16)), S.SamplingParams(max_new_tokens=2))  # 1 page + its decode token's: 1 free
+    c = sched.add(list(range(16)), S.SamplingParams(max_new_tokens=1))  # its one new token needs no decode
+    assert sched.admissible() == []  # b is first in line and does not fit
+    assert [r for r, _, _ in sched.schedule().chunks] == []
+    sched.append_token(a, 1)
+    sched.abort(b.id)
+    assert sched.admissible() == [c]
+    assert [r for r, _, _ in sched.schedule().chunks] == [c]
+
+
+@pytest.mark.parametrize("step_tokens", [1, 7, 64])
+def test_prefill_chunks_use_the_whole_step_budget(step_tokens):
+    """Each step prefills as many prompt tokens as its budget leaves (the last chunk what
+    remains): a chunk one token short would have stalled at step_tokens 1 (empty chunks)."""
+    sched = S.Scheduler(num_pages=100, page_size=16, max_num_seqs=1, step_tokens=step_tokens, max_model_len=1000)
+    r = sched.add(list(range(150)), S.SamplingParams(max_new_tokens=2))
+    log = drive(sched, steps=400)
+    chunks = [(s, e) for p in log for q, s, e in p.chunks if q is r]
+    assert chunks == [(s, min(s + step_tokens, 150)) for s in range(0, 150, step_tokens)]
+    assert r.finished and len(r.output) == 2
+
+
 def test_queue_limit():
     """max_waiting requests wait beyond those the free running slots take at the next step (a
     burst to an idle server was cut at max_waiting with every slot free)."""

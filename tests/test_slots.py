@@ -188,3 +188,24 @@ def test_threshold_fit_tables_stay_put_across_folds():
         fresh = dataclasses.replace(st, consts=None)
         assert got == plan_sets(m, q, fresh, lengths, keys)
     assert in_place >= 3  # folds moved the indexed lengths while the widths held
+
+
+def test_a_request_joining_a_row_does_not_inherit_its_fold_region():
+    """A fold opens a region of the index (the span it re-clusters); a request written into
+    that row in place must start without it: its folds equal those of its index alone."""
+    g = torch.Generator().manual_seed(0)
+    Hkv, D = 2, 16
+    m = make_method("tactic", fold_every=32, local=8, sink=4, cluster_size=8, budget=64)
+    ka, kb = torch.randn(1, Hkv, 600, D, generator=g), torch.randn(1, Hkv, 600, D, generator=g)
+    first = m.prepare(ka[:, :, :100], torch.tensor([100]))
+    st = m.reserve(m.merge_states([first, m.prepare(ka[:, :, :100], torch.tensor([100]))]), 600)
+    for n in range(101, 200):  # request a decodes to 200 tokens in both rows: its folds open regions
+        m.maintain_layers([st], torch.tensor([n, n]), [n, n], [lambda b, s, e: ka[0, :, s:e]])
+    assert st.regions is not None and st.regions[0] is not None
+    assert m.write_slot(st, 0, m.prepare(kb[:, :, :80], torch.tensor([80])))  # b takes row 0 in place
+    alone = m.reserve(m.merge_states([m.prepare(kb[:, :, :80], torch.tensor([80]))]), 600)
+    for n in range(81, 160):  # b's first folds, beside a's row still growing
+        m.maintain_layers([st], torch.tensor([n, 199]), [n, 199], [lambda b, s, e: (kb if b == 0 else ka)[0, :, s:e]])
+        m.maintain_layers([alone], torch.tensor([n]), [n], [lambda b, s, e: kb[0, :, s:e]])
+    assert int(st.num_clusters[0]) == int(alone.num_clusters[0])
+    assert torch.equal(st.assign[0, :, :152], alone.assign[0, :, :152])

@@ -181,8 +181,9 @@ class Request:
     @property
     def admit_tokens(self) -> int:
         """Tokens its pages must hold to be admitted: the prefill and the first decode token
-        (the prefill alone for a prompt only scored, max_new_tokens 0)."""
-        return self.prefill_target + (self.params.max_new_tokens > 0)
+        (the prefill alone where no decode step follows: a prompt only scored, max_new_tokens
+        0, or one whose only new token comes from the prefill, max_new_tokens 1)."""
+        return self.prefill_target + (bool(self.output) or self.params.max_new_tokens > 1)
 
     @property
     def prefilling(self) -> bool:
@@ -253,10 +254,12 @@ class Scheduler:
             raise ValueError(
                 f"the prompt has {len(prompt)} tokens and max_new_tokens is {params.max_new_tokens}, but the model "
                 f"allows {self.max_model_len} positions; {fix} (kvsieve never truncates)")
-        if self.pages_for(total) > self.num_pages:
+        cached = len(prompt) + max(params.max_new_tokens - 1, 0)  # (the last new token is never fed back)
+        if self.pages_for(cached) > self.num_pages:
             raise ValueError(
-                f"a request of {total} tokens needs {self.pages_for(total)} KV pages of {self.page_size} tokens but "
-                f"the pool has {self.num_pages}; give the engine more KV pages (--kv-pages) or ask for fewer tokens")
+                f"a request of {len(prompt)} prompt tokens and max_new_tokens {params.max_new_tokens} caches up to "
+                f"{cached} tokens: {self.pages_for(cached)} KV pages of {self.page_size} tokens, but the pool has "
+                f"{self.num_pages}; give the engine more KV pages (--kv-pages) or ask for fewer tokens")
         # the free running slots take as many of the waiting at the next step: those do not queue
         if self.max_waiting is not None and \
                 len(self.waiting) >= self.max_waiting + max(0, self.max_num_seqs - len(self.running)):
