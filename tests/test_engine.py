@@ -899,7 +899,8 @@ def test_a_reused_page_selection_follows_each_request_own_schedule(tiny_model, p
     well under the prompts give each request the tokens it gets alone."""
     ps = prompts(4, lo=450, hi=900, seed=11)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (14, 5, 11, 9)]
-    opts = dict(budget=64, sink=16, local=32, prefill_local=64, streaming_heads=streaming, dense_below=0)
+    window = dict(sink=16, local=32, prefill_local=64) if streaming else {}  # (the streaming heads' window)
+    opts = dict(budget=64, streaming_heads=streaming, dense_below=0, **window)
     eng = LLMEngine(tiny_model, None, "lserve", paged=paged, step_tokens=256, **opts)
     done = mid_flight(eng, ps, params, first=1, arrive_at=(2, 5, 7))
     ref = [LLMEngine(tiny_model, None, "lserve", paged=paged, **opts).generate([p], q)[0] for p, q in zip(ps, params)]

@@ -84,6 +84,23 @@ def test_a_window_for_no_streaming_head_is_refused(method):
             sparse_decode(q, k, v, method=method, **opts)
     sparse_decode(q, k, v, method=method, sink=4, streaming_heads=[1, 0])  # a streaming head: taken
     sparse_decode(q, k, v, method=method, sink=128, local=256)  # the defaults: nothing unused
+    # the command line checks options before it knows the model's heads: not refused there
+    from kvsieve.methods import config_for, merge_options
+    from kvsieve.patterns import EMBEDDED_PATTERN, model_head_options
+
+    config_for(method, sink=64, local=512)
+    embedded = model_head_options(method, {"sink": 64}, "/models/smollm2-135m-instruct", 30, 3)
+    assert any(map(any, embedded["streaming_heads"])) and config_for(method, sink=64, **embedded)
+    filed = model_head_options(method, {"local": 512}, "/models/other", 30, 3, str(EMBEDDED_PATTERN))
+    assert config_for(method, local=512, **filed)
+    other = model_head_options(method, {"sink": 64}, "/models/other", 2, 2)  # a model with no pattern: refused
+    assert other == {"streaming_heads": None}
+    with pytest.raises(ValueError, match="sink=64 sets the window"):
+        config_for(method, sink=64, **other)
+    # a request naming no streaming head drops the default heads' window (not the request's error)
+    merged = merge_options({"sink": 64, "local": 512, "streaming_heads": [1, 0]}, {"streaming_heads": None}, method)
+    assert "sink" not in merged and "local" not in merged and config_for(method, **merged)
+    assert merge_options({"sink": 64}, {"streaming_heads": None, "sink": 8}, method)["sink"] == 8
 
 
 @pytest.mark.parametrize("method,opts", [("streaming", {}), ("lserve", {"streaming_heads": [1, 1]}),

@@ -397,6 +397,9 @@ def test_engine_load_reads_a_dense_heads_file_for_every_method_it_runs(embedded,
         assert dense["tactic", "{}"] == mine == dense["quest", "{}"], default
         assert dense["lserve", "{}"] == unstreamed(mine, lserve_pattern) == ((9, 1),), default
         assert dense["tactic", "{'budget': 64}"] is None and dense["quest", "{'dense_heads': '7:2'}"] == "7:2"
+    for given, want in (("9:1,7:2", ((7, 2), (9, 1))), ("none", ())):  # pairs spelled as the CLI does
+        eng = LLMEngine.load(method="tactic", kv_pages=8, dense_heads=given)
+        assert tuple(eng.request_key("quest", {})[2]["dense_heads"]) == want, given
 
 
 def test_the_embedded_gguf_by_its_path_is_the_embedded_model(embedded):

@@ -97,6 +97,8 @@ def sparse_decode(q: Tensor, k: Tensor, v: Tensor, method: str = "tactic",
     lengths = check_decode_inputs(q, k, v, lengths)
     if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or layer < 0:
         raise ValueError(f"layer must be an integer >= 0 (the model layer of q, k, v), got {layer!r}")
+    if method in ("lserve", "hybrid"):  # no streaming head unless given: a sink/local for none is refused
+        options.setdefault("streaming_heads", None)
     m = make_method(method, **options)
     state = m.prepare(k, lengths, int(layer))
     sel = m.select(q, k, lengths, state)

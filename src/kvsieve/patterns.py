@@ -349,6 +349,8 @@ def model_head_options(method: str, options: Dict, model_dir, num_layers: int, n
         out["streaming_heads"] = heads
         if "streaming_heads" not in options:  # (else the caller's heads win: these are not streamed)
             warn_file_window(heads, options)
+    elif method in STREAMING_METHODS and "streaming_heads" not in options:
+        out["streaming_heads"] = None  # none, said: a sink/local given for them is refused, not unused
     dense = dense_heads_for(method, options, model_dir, num_layers, num_kv_heads)
     if dense is not None:
         out["dense_heads"] = unstreamed(dense, heads)
@@ -384,7 +386,8 @@ def head_defaults(method: str, options: Dict, model_dir, num_layers: int, num_kv
 
     if (inherited is not None and "dense_heads" not in options and method in DENSE_HEAD_METHODS
             and not budget_drops_dense_heads(method, options)):
-        options = {**options, "dense_heads": FileHeads(inherited)}  # (returned below, less the streamed ones)
+        # ("7:2", "none" as pairs; returned below, less the streamed ones)
+        options = {**options, "dense_heads": FileHeads(dense_head_pairs(inherited))}
     heads = model_head_options(method, options, model_dir, num_layers, num_kv_heads)
     from_file = isinstance(options.get("dense_heads"), FileHeads)
     if from_file and method in STREAMING_METHODS:  # a file's heads, less those streamed (below), as the CLI takes them

@@ -79,7 +79,8 @@ def merge_options(defaults: dict, given: dict, method: str = "tactic") -> dict:
     """A request's options over its engine's defaults for the same method. For tactic and
     hybrid the request's mode wins: a request choosing a fixed budget drops the default
     threshold-mode options (dense heads too; quest and lserve keep theirs: a budget is their
-    only mode), and one giving threshold-mode options without a budget drops the default budget."""
+    only mode), and one giving threshold-mode options without a budget drops the default budget.
+    An lserve or hybrid request with no streaming head drops the default heads' window."""
     out = {**defaults, **given}
     if given.get("budget") is not None:  # the request's mode wins: the default threshold mode's options go
         for k in _threshold_mode_given(method, defaults):
@@ -87,6 +88,13 @@ def merge_options(defaults: dict, given: dict, method: str = "tactic") -> dict:
                 out.pop(k)
     elif _threshold_mode_given(method, given) and "budget" not in given:  # (and a default budget goes)
         out.pop("budget", None)
+    if method in ("lserve", "hybrid") and "streaming_heads" in given:
+        from .hybrid import normalize_pattern
+
+        if not any(map(any, normalize_pattern(given["streaming_heads"]) or ())):  # no streaming head: the
+            for k in ("sink", "local", "prefill_local"):  # default heads' window goes with them
+                if k not in given:
+                    out.pop(k, None)
     return out
 
 

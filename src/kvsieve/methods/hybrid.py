@@ -111,8 +111,10 @@ class HybridConfig(MethodConfig):
         from . import REGISTRY
 
         own = {k: options.pop(k) for k in cls.OWN_OPTIONS if k in options}
+        # a window for no streaming head, once the heads are known (the entry points name them,
+        # None included, after adding a model's shipped ones): refused rather than unused
         unused = [k for k in ("sink", "local") if k in own and own[k] != cls.__dataclass_fields__[k].default]
-        if unused and not any(map(any, normalize_pattern(own.get("streaming_heads")) or ())):
+        if unused and "streaming_heads" in own and not any(map(any, normalize_pattern(own["streaming_heads"]) or ())):
             raise ValueError(f"{unused[0]}={own[unused[0]]!r} sets the window of {method}'s streaming heads, but it "
                              "streams no head (streaming_heads is none or all off); give streaming heads "
                              "(streaming_heads=..., --streaming-heads FILE) or drop sink/local")
