@@ -456,3 +456,23 @@ def test_a_some_step_scores_only_the_rows_due(monkeypatch):
     alone = m.prepare(k[3:], lengths[3:])
     m.maintain(alone, lengths[3:], LENGTHS[3:], None)
     assert got[3] == token_sets(m.plan(q[3:], alone, lengths[3:], LENGTHS[3:]))[0]
+
+
+
+def test_a_page_scoring_nan_is_no_candidate_in_select(monkeypatch):
+    """A page scoring NaN is no candidate: the plan's budget search skips it and fills the
+    budget with other pages; select() sorted NaN first, spent a slot on it, and kept one page
+    fewer than its budget."""
+    g = torch.Generator().manual_seed(9)
+    k, q = torch.randn(1, 2, 400, 32, generator=g), torch.randn(1, 4, 32, generator=g)
+    lengths = torch.tensor([400])
+    m = make_method("quest", budget=48, reuse_steps=1)
+    scores = PageSelect.physical_scores
+
+    def with_nan(self, q, state):
+        s = scores(self, q, state).clone()
+        s[..., 4] = float("nan")
+        return s
+    monkeypatch.setattr(PageSelect, "physical_scores", with_nan)
+    mask = m.select(q, k, lengths, m.prepare(k, lengths)).mask
+    assert not mask[..., 64:80].any() and (mask.sum(-1) == 48 + 16 + 16).all()  # 3 pages + the sink and local ones

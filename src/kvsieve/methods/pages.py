@@ -146,7 +146,7 @@ class PageSelect(SparseMethod):
         forced = forced[:, None, :].expand(B, Hkv, Pp)
         if state.dense is not None:  # every page of the dense heads
             forced = forced | (state.dense[None, :, None] & (start[None, None, :] < L[:, :, None]))
-        cand = scores.masked_fill(forced | torch.isinf(scores), float("-inf"))
+        cand = scores.masked_fill(forced | ~torch.isfinite(scores), float("-inf"))  # (NaN: no candidate, as the plan)
         kpages = min(max(1, cfg.budget // pp), Pp)
         top = cand.sort(dim=-1, descending=True, stable=True)  # (ties in page order, as select_by_budget's fill)
         top_values, top_indices = top.values[..., :kpages], top.indices[..., :kpages]
