@@ -5,7 +5,7 @@ from ..config import DenseConfig, MethodConfig, dense_head_pairs, plain_scalar, 
 from ..patterns import THRESHOLD_DENSE_METHODS
 from .base import Selection, SparseMethod
 from .dense import Dense
-from .hybrid import Hybrid, HybridConfig, LServeConfig
+from .hybrid import Hybrid, HybridConfig, LServeConfig, streams_any
 from .pages import PageSelect
 from .streaming import Streaming
 from .tactic import Tactic
@@ -88,13 +88,10 @@ def merge_options(defaults: dict, given: dict, method: str = "tactic") -> dict:
                 out.pop(k)
     elif _threshold_mode_given(method, given) and "budget" not in given:  # (and a default budget goes)
         out.pop("budget", None)
-    if method in ("lserve", "hybrid") and "streaming_heads" in given:
-        from .hybrid import normalize_pattern
-
-        if not any(map(any, normalize_pattern(given["streaming_heads"]) or ())):  # no streaming head: the
-            for k in ("sink", "local", "prefill_local"):  # default heads' window goes with them
-                if k not in given:
-                    out.pop(k, None)
+    if method in ("lserve", "hybrid") and "streaming_heads" in given and not streams_any(given["streaming_heads"]):
+        for k in ("sink", "local", "prefill_local"):  # no streaming head: the default heads' window goes too
+            if k not in given:
+                out.pop(k, None)
     return out
 
 

@@ -40,6 +40,11 @@ def normalize_pattern(pattern) -> Pattern:
     return tuple(out)
 
 
+
+def streams_any(pattern) -> bool:
+    """Whether a streaming pattern (normalize_pattern's forms, None) streams any head."""
+    return any(map(any, normalize_pattern(pattern) or ()))
+
 @dataclass(frozen=True)
 class HybridConfig(MethodConfig):
     """streaming_heads: KV heads that only see sink + local (None: no streaming head);
@@ -114,7 +119,7 @@ class HybridConfig(MethodConfig):
         # a window for no streaming head, once the heads are known (the entry points name them,
         # None included, after adding a model's shipped ones): refused rather than unused
         unused = [k for k in ("sink", "local") if k in own and own[k] != cls.__dataclass_fields__[k].default]
-        if unused and "streaming_heads" in own and not any(map(any, normalize_pattern(own["streaming_heads"]) or ())):
+        if unused and "streaming_heads" in own and not streams_any(own["streaming_heads"]):
             raise ValueError(f"{unused[0]}={own[unused[0]]!r} sets the window of {method}'s streaming heads, but it "
                              "streams no head (streaming_heads is none or all off); give streaming heads "
                              "(streaming_heads=..., --streaming-heads FILE) or drop sink/local")
