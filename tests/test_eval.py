@@ -324,6 +324,19 @@ def test_eval_small_smoke_and_resume(capsys, tmp_path):
     assert code == 0 and "13 cells resumed" in out.out
     assert json.loads((out_dir / "results.json").read_text())["cells"] == res["cells"]
 
+    # a run stopped while writing dense's tensor left it cut short: the re-run recomputes it
+    # (it crashed on the unreadable file), and saves never leave a half file behind again
+    (tensor,) = (out_dir / "dense").glob("fidelity-1024-*.pt")
+    tensor.write_bytes(tensor.read_bytes()[:800])
+    lines = (out_dir / "cells.jsonl").read_text().splitlines()
+    (out_dir / "cells.jsonl").write_text("\n".join(ln for ln in lines if '"fidelity/1024/quest' not in ln) + "\n")
+    code, out = run_cli(capsys, *argv)
+    assert code == 0, out.err
+    again = {c["id"]: c for c in json.loads((out_dir / "results.json").read_text())["cells"]}
+    quest = next(i for i in again if i.startswith("fidelity/1024/quest"))
+    assert again[quest]["kl"] == pytest.approx(cells[quest.split(" heads=")[0]]["kl"], rel=1e-6, abs=1e-12)
+    assert len(torch.load(tensor)) == 1 and not list((out_dir / "dense").glob("*.tmp"))
+
 
 @pytest.mark.slow
 def test_eval_quick_smoke_and_resume(capsys, tmp_path):

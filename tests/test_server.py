@@ -770,6 +770,31 @@ def test_serve_stops_cleanly_on_a_signal(signals):
         assert [x for x in lines if x][-1] == "data: [DONE]", lines[-3:]
 
 
+def test_a_third_ctrl_c_quits_at_once(monkeypatch):
+    """The second Ctrl-C aborts the requests (and says a third quits at once); the third quits
+    at once instead of uvicorn's forced exit, which cancelled the handlers mid-await and logged
+    a traceback for each (about 200 lines) while clients got a bare 500 or a cut stream."""
+    import signal as sig
+    from types import SimpleNamespace
+
+    import uvicorn
+
+    from kvsieve.server import cli as server_cli
+
+    stops, quits, forced = [], [], []
+    app = SimpleNamespace(state=SimpleNamespace(server=SimpleNamespace(
+        draining=False, driver=SimpleNamespace(stop=lambda **kw: stops.append(kw)))))
+    monkeypatch.setattr(server_cli, "_quit_now", lambda *a: quits.append(a))
+    monkeypatch.setattr(uvicorn.Server, "handle_exit", lambda self, *a: forced.append(a))
+    server = server_cli._make_server(uvicorn.Config(lambda *a: None), app, 30.0)
+    server.handle_exit(sig.SIGINT, None)
+    assert app.state.server.draining and stops == [{"drain_s": 30.0, "wait": False}] and len(forced) == 1
+    server.handle_exit(sig.SIGINT, None)
+    assert stops[-1] == {"drain_s": 0.0, "wait": False} and len(forced) == 1 and not quits
+    server.handle_exit(sig.SIGINT, None)
+    assert len(quits) == 1
+
+
 def test_usage_says_why_a_choice_attended_densely():
     """usage.kvsieve.dense_reason: the reason of the first choice that attended densely
     (RequestOutput.dense_reason), None when none did."""

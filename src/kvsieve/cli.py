@@ -8,7 +8,6 @@ import sys
 import warnings
 from pathlib import Path
 
-from .methods import METHOD_NAMES, REGISTRY
 
 
 class UsageError(ValueError):
@@ -16,6 +15,8 @@ class UsageError(ValueError):
 
 
 def add_method_options(p: argparse.ArgumentParser) -> None:
+    from .methods import METHOD_NAMES  # (torch loads inside main's Ctrl-C handling, not at import)
+
     p.add_argument("--method", default="tactic", help=f"one of: {', '.join(METHOD_NAMES)} (default tactic)")
     p.add_argument("--threshold", type=float, help="tactic/hybrid: attention-mass threshold P in (0, 1] (0.92)")
     p.add_argument("--cluster-size", type=int, help="tactic/hybrid: average tokens per cluster (16; larger "
@@ -53,6 +54,8 @@ def method_options(args: argparse.Namespace) -> dict:
     opts = {dst: getattr(args, src) for src, dst in names.items() if getattr(args, src, None) is not None}
     if getattr(args, "dense_heads", None) is not None:
         opts["dense_heads"] = parse_heads(args.dense_heads)
+    from .methods import REGISTRY
+
     method = getattr(args, "method", None)
     if method in REGISTRY:  # the user's flags, named as typed
         flag = {dst: "--dense-prefill" if src == "sparse_prefill" else "--" + src.replace("_", "-")
@@ -167,22 +170,29 @@ def _joined_values(argv: list) -> list:
     return out
 
 
+def _debug() -> bool:
+    """KVSIEVE_DEBUG set to anything but "", 0, false, no or off: errors and Ctrl-C raise, with
+    their tracebacks."""
+    return os.environ.get("KVSIEVE_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def _run(argv) -> int:
-    parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(_joined_values(argv))
-    args.argv = argv
     try:
+        parser = build_parser()  # (imports torch: a Ctrl-C there is an interrupt too)
+        argv = list(sys.argv[1:] if argv is None else argv)
+        args = parser.parse_args(_joined_values(argv))
+        args.argv = argv
         return args.func(args)
     except (ValueError, OSError, UsageError, ModuleNotFoundError) as e:  # OSError: an unreadable file, a full disk
-        if os.environ.get("KVSIEVE_DEBUG"):
+        if _debug():
             raise
-        if isinstance(e, ModuleNotFoundError) and "pip install" not in str(e):  # (ours name their extra)
+        if isinstance(e, ModuleNotFoundError) and e.name and "pip install" not in str(e):  # (ours name their
+            # extra; no name: not a missing install, e.g. an import cut short by Ctrl-C: its own message)
             e = f"missing dependency {e.name!r}: run `bash scripts/setup.sh` or `pip install 'kvsieve[model]'`"
         print(f"kvsieve: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback from wherever the step was
-        if os.environ.get("KVSIEVE_DEBUG"):
+        if _debug():
             raise
         sys.stdout.flush()
         print("\nkvsieve: interrupted", file=sys.stderr)

@@ -188,7 +188,8 @@ def run_fidelity(engine, text_ids: Sequence[int], plan: EvalPlan, store: ResultS
         dense_lp = store.load_tensor(f"fidelity-{L}")
         for p in points:
             cid = ids[p]
-            if store.get(cid) is not None:
+            if store.get(cid) is not None and (dense_lp is not None or p.method != "dense"):  # (dense's tensor
+                # lost: the dense cell runs again, the others need it)
                 progress(cid)
                 continue
             t0 = time.perf_counter()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -74,13 +75,23 @@ class ResultStore:
         return self.dir / "dense" / f"{name}-{self.fingerprint}.pt"
 
     def load_tensor(self, name: str):
+        """The tensor saved under `name`, or None: never saved, or unreadable (a run stopped
+        while writing it before saves were atomic; the caller recomputes it)."""
         p = self._tensor_path(name)
-        return torch.load(p) if p.is_file() else None
+        if not p.is_file():
+            return None
+        try:
+            return torch.load(p)
+        except (EOFError, RuntimeError, pickle.UnpicklingError):
+            return None
 
     def save_tensor(self, name: str, t) -> None:
+        """Written to a temporary file, then renamed: a run stopped mid-write leaves no half file."""
         p = self._tensor_path(name)
         p.parent.mkdir(exist_ok=True)
-        torch.save(t, p)
+        tmp = p.with_name(p.name + ".tmp")
+        torch.save(t, tmp)
+        os.replace(tmp, p)
 
 
 def _ends_with_newline(path: Path) -> bool:

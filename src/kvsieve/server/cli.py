@@ -214,6 +214,10 @@ def _make_server(config, app, shutdown_timeout: float):
                       file=sys.stderr)
                 server.driver.stop(drain_s=0.0, wait=False)
                 return
+            if self.signals >= 3 and sig == signal.SIGINT:  # "at once": uvicorn's forced exit cancels the
+                # handlers mid-await and logs a traceback for each; the requests were aborted already
+                print("kvsieve serve: quit", file=sys.stderr)
+                _quit_now(sig, frame)
             # requests still running at the deadline are aborted by the driver, so their
             # clients get a clean end (503 / finish_reason "abort") before uvicorn gives up
             server.driver.stop(drain_s=shutdown_timeout, wait=False)
