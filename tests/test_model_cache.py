@@ -226,3 +226,80 @@ def test_a_gguf_without_block_count_exits_2_with_one_line(tmp_path, monkeypatch,
     assert main(["generate", "--model", str(gguf), "--prompt", "hi", "--max-new-tokens", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "lacks the metadata key llama.block_count" in err
+
+
+def test_a_conversion_never_replaces_what_kvsieve_did_not_write(tmp_path, fake_gguf):
+    """A user's folder at the entry's name (KVSIEVE_CACHE_DIR=~/models holding their own
+    smollm2-135m-instruct) was deleted and replaced; a file or a link there failed after the
+    whole conversion, naming a staging directory already gone. Each is now refused at once; a
+    damaged entry of kvsieve's own files is converted again."""
+    path, reads = fake_gguf
+    cache = tmp_path / "cache"
+    mine = cache / "m"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"is not a model kvsieve converted \(it holds 'notes.txt'\)"):
+        loader.convert_gguf(path, mine)
+    assert (mine / "notes.txt").read_text() == "mine" and reads == []
+    for name, make in (("file", lambda p: p.write_text("junk")), ("link", lambda p: p.symlink_to("/nonexistent"))):
+        make(cache / name)
+        with pytest.raises(ValueError, match="is in the place of the model cache's entry but is not a directory"):
+            loader.convert_gguf(path, cache / name)
+    assert reads == []
+    damaged = cache / "d"
+    damaged.mkdir()
+    (damaged / "config.json").write_text("{}")  # ours, its weights lost
+    assert loader.is_converted(loader.convert_gguf(path, damaged)) and len(reads) == 1
+
+
+def test_a_full_disk_while_converting_is_one_error(tmp_path, fake_gguf, monkeypatch):
+    """safetensors reports a failed write as its own error, not an OSError: it escaped as a
+    traceback (exit 1) where a full disk should be one line naming the cache."""
+    from safetensors import SafetensorError
+
+    path, _ = fake_gguf
+
+    def full(self, d):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+                              "\"No space left on device\" }) (os error 28)")
+    monkeypatch.setattr(FakeModel, "save_pretrained", full)
+    monkeypatch.setenv("KVSIEVE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"cannot use the model cache .*cache \(.*No space left on device.*\); "
+                                         "free some space"):
+        loader.convert_gguf(path, tmp_path / "cache" / "m")
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["m.lock"]
+
+
+def test_the_embedded_model_by_any_spelling_of_its_directory_gets_its_heads(tmp_path, monkeypatch):
+    """`--model .` (or a link of another name) to the converted embedded model lost its shipped
+    streaming and dense heads: the directory's name was read unresolved ("." has none)."""
+    from kvsieve.patterns import EMBEDDED_PATTERN, default_pattern
+
+    d = tmp_path / "smollm2-135m-instruct"
+    d.mkdir()
+    (tmp_path / "other-name").symlink_to(d)
+    monkeypatch.chdir(d)
+    for spelling in (".", "./", str(d), str(tmp_path / "other-name"), "../smollm2-135m-instruct"):
+        assert default_pattern(spelling, 30, 3) == EMBEDDED_PATTERN, spelling
+    assert default_pattern(str(tmp_path), 30, 3) is None
+
+
+def test_environment_variables_are_read_as_documented(monkeypatch):
+    """KVSIEVE_DEBUG=0 meant debug on; a misspelt KVSIEVE_KERNELS was silently auto; a blank
+    KVSIEVE_CACHE_DIR put the cache in './ '."""
+    import torch
+
+    from kvsieve.cli import _debug
+    from kvsieve.kernels import use_triton
+    from kvsieve.model.cache import cache_root
+
+    for value, on in (("", False), ("0", False), ("false", False), ("No", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv("KVSIEVE_DEBUG", value)
+        assert _debug() == on, value
+    monkeypatch.setenv("KVSIEVE_KERNELS", "refernce")
+    with pytest.raises(ValueError, match="KVSIEVE_KERNELS='refernce': give auto .* or reference"):
+        use_triton(torch.zeros(1))
+    monkeypatch.setenv("KVSIEVE_KERNELS", "Reference")
+    assert use_triton(torch.zeros(1)) is False
+    monkeypatch.setenv("KVSIEVE_CACHE_DIR", "  ")
+    assert cache_root() == Path(os.path.expanduser("~/.cache/kvsieve")).absolute()

@@ -163,7 +163,7 @@ def default_pattern(model_dir, num_layers: Optional[int] = None, num_kv_heads: O
     """The shipped pattern for a known model directory (the embedded default, by its name),
     else None; given the model's counts, only where they are the file's (another model in a
     directory of that name gets none, not an error about a file it never asked for)."""
-    if Path(model_dir).name != "smollm2-135m-instruct" or not EMBEDDED_PATTERN.is_file():
+    if Path(model_dir).resolve().name != "smollm2-135m-instruct" or not EMBEDDED_PATTERN.is_file():  # (`.`, links)
         return None
     if num_layers is not None and _file_shape(EMBEDDED_PATTERN) != (num_layers, num_kv_heads):
         return None

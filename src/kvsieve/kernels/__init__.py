@@ -35,7 +35,11 @@ def interpreting() -> bool:
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    if os.environ.get("KVSIEVE_KERNELS", "auto") == "reference" or not triton_available():
+    mode = os.environ.get("KVSIEVE_KERNELS", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "reference"):
+        raise ValueError(f"KVSIEVE_KERNELS={os.environ['KVSIEVE_KERNELS']!r}: give auto (the Triton kernels where "
+                         "they run) or reference (their torch twins everywhere)")
+    if mode == "reference" or not triton_available():
         return False
     if t.dtype not in KERNEL_DTYPES and t.dtype.is_floating_point:
         return False

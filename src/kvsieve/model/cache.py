@@ -13,7 +13,7 @@ from pathlib import Path
 
 def cache_root() -> Path:
     """$KVSIEVE_CACHE_DIR (~ expanded, made absolute), else ~/.cache/kvsieve."""
-    return Path(os.path.abspath(os.path.expanduser(os.environ.get("KVSIEVE_CACHE_DIR")
+    return Path(os.path.abspath(os.path.expanduser(os.environ.get("KVSIEVE_CACHE_DIR", "").strip()
                                                    or os.path.join("~", ".cache", "kvsieve"))))
 
 
@@ -22,8 +22,15 @@ def cache_errors():
     """An OSError of the model cache (read-only, not a directory, another user's private entry, a
     full disk) as one ValueError naming the path and KVSIEVE_CACHE_DIR. Errors kvsieve raises
     itself (a message, no errno) pass unchanged."""
+    from safetensors import SafetensorError
+
     try:
         yield
+    except SafetensorError as e:  # (safetensors' own error for a failed write: a full disk, os error 28)
+        if "os error" not in str(e):
+            raise
+        raise ValueError(f"cannot use the model cache {cache_root()} ({e}); free some space or set "
+                         "KVSIEVE_CACHE_DIR to a directory you can read and write") from e
     except OSError as e:
         if e.errno is None:
             raise
@@ -44,6 +51,24 @@ def cache_lock(out: Path):
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out) + ".lock"):
         yield
+
+
+CONVERTED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "chat_template.jinja", "model.safetensors.index.json")
+
+
+def check_entry_place(out: Path) -> None:
+    """Before a conversion replaces `out`: refuse (ValueError) what kvsieve did not write there, a
+    file, a link, or a directory holding other files (a user's model folder named like the entry
+    in KVSIEVE_CACHE_DIR was deleted); a damaged entry of its own files is replaced."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ValueError(f"{out} is in the place of the model cache's entry but is not a directory kvsieve wrote; "
+                         "move or delete it (kvsieve converts the model there)")
+    if out.is_dir():
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in CONVERTED_FILES and p.suffix != ".safetensors")
+        if foreign:
+            raise ValueError(f"{out} is not a model kvsieve converted (it holds {foreign[0]!r}) and would be replaced; "
+                             "move it, or set KVSIEVE_CACHE_DIR to another directory")
 
 
 def is_converted(out: Path) -> bool:

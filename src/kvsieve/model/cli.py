@@ -147,7 +147,7 @@ def cmd_generate(args) -> int:
         "text": texts[0] if len(texts) == 1 else texts,
         "method": args.method,
         "options": {k: v for k, v in opts.items() if k != "streaming_heads"},
-        "streaming_heads": None if "streaming_heads" not in opts else args.streaming_heads or "shipped pattern",
+        "streaming_heads": None if opts.get("streaming_heads") is None else args.streaming_heads or "shipped pattern",
         "model": str(model_dir),
         "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "prompt_tokens": len(prompts[0]) if len(prompts) == 1 else [len(p) for p in prompts],

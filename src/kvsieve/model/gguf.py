@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .cache import cache_errors, cache_lock, is_converted, remove_stale_staging, staging_dir
+from .cache import cache_errors, cache_lock, check_entry_place, is_converted, remove_stale_staging, staging_dir
 from .config import ModelConfig, positive_number
 
 # GGUF general.architecture values kvsieve runs (llama.cpp stores Mistral models as "llama")
@@ -127,6 +127,7 @@ def _convert(gguf: Path, out: Path) -> None:
     """convert_gguf's work, under the entry's lock. The metadata is checked first (a file kvsieve
     would run wrong is refused, not cached); the model is written in a directory of this
     process's own, then renamed to `out` in one step (a reader never sees a half-written model)."""
+    check_entry_place(out)
     meta, tensors = read_gguf(gguf)
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -152,7 +153,7 @@ def _convert(gguf: Path, out: Path) -> None:
         for f in tmp.iterdir():
             if f.is_file():
                 f.chmod(mode)
-        shutil.rmtree(out, ignore_errors=True)  # an unfinished leftover (a converted one was returned)
+        shutil.rmtree(out, ignore_errors=True)  # a damaged entry of ours (check_entry_place)
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
