@@ -9,7 +9,6 @@ import warnings
 from pathlib import Path
 
 
-
 class UsageError(ValueError):
     """A user-facing error: bad option, bad file, bad input."""
 
