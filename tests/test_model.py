@@ -534,3 +534,23 @@ def test_a_streaming_file_of_another_window_warns_through_the_python_api(tmp_pat
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the file's own window: no warning
         LLMEngine.load(device="cpu", method="lserve", streaming_heads=str(path), sink=4, local=63, kv_pages=8)
+
+
+def test_prompts_for_a_model_without_a_chat_template_are_raw_and_stderr_says_so(capsys):
+    """A model without a chat template (a base model, or an entry that lost it) gets the raw
+    text with the tokenizer's special tokens, and stderr says so; --no-chat says nothing."""
+    from types import SimpleNamespace
+
+    from kvsieve.model.cli import read_prompts
+
+    class Tok:
+        chat_template = None
+
+        def encode(self, text, add_special_tokens):
+            return [1] * add_special_tokens + [ord(c) for c in text]
+
+    args = SimpleNamespace(prompt=["hi"], prompt_file=None, no_chat=False)
+    assert read_prompts(args, Tok()) == ([[1, ord("h"), ord("i")]], False)
+    assert "no chat template; the prompts are sent as raw text" in capsys.readouterr().err
+    assert read_prompts(SimpleNamespace(**{**vars(args), "no_chat": True}), Tok())[0] == [[1, 104, 105]]
+    assert capsys.readouterr().err == ""

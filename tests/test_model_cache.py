@@ -136,7 +136,7 @@ def test_entries_get_the_umask_permissions_and_stale_staging_is_swept(tmp_path, 
         os.umask(old)
     assert out.stat().st_mode & 0o777 == 0o775
     assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()} == {
-        "config.json": 0o664, "model.safetensors": 0o664, "tokenizer_config.json": 0o664}
+        "config.json": 0o664, "model.safetensors": 0o664, "tokenizer_config.json": 0o664, "kvsieve-entry.json": 0o664}
     assert sorted(p.name for p in cache.iterdir()) == ["m", "m.lock", "m.x.865k2sog.tmp", "mm.865k2sog.tmp"]
 
 
@@ -303,3 +303,62 @@ def test_environment_variables_are_read_as_documented(monkeypatch):
     assert use_triton(torch.zeros(1)) is False
     monkeypatch.setenv("KVSIEVE_CACHE_DIR", "  ")
     assert cache_root() == Path(os.path.expanduser("~/.cache/kvsieve")).absolute()
+
+
+def test_an_entry_damaged_later_is_converted_again_and_other_damage_names_the_fix(tmp_path, fake_gguf, monkeypatch):
+    """An entry whose files were later cut short or deleted (its manifest's sizes no longer
+    match) is converted again, not loaded half; where a damaged file keeps its size, or an
+    entry predates the manifest, the error says to delete the entry (not to download the model);
+    an unreadable weights file is named as unreadable, not as missing."""
+    path, reads = fake_gguf
+    monkeypatch.setenv("KVSIEVE_CACHE_DIR", str(tmp_path / "cache"))
+    out = loader.convert_gguf(path, tmp_path / "cache" / "m")
+    assert json.loads((out / "kvsieve-entry.json").read_text())["files"]["model.safetensors"] == len(b"weights")
+    for damage in (lambda: (out / "model.safetensors").write_bytes(b"cut"),
+                   lambda: (out / "tokenizer_config.json").unlink()):
+        damage()
+        assert not loader.is_converted(out)
+        assert loader.convert_gguf(path, out) == out and loader.is_converted(out)
+    assert len(reads) == 3 and (out / "model.safetensors").read_bytes() == b"weights"
+    (out / "config.json").write_text("x" * len(json.dumps(CONFIG)))  # same size: not seen by the manifest
+    with pytest.raises(ValueError, match=f"entry {out} is damaged: delete it, and kvsieve converts the model again"):
+        loader.load_weights(out)
+    (out / "kvsieve-entry.json").unlink()  # an entry of an older kvsieve: accepted as before
+    assert loader.is_converted(out)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="pass a Llama-family or Gemma 3") as e:
+        loader.load_weights(mine)
+    assert "delete" not in str(e.value)
+
+
+def test_unreadable_weights_and_a_directory_of_ggufs_are_named(tmp_path, monkeypatch):
+    """A weights file without read permission is called unreadable (safetensors says 'no such
+    file'); a directory holding a .gguf and no config names the file to pass."""
+    from safetensors.torch import save_file
+    import torch
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(CONFIG))
+    save_file({"x": torch.zeros(1)}, str(d / "model.safetensors"))
+    monkeypatch.setattr(loader.os, "access", lambda p, mode: Path(p).name != "model.safetensors")
+    with pytest.raises(ValueError, match="cannot read weights file .*model.safetensors: permission denied"):
+        loader.load_weights(d)
+    g = tmp_path / "g"
+    g.mkdir()
+    (g / "Model.Q4.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match=r"holding Model.Q4.gguf: pass the file itself \(--model .*g/Model.Q4.gguf\)"):
+        loader.resolve_model_dir(str(g))
+
+
+def test_a_tokenizer_transformers_cannot_build_is_one_line_naming_the_directory(tmp_path):
+    """tokenizer_config.json without tokenizer.json (a partial download): one line naming the
+    directory, not transformers' several-line message that names none."""
+    d = tmp_path / "tok"
+    d.mkdir()
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    with pytest.raises(ValueError, match=f"could not load the tokenizer in {d} .*copy the model's tokenizer files") as e:
+        loader.load_tokenizer(d)
+    assert "\n" not in str(e.value)

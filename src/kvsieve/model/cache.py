@@ -3,6 +3,7 @@
 where the cache cannot be used."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -53,8 +54,9 @@ def cache_lock(out: Path):
         yield
 
 
+MANIFEST = "kvsieve-entry.json"  # written last into a converted entry: its files and their sizes
 CONVERTED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                   "special_tokens_map.json", "chat_template.jinja", "model.safetensors.index.json")
+                   "special_tokens_map.json", "chat_template.jinja", "model.safetensors.index.json", MANIFEST)
 
 
 def check_entry_place(out: Path) -> None:
@@ -71,8 +73,43 @@ def check_entry_place(out: Path) -> None:
                              "move it, or set KVSIEVE_CACHE_DIR to another directory")
 
 
+def write_manifest(d: Path) -> None:
+    """Record d's files and sizes (MANIFEST), so that an entry damaged later (a file deleted or
+    truncated by hand) is converted again instead of failing to load."""
+    files = {f.name: f.stat().st_size for f in sorted(d.iterdir()) if f.is_file() and f.name != MANIFEST}
+    (d / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+
+
 def is_converted(out: Path) -> bool:
-    return is_hf_dir(out) and (out / "tokenizer_config.json").is_file()
+    """out is a complete converted entry: every file its manifest lists is there at its size
+    (entries written before the manifest: config, weights and tokenizer config present)."""
+    if not (is_hf_dir(out) and (out / "tokenizer_config.json").is_file()):
+        return False
+    try:
+        files = json.loads((out / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    try:
+        return isinstance(files, dict) and all((out / n).stat().st_size == size for n, size in files.items())
+    except OSError:
+        return False
+
+
+def in_cache(d: Path) -> bool:
+    """d is an entry of the model cache (a converted model kvsieve can convert again)."""
+    try:
+        return Path(d).resolve().parent == cache_root().resolve()
+    except OSError:
+        return False
+
+
+def damaged_fix(d: Path, otherwise: str) -> str:
+    """The fix to suggest for an unreadable model directory d."""
+    if in_cache(d):
+        return f"the model cache's entry {d} is damaged: delete it, and kvsieve converts the model again on the next run"
+    return otherwise
 
 
 def is_hf_dir(p: Path) -> bool:

@@ -98,10 +98,13 @@ def read_prompts(args, tok) -> tuple[list[list[int]], bool]:
         doc, _, _ = document_prompt(lambda s: len(tok.encode(s, add_special_tokens=False)), 4000)
         return [tok.encode(doc + DEFAULT_QUESTION, add_special_tokens=True)], True
     ids = []
+    chat = not args.no_chat and getattr(tok, "chat_template", None)
     for i, t in enumerate(texts):
         if not t.strip():
             raise ValueError(f"{names[i]} is empty; give some text")
-        chat = not args.no_chat and getattr(tok, "chat_template", None)
+    if not args.no_chat and not chat:
+        print("kvsieve: this model has no chat template; the prompts are sent as raw text", file=sys.stderr)
+    for t in texts:
         if chat:  # the template writes the special tokens itself
             t = tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
         ids.append(tok.encode(t, add_special_tokens=not chat))  # raw text: the tokenizer's BOS (Gemma needs it)

@@ -11,7 +11,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .cache import cache_errors, cache_lock, check_entry_place, is_converted, remove_stale_staging, staging_dir
+from .cache import (cache_errors, cache_lock, check_entry_place, is_converted, remove_stale_staging, staging_dir,
+                    write_manifest)
 from .config import ModelConfig, positive_number
 
 # GGUF general.architecture values kvsieve runs (llama.cpp stores Mistral models as "llama")
@@ -149,6 +150,7 @@ def _convert(gguf: Path, out: Path) -> None:
         tok.save_pretrained(tmp)
         _check_converted(_with_gguf_config(tmp / "config.json", rope, meta.get(f"{arch}.rope.freq_base_swa"),
                                          _gemma3_query_scalar(arch, meta)), gguf)
+        write_manifest(tmp)
         mode = tmp.stat().st_mode & 0o666  # files as readable as the directory (safetensors writes 0600)
         for f in tmp.iterdir():
             if f.is_file():

@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import os
 import re
 import shutil
 import sys
@@ -22,7 +23,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .cache import cache_errors, cache_lock, cache_root, is_converted, is_hf_dir  # noqa: F401 (re-exported)
+from .cache import cache_errors, cache_lock, cache_root, damaged_fix, is_converted, is_hf_dir  # noqa: F401 (re-exported)
 from .config import ModelConfig
 from .gemma3 import Gemma3Model
 from .gguf import GGUF_ARCHITECTURES, _convert, convert_gguf, read_gguf  # noqa: F401 (re-exported)
@@ -137,6 +138,10 @@ def resolve_model_dir(model: Optional[str]) -> Path:
         raise ValueError(f"{model!r} holds PyTorch .bin/.pt weights; kvsieve reads safetensors: convert them once "
                          "(transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, "
                          "safe_serialization=True))")
+    ggufs = sorted(p.glob("*.gguf")) if p.is_dir() else []
+    if ggufs and not (p / "config.json").is_file():
+        raise ValueError(f"{model!r} is a directory holding {ggufs[0].name}" + (f" and {len(ggufs) - 1} more .gguf files"
+                         if len(ggufs) > 1 else "") + f": pass the file itself (--model {ggufs[0]})")
     raise ValueError(f"unknown model format at {model!r}: expected a directory with config.json and "
                      "*.safetensors, or a .gguf file")
 
@@ -165,7 +170,15 @@ def load_tokenizer(path, **kwargs):
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
     if "gguf_file" not in kwargs and Path(path).is_dir() and not any((Path(path) / n).is_file() for n in names):
         raise ValueError(f"no tokenizer in {path} (none of {', '.join(names)}); copy the model's tokenizer files there")
-    return AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False, **kwargs)
+    try:
+        return AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False, **kwargs)
+    except (ValueError, OSError) as e:  # transformers' several-line message names no file
+        if "gguf_file" in kwargs:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        raise ValueError(f"could not load the tokenizer in {path} ({first}); "
+                         + damaged_fix(Path(path), "copy the model's tokenizer files there (tokenizer.json and "
+                                       "tokenizer_config.json)")) from e
 
 
 RANDOM_PREFIX = "random:"
@@ -273,18 +286,21 @@ def load_weights(d: Path, dtype=torch.float32, device="cpu") -> Model:
     try:
         raw = json.loads((d / "config.json").read_text())
         cfg = ModelConfig.from_hf(raw)
-    except (KeyError, TypeError, json.JSONDecodeError) as e:
+    except (KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{d / 'config.json'} is not a usable model config ({e}); "
-                         "pass a Llama-family or Gemma 3 Hugging Face model directory") from e
+                         + damaged_fix(d, "pass a Llama-family or Gemma 3 Hugging Face model directory")) from e
     cfg = with_generation_eos(cfg, d)
     from safetensors import SafetensorError
 
     weights = {}
     for f in weight_files(d):
+        if not os.access(f, os.R_OK):  # (safetensors reports an unreadable file as missing)
+            raise ValueError(f"cannot read weights file {f}: permission denied; make it readable (chmod a+r)")
         try:
             weights.update(load_file(str(f), device=str(device)))
         except SafetensorError as e:  # a truncated download, a file that is not safetensors
-            raise ValueError(f"could not read weights file {f}: {e}; download or convert the model again") from e
+            raise ValueError(f"could not read weights file {f}: {e}; "
+                             + damaged_fix(d, "download the model again")) from e
     if raw.get("model_type") == "gemma3" and "text_config" in raw:
         weights = text_weights(weights)
     check_weights(cfg, weights, d)
