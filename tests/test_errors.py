@@ -219,7 +219,8 @@ def test_numpy_numbers_are_numbers():
 @pytest.mark.parametrize("flag,value,match", [("--max-waiting", "0", "--max-waiting must be >= 1, got 0"),
                                               ("--max-num-seqs", "0", "--max-num-seqs must be >= 1"),
                                               ("--port", "70000", "--port must be in 0..65535"),
-                                              ("--warmup-methods", "quest,qeust", "--warmup-methods names 'qeust'")])
+                                              ("--warmup-methods", "quest,qeust", "--warmup-methods names 'qeust'"),
+                                              ("--served-model-name", " ", "--served-model-name is empty")])
 def test_serve_refuses_bad_limits_before_loading(capsys, flag, value, match):
     """`serve --max-waiting 0` started, then refused every request (each waits a step first)."""
     from kvsieve.cli import main
@@ -284,3 +285,57 @@ def test_a_budget_with_threshold_mode_options_is_refused_and_a_requests_mode_win
         assert main(["generate", "--method", "tactic", flag, "-1:0", "--prompt", "hi"]) == 2
         err = capsys.readouterr().err
         assert "--dense-heads: layers and KV heads are counted from 0, got '-1:0'" in err, err
+
+
+def test_python_api_odd_values_are_one_clear_error_or_work(tiny_model, tmp_path):
+    """The notebook user's slips (apitypes audit): a tokenizer's output or None as the prompts,
+    strings as flags, floats as sizes, an empty method name, options as a string, an abort
+    of a list: each one ValueError naming the value; NumPy numbers, a uint8 `lengths`, a
+    Path and torch dtypes work; the engine answers the same afterwards."""
+    import numpy as np
+
+    from kvsieve.config import TacticConfig
+    from kvsieve.engine import LLMEngine, SamplingParams
+
+    params = SamplingParams(max_new_tokens=3)
+    eng = LLMEngine(tiny_model, None, "tactic")
+    before = eng.generate([[5, 6, 7, 8]], params)[0].tokens
+    for prompts, match in [({"input_ids": [[1, 2]]}, "got a dict .*tokenizer's output"), (None, "got NoneType"),
+                           ({1, 2}, "got set")]:
+        with pytest.raises(ValueError, match=match):
+            eng.generate(prompts, params)
+    for kw, match in [({"ignore_eos": "no"}, "ignore_eos must be True or False"),
+                      ({"temperature": True}, "temperature must be a number"), ({"top_p": True}, "top_p must be")]:
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**kw)
+    assert SamplingParams(logit_bias={np.int64(5): np.float32(1.0)}).logit_bias == ((5, 1.0),)
+    for kw, match in [({"step_tokens": 2.5}, "step_tokens must be an integer >= 1, got 2.5"),
+                      ({"max_num_seqs": True}, "max_num_seqs must be an integer >= 1"),
+                      ({"max_num_seqs": None}, "max_num_seqs must be"), ({"paged": "no"}, "paged must be True, False")]:
+        with pytest.raises(ValueError, match=match):
+            LLMEngine(tiny_model, None, "dense", **kw)
+    with pytest.raises(ValueError, match="LLMEngine.load"):
+        LLMEngine("some/dir")
+    with pytest.raises(ValueError, match="method must be a method name"):
+        eng.generate([[5, 6]], params, method="")
+    with pytest.raises(ValueError, match="method_options must be a dict"):
+        eng.generate([[5, 6]], params, method="tactic", method_options="threshold=0.5")
+    with pytest.raises(ValueError, match="abort.. takes a request id"):
+        eng.abort([1])
+    with pytest.raises(ValueError, match="score.. takes a list of prompts .*2-D Tensor"):
+        eng.score(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 1, dtype=torch.long))
+    for kw, match in [({"prompt_tokens": 2.5}, "prompt_tokens must be a prompt length"),
+                      ({"prompt_tokens": -1}, "prompt_tokens must be"),
+                      ({"prompt_tokens": 8, "decode_tokens": 0}, "decode_tokens must be an integer >= 1"),
+                      ({"prompt_tokens": 8, "decode_tokens": 5000}, "decode_tokens=5000 leaves no room")]:
+        with pytest.raises(ValueError, match=match):
+            eng.warmup(**kw)
+    eng.warmup(np.int64(8), decode_tokens=np.int32(2))
+    assert eng.generate([[5, 6, 7, 8]], params)[0].tokens == before
+    assert TacticConfig(threshold=np.float32(0.5), cluster_size=np.int64(8)).cluster_size == 8
+    heads = np.array([[0, 1]])
+    assert eng.generate([[5, 6, 7, 8]], params, method="tactic", method_options={"dense_heads": heads})[0].tokens
+    q, k, v = qkv(S=300)
+    for lengths in (torch.tensor([50], dtype=torch.uint8), np.array([50], dtype=np.int8)):
+        assert torch.equal(sparse_decode(q, k, v, method="quest", budget=32, lengths=lengths).mask,
+                           sparse_decode(q, k, v, method="quest", budget=32, lengths=[50]).mask)

@@ -64,9 +64,9 @@ def check_decode_inputs(q: Tensor, k: Tensor, v: Tensor, lengths: Optional[Tenso
         if lengths.shape != (B,) or lengths.dtype.is_floating_point or lengths.dtype == torch.bool \
                 or lengths.dtype.is_complex:
             raise ValueError(f"lengths must be {B} integers (one per request), got {lengths.tolist()}")
+        lengths = lengths.long()  # (before comparing with S: uint8 would wrap it)
         if bool((lengths < 1).any()) or bool((lengths > S).any()):
             raise ValueError(f"lengths must be in [1, S={S}], got {lengths.tolist()}")
-        lengths = lengths.long()
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not bool(torch.isfinite(t).all()):
             raise ValueError(f"{name} holds NaN or infinite values; give finite ones (positions past a request's "

@@ -101,6 +101,12 @@ class MethodConfig:
         """The option names from_options takes."""
         return cls.option_names()
 
+    def _plain_numbers(self) -> None:
+        """NumPy numbers given directly (TacticConfig(threshold=np.float32(0.9))) as the
+        Python numbers they hold, as make_method's options are."""
+        for f in fields(self):
+            object.__setattr__(self, f.name, plain_scalar(getattr(self, f.name)))
+
     @classmethod
     def from_options(cls, method: str, **options):
         unknown = sorted(set(options) - set(cls.option_names()))
@@ -131,6 +137,7 @@ class StreamingConfig(MethodConfig):
     local: int = 256
 
     def __post_init__(self):
+        self._plain_numbers()
         _non_negative_int("sink", self.sink)
         _non_negative_int("local", self.local)
         if self.sink + self.local == 0:
@@ -174,6 +181,7 @@ class PageSelectConfig(MethodConfig):
     dense_heads: Tuple[Tuple[int, int], ...] = ()
 
     def __post_init__(self):
+        self._plain_numbers()
         _positive_int("page_size", self.page_size)
         _positive_int("physical_page_size", self.physical_page_size)
         if self.physical_page_size % self.page_size:
@@ -213,6 +221,7 @@ class QuestConfig(PageSelectConfig):
     reuse_steps: int = 1
 
     def __post_init__(self):
+        self._plain_numbers()
         if self.physical_page_size is None:
             object.__setattr__(self, "physical_page_size", self.page_size)
         super().__post_init__()
@@ -358,6 +367,7 @@ class TacticConfig(MethodConfig):
     dense_heads: Tuple[Tuple[int, int], ...] = ()
 
     def __post_init__(self):
+        self._plain_numbers()
         _fraction("threshold", self.threshold)
         _non_negative_int("sink", self.sink)
         _non_negative_int("local", self.local)

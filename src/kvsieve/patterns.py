@@ -290,9 +290,9 @@ def read_dense_heads(value, num_layers: int, num_kv_heads: int):
 def check_dense_heads(heads, num_layers: Optional[int], num_kv_heads: Optional[int], source: str) -> None:
     """Every (layer, KV head) pair names a head of a model with these counts; heads from a
     file (load_dense_heads) also come from a file calibrated for this shape."""
-    shape = getattr(heads, "shape", None)
-    if shape is None:
-        heads = dense_head_pairs(heads)  # (one clear error for anything but pairs)
+    shape = getattr(heads, "shape", None) if isinstance(heads, FileHeads) else None
+    if not isinstance(heads, FileHeads):
+        heads = dense_head_pairs(heads)  # (one clear error for anything but pairs; an array's rows are pairs)
     if num_layers is not None and shape is not None and shape != (num_layers, num_kv_heads):
         raise ValueError(f"dense heads {heads.source} are for a model with {shape[0]} layers x {shape[1]} KV heads "
                          f"(model {heads.model!r}), but this model has {num_layers} x {num_kv_heads}; calibrate "

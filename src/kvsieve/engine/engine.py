@@ -11,10 +11,11 @@ the engine records tokens, timings and the KV fraction each request read.
 """
 from __future__ import annotations
 
+import numbers
 import os
 import threading
 import time
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -56,8 +57,13 @@ class LLMEngine(BatchCrossover, Warmup):
                  **method_options):
         self._lock = threading.RLock()
         self._inbox: Dict[int, List[RequestOutput]] = {}  # outputs of generate's and stream's requests
+        if not hasattr(model, "cfg"):
+            raise ValueError(f"LLMEngine() takes a model loaded by kvsieve, got {type(model).__name__}; to load one "
+                             "by path or name use LLMEngine.load(model, ...) (a transformers model: kvsieve.hf.enable)")
         check_sizes(kv_pages=kv_pages, kv_page_size=kv_page_size, prefill_chunk=prefill_chunk, dense_below=dense_below,
-                     gpu_memory_fraction=gpu_memory_fraction, cpu_kv_gib=cpu_kv_gib)
+                     gpu_memory_fraction=gpu_memory_fraction, cpu_kv_gib=cpu_kv_gib, max_num_seqs=max_num_seqs,
+                     step_tokens=step_tokens, paged=paged, graphs=graphs)
+        max_num_seqs, step_tokens = int(max_num_seqs), int(step_tokens)
         self.model, self.tokenizer = model, tokenizer
         cfg = model.cfg
         self.default_method = method
@@ -108,6 +114,11 @@ class LLMEngine(BatchCrossover, Warmup):
         from ..model.loader import load_model
         from ..patterns import head_defaults, warn_file_window
 
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)
+        if model is not None and not isinstance(model, str):
+            raise ValueError(f"model must be a path, a Hub id, a named model or None (the embedded one), got "
+                             f"{type(model).__name__} {model!r}")
         device, dt = resolve_device(device, dtype)
         m, tok, model_dir = load_model(model, dtype=dt, device=device)
         L, H = m.cfg.num_layers, m.cfg.num_kv_heads
@@ -158,6 +169,12 @@ class LLMEngine(BatchCrossover, Warmup):
         """(the runner's key, method name, full options) of a request's method, validated, built
         or not. A request asking for the default's very settings (by name, or with the options it
         already has) gets "default", and plain dense "dense": no second method object."""
+        if method is not None and (not isinstance(method, str) or not method.strip()):
+            raise ValueError(f"method must be a method name (e.g. 'tactic') or None (the engine's default), "
+                             f"got {method!r}")
+        if options is not None and not isinstance(options, Mapping):
+            raise ValueError(f"method_options must be a dict of option names to values (e.g. {{'threshold': 0.9}}), "
+                             f"got {type(options).__name__} {str(options)[:40]!r}")
         if method is None and not options:
             return "default", self.default_method, self.default_options
         if method == "dense" and not options and "dense" in self.runner.methods:
@@ -273,8 +290,11 @@ class LLMEngine(BatchCrossover, Warmup):
 
     @_locked
     def abort(self, rid: int) -> None:
-        """Cancel a request; its KV pages are free when this returns."""
-        req = self.scheduler.abort(rid)
+        """Cancel a request (an id add_request returned; an unknown or finished one is a no-op);
+        its KV pages are free when this returns."""
+        if isinstance(rid, bool) or not isinstance(rid, numbers.Integral):
+            raise ValueError(f"abort() takes a request id (an int that add_request returned), got {rid!r}")
+        req = self.scheduler.abort(int(rid))
         self._later.discard(rid)
         if req is not None:
             self.runner.release(rid)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 import operator
-from typing import List, Optional, Sequence, Union
+from typing import List, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -15,14 +15,19 @@ Prompt = Union[str, Sequence[int]]  # text (encoded with the engine's tokenizer)
 
 def check_sizes(**given) -> None:
     """One clear error for a constructor size that is not a count (or a fraction) in range."""
-    counts = {"kv_pages": 1, "kv_page_size": 1, "prefill_chunk": 1, "dense_below": 0}
+    counts = {"kv_pages": 1, "kv_page_size": 1, "prefill_chunk": 1, "dense_below": 0, "max_num_seqs": 1,
+              "step_tokens": 1}
+    required = ("kv_page_size", "max_num_seqs", "step_tokens")
     for name, v in given.items():
-        if v is None and name != "kv_page_size":
+        if v is None and name not in required:
             continue
-        if name in counts:
+        if name in ("paged", "graphs"):
+            if not isinstance(v, bool):
+                raise ValueError(f"{name} must be True, False or None (the default), got {v!r}")
+        elif name in counts:
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < counts[name]:
                 raise ValueError(f"{name} must be an integer >= {counts[name]}"
-                                 + ("" if name == "kv_page_size" else " (or None: the default)") + f", got {v!r}")
+                                 + ("" if name in required else " (or None: the default)") + f", got {v!r}")
         elif isinstance(v, bool) or not isinstance(v, numbers.Real) or not (
                 0 < v <= 1 if name == "gpu_memory_fraction" else 0 < v < float("inf")):
             raise ValueError(f"{name} must be a number {'in (0, 1]' if name == 'gpu_memory_fraction' else '> 0'}, "
@@ -65,6 +70,13 @@ def prompt_token_ids(prompt: Prompt, tokenizer, vocab: int) -> List[int]:
 def params_per_prompt(prompts, params) -> List[SamplingParams]:
     """generate()'s arguments checked: a list of prompts, and one SamplingParams for all or
     one per prompt; returns the settings of each prompt."""
+    if isinstance(prompts, Mapping):  # (a tokenizer's output: iterating it gives its keys)
+        raise ValueError(f"generate() takes a list of prompts, got a {type(prompts).__name__} (a tokenizer's output?); "
+                         "pass its token ids, one list per prompt, e.g. enc['input_ids'] without padding")
+    if prompts is None or isinstance(prompts, (set, frozenset)) or not hasattr(prompts, "__len__") \
+            or not hasattr(prompts, "__getitem__"):
+        raise ValueError(f"generate() takes a list of prompts (each text or token ids), got {type(prompts).__name__}; "
+                         "e.g. generate(['Hello'], params)")
     if getattr(prompts, "ndim", 1) != 1:  # (a [B, S] input_ids tensor: rows may be padded)
         raise ValueError(f"generate() takes a list of prompts, got a {getattr(prompts, 'ndim')}-D "
                          f"{type(prompts).__name__}; pass one list of token ids per prompt, without padding "
@@ -86,7 +98,12 @@ def params_per_prompt(prompts, params) -> List[SamplingParams]:
 
 def check_score_lists(prompts, continuations) -> None:
     """score()'s prompts and continuations: lists of the same length, each entry token ids."""
-    if not prompts:
+    for name, given in (("prompts", prompts), ("continuations", continuations)):
+        if getattr(given, "ndim", 1) != 1 or isinstance(given, Mapping) or not hasattr(given, "__len__"):
+            raise ValueError(f"score() takes a list of {name} (each token ids or text), got "
+                             f"{getattr(given, 'ndim', '')}{'-D ' if hasattr(given, 'ndim') else ''}"
+                             f"{type(given).__name__}; pass one list of token ids per entry, without padding")
+    if not len(prompts):
         raise ValueError("no prompt given; pass at least one prompt")
     for name, given in (("prompts", prompts), ("continuations", continuations)):
         if isinstance(given, str) or isinstance(given[0] if len(given) else None, int):
@@ -115,6 +132,8 @@ def resolve_device(device: Optional[str], dtype: Optional[str]):
         dev = torch.device("cpu")
     if dtype is None:
         dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    if isinstance(dtype, torch.dtype):  # (the Python API's torch.bfloat16 as the CLI's "bfloat16")
+        dtype = str(dtype).removeprefix("torch.")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     return dev, getattr(torch, dtype)

@@ -87,9 +87,10 @@ class SamplingParams:
                 or self.max_new_tokens < (0 if self.prompt_logprobs is not None else 1):
             raise ValueError(f"max_new_tokens must be an integer >= 1 (0 only to score the prompt, with "
                              f"prompt_logprobs), got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not self.temperature >= 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 <= self.top_p <= 1:
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 <= self.top_p <= 1:
             raise ValueError(f"top_p must be a number in [0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= 0 (0 or -1: off), got {self.top_k!r}")
@@ -113,11 +114,17 @@ class SamplingParams:
         except (TypeError, ValueError):
             raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
         for t, b in bias:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            try:
+                ok = _token_id(t) >= 0
+            except TypeError:
+                ok = False
+            if not ok:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
-            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            if isinstance(b, bool) or not isinstance(b, numbers.Real) or not -100 <= b <= 100:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
-        object.__setattr__(self, "logit_bias", bias)
+        object.__setattr__(self, "logit_bias", tuple(sorted((_token_id(t), float(b)) for t, b in bias)))
+        if not isinstance(self.ignore_eos, bool):  # ("no" would be true)
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         try:
             stops = tuple(_token_id(t) for t in self.stop_token_ids)
         except TypeError:

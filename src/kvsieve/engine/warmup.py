@@ -2,6 +2,8 @@
 on dummy requests, outside any user request. A mixin of LLMEngine (it steps the engine)."""
 from __future__ import annotations
 
+import numbers
+import operator
 import time
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -9,6 +11,16 @@ import torch
 
 from .records import EngineStats, _locked, _Track
 from .scheduler import SamplingParams
+
+
+def _count(n) -> int:
+    """n as an int >= 1 (numpy's integers and 0-d integer tensors too); TypeError / ValueError else."""
+    if isinstance(n, (bool, float)) or (isinstance(n, torch.Tensor) and n.is_floating_point()):
+        raise TypeError(n)
+    n = operator.index(n.item() if isinstance(n, torch.Tensor) else n)
+    if n < 1:
+        raise ValueError(n)
+    return n
 
 
 class Warmup:
@@ -29,6 +41,23 @@ class Warmup:
         (their outputs would be lost)."""
         if self.has_unfinished:
             raise ValueError("warmup() runs alone: run it before adding requests, or finish or abort them first")
+        lengths = [prompt_tokens] if isinstance(prompt_tokens, numbers.Integral) or getattr(
+            prompt_tokens, "ndim", None) == 0 else prompt_tokens
+        try:
+            lengths = [_count(n) for n in lengths]
+        except (TypeError, ValueError):
+            raise ValueError(f"prompt_tokens must be a prompt length >= 1 or a list of them, got {prompt_tokens!r}"
+                             ) from None
+        if not lengths:
+            raise ValueError("prompt_tokens is empty; give a prompt length >= 1 or a list of them")
+        try:
+            decode_tokens = _count(decode_tokens)
+        except (TypeError, ValueError):
+            raise ValueError(f"decode_tokens must be an integer >= 1, got {decode_tokens!r}") from None
+        room = self.model.cfg.max_positions - 2
+        if decode_tokens > room:
+            raise ValueError(f"decode_tokens={decode_tokens} leaves no room for a prompt in the model's "
+                             f"{self.model.cfg.max_positions} positions; give at most {room}")
         keys = ["default"] + (["dense"] if "dense" in self.runner.methods else [])
         for spec in [methods] if isinstance(methods, str) else methods:  # (a bad method fails here, first)
             key = self.method_key(*((spec, None) if isinstance(spec, str) else spec))
@@ -40,7 +69,7 @@ class Warmup:
         self._warming = True  # the method plans at every warm-up step, whatever the batch holds
         self.runner.step_dense_below.clear()
         try:
-            for n in ([prompt_tokens] if isinstance(prompt_tokens, int) else prompt_tokens):
+            for n in lengths:
                 self._warm_one(max(1, min(n, cap)), decode_tokens, keys)
         finally:
             self._warming = False
