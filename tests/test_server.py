@@ -513,6 +513,9 @@ BAD = [
     ("/v1/completions", {"prompt": ["a", [1, 2]]}, "prompt"),
     ("/v1/completions", {"prompt": ["a"] * 65, "n": 2}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 1}, "best_of"),  # (OpenAI refuses best_of < n)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages.0"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": ["hello"]}]}, "messages.0.content"),
     ("/v1/completions", {"prompt": 12}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "kvsieve": {"method": "nope"}}, "kvsieve.method"),
     ("/v1/completions", {"prompt": "hi", "kvsieve": {"method": "tactic", "threshold": 1.5}}, "kvsieve.threshold"),
@@ -551,6 +554,20 @@ def test_bad_requests_get_400_naming_the_field_and_the_server_keeps_serving(live
     assert live.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1}).status_code == 200
     assert httpx.get(live.url + "/health", timeout=TIMEOUT).status_code == 200
     assert live.metric("kvsieve_requests_rejected_total", '{reason="invalid"}') >= len(BAD)
+
+
+def test_wrong_http_methods_name_the_allowed_ones_and_probes_may_use_head(live):
+    """A 405 carries Allow (HTTP requires it); HEAD on the GET routes answers as GET does
+    (health checkers probe with HEAD); a wrong-typed text part says what is wrong with it."""
+    r = httpx.get(live.url + "/v1/chat/completions", timeout=TIMEOUT)
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"]
+    for path in ("/health", "/v1/models"):
+        r = httpx.head(live.url + path, timeout=TIMEOUT)
+        assert r.status_code == 200 and r.content == b"", path
+    r = live.post("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]})
+    assert r.status_code == 400 and 'its "text" must be a string, got none' in r.json()["error"]["message"]
+    r = live.post("/v1/completions", {"prompt": "hi", "logit_bias": {"1": "1"}})
+    assert "logit_bias.1 must be a number in [-100, 100]" in r.json()["error"]["message"]
 
 
 def test_per_request_kvsieve_settings_are_honoured_and_reported(live, engine, client):

@@ -385,7 +385,7 @@ def create_app(engine, model_name: str = "kvsieve", *, streaming_heads=None, max
     async def http_error(request: Request, exc: StarletteHTTPException):
         return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", None,
                                        "invalid_request_error" if exc.status_code < 500 else "server_error"),
-                            status_code=exc.status_code)
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))  # (405's Allow)
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception):
@@ -406,24 +406,24 @@ def create_app(engine, model_name: str = "kvsieve", *, streaming_heads=None, max
         return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "kvsieve",
                 "max_model_len": min(server.max_positions, sch.num_pages * sch.page_size)}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(model_id: str):
         if model_id != server.model_name:
             return _error(server.unknown_model(model_id))
         return model_card()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: health probes)
     async def health():
         ok = server.driver.alive and not server.draining
         body = {"status": "ok" if ok else "unavailable", "steps": server.driver.steps,
                 "last_engine_error": server.driver.last_error}
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 

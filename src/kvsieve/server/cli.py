@@ -135,6 +135,9 @@ def cmd_serve(args) -> int:
         _positive(name.replace("_", "-"), getattr(args, name), zero_ok=True)
     if not 0 < args.gpu_memory_fraction <= 1:
         raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {args.gpu_memory_fraction}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name is empty; give the name clients send, or leave the option out "
+                         "(the model directory's name)")
     _positive("cpu-kv-gib", args.cpu_kv_gib, real=True)
     opts = method_options(args)
     config_for(args.method, **opts)  # bad options fail before anything loads

@@ -8,6 +8,7 @@ never answered as if they had been honoured.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
@@ -56,12 +57,15 @@ class ChatMessage(BaseModel):
                              f"{NO_TOOLS}")
         if self.content is None and self.role != "assistant":  # (an assistant turn may be empty)
             raise ValueError(f"a {self.role} message needs content: a string or a list of text parts")
-        for part in self.content if isinstance(self.content, list) else ():
+        for i, part in enumerate(self.content if isinstance(self.content, list) else ()):
             kind = part.get("type")
-            if kind != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"content parts must be {{\"type\": \"text\", \"text\": \"...\"}}; got type "
+            if kind != "text":
+                raise ValueError(f"content parts must be {{\"type\": \"text\", \"text\": \"...\"}}; part {i} has type "
                                  f"{kind!r}" + (": this server's model reads text only" if kind in
                                                 ("image_url", "input_audio", "file", "image") else ""))
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i} is a text part, so its \"text\" must be a string, got "
+                                 + ("none" if "text" not in part else json.dumps(part["text"], default=str)[:40]))
         return self
 
     def text(self) -> str:
@@ -136,7 +140,7 @@ class CompletionRequest(_Common):
     def refused(self) -> List[tuple]:
         return _refused(self) + [
             ("suffix", bool(self.suffix)),
-            ("best_of", self.best_of not in (None, 1, self.n)),  # best_of > n ranks by log-probability
+            ("best_of", self.best_of not in (None, self.n)),  # best_of > n ranks by log-probability
         ]
 
 
@@ -227,7 +231,13 @@ def parse(model: type, raw: bytes):
         if len(got) > 80:
             got = got[:77] + "..."
         generic = param.split(".")[0] if param else None
-        if param in EXPECTED:
+        nested = re.fullmatch(r"messages\.(\d+)\.content(\..*)?", param or "")
+        if nested:  # (a union's members each failed: pydantic names the last one's type)
+            param = f"messages.{nested.group(1)}.content"
+            msg = f'{param} must be a string or a list of text parts ({{"type": "text", "text": "..."}}), got {got}'
+        elif (param or "").startswith("logit_bias."):
+            msg = f"{param} must be a number in [-100, 100] (the bias of token {param.split('.', 1)[1]}), got {got}"
+        elif param in EXPECTED:
             msg = f"{param} must be {EXPECTED[param]}, got {got}"
         elif generic in ("messages",):
             msg = f"{param}: {err['msg']} (got {got}); messages must be {EXPECTED['messages']}"
