@@ -469,3 +469,42 @@ def test_rope_fields_missing_follow_transformers_or_are_named(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**base, "rope_parameters": params}))
         with pytest.raises(ValueError, match=message):
             load_weights(tmp_path)
+
+
+def test_a_gguf_is_read_alone_with_its_end_of_turn_token_and_bad_files_are_named(tmp_path):
+    """A tokenizer.json beside the .gguf (another model's) does not replace the GGUF's own
+    tokenizer; the GGUF's end-of-turn token ends generation as its EOS does (llama.cpp stops on
+    it; transformers' reader drops it); one shard of a split GGUF, KV heads that do not divide
+    the query heads, an EOS outside the vocabulary and a file cut short are each refused by
+    name before anything is cached."""
+    from kvsieve.model.loader import convert_gguf, load_tokenizer
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    hf = tiny_hf("llama", tmp_path / "hf")
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    alone = convert_gguf(tiny_gguf(tmp_path / "a" / "m.gguf", hf, extra=lambda w: w.add_eot_token_id(7)),
+                         tmp_path / "cache" / "a")
+    other = Tokenizer(models.WordLevel({"hello": 0, "there": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    other.pre_tokenizer = pre_tokenizers.Whitespace()
+    other.save(str(tmp_path / "b" / "tokenizer.json"))  # another model's tokenizer, beside the file
+    beside = convert_gguf(tiny_gguf(tmp_path / "b" / "m.gguf", hf), tmp_path / "cache" / "b")
+    want = load_tokenizer(alone).encode("hello there")
+    assert load_tokenizer(beside).encode("hello there") == want
+    assert load_weights(alone).cfg.eos_token_ids == (258, 7) and load_weights(beside).cfg.eos_token_ids == (258,)
+    c = hf.config
+    for case, keys, extra, message in [
+            ("split", None, lambda w: (w.add_uint16("split.no", 0), w.add_uint16("split.count", 2)),
+             "shard 1 of a GGUF split in 2 files; merge them"),
+            ("kv3", {"attention.head_count_kv": 3}, None, "head_count_kv = 3, which does not divide"),
+            ("eos", None, lambda w: w.add_uint32("tokenizer.ggml.eot_token_id", c.vocab_size + 5),
+             f"eot_token_id = {c.vocab_size + 5}, outside its vocabulary of {c.vocab_size} tokens")]:
+        path = tiny_gguf(tmp_path / f"{case}.gguf", hf, keys=keys, extra=extra)
+        with pytest.raises(ValueError, match=message):
+            convert_gguf(path, tmp_path / "cache" / case)
+        assert not (tmp_path / "cache" / case).exists()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes((tmp_path / "a" / "m.gguf").read_bytes()[:-1000])
+    with pytest.raises(ValueError, match="it is cut short or not a GGUF file; download it again"):
+        convert_gguf(cut, tmp_path / "cache" / "cut")

@@ -362,3 +362,16 @@ def test_a_tokenizer_transformers_cannot_build_is_one_line_naming_the_directory(
     with pytest.raises(ValueError, match=f"could not load the tokenizer in {d} .*copy the model's tokenizer files") as e:
         loader.load_tokenizer(d)
     assert "\n" not in str(e.value)
+
+
+def test_a_long_gguf_name_fits_the_cache_and_a_missing_dir_gguf_is_not_a_hub_id(tmp_path, fake_gguf, monkeypatch):
+    """A legal 240-byte file name converts (its entry and staging names kept under the 255-byte
+    limit); `models/x.gguf` that does not exist is a missing path, not a Hub repository."""
+    path, reads = fake_gguf
+    monkeypatch.setenv("KVSIEVE_CACHE_DIR", str(tmp_path / "cache"))
+    long = tmp_path / ("é" * 118 + ".gguf")  # 236 bytes + 5
+    long.write_bytes(b"GGUF")
+    out = loader.resolve_model_dir(str(long))
+    assert loader.is_converted(out) and len(out.name.encode()) <= 120 and out.name.startswith("é" * 50)
+    with pytest.raises(FileNotFoundError, match="model path 'models/x.gguf' does not exist"):
+        loader.resolve_model_dir("models/x.gguf")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -16,7 +17,7 @@ from .cache import (cache_errors, cache_lock, check_entry_place, is_converted, r
 from .config import ModelConfig, positive_number
 
 # GGUF general.architecture values kvsieve runs (llama.cpp stores Mistral models as "llama")
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 # GGUF metadata (after "<arch>.") that llama.cpp requires of these models: transformers' reader fills a
@@ -48,6 +49,16 @@ def check_gguf_metadata(arch: str, meta: dict, tensor_names, where) -> None:
     if layers != set(range(blocks)):
         raise ValueError(f"GGUF file {where} has {arch}.block_count = {blocks}, but tensors of {len(layers)} "
                          f"layers (blk.{min(layers, default=0)}..blk.{max(layers, default=0)}); {GGUF_FIX}")
+    heads, kv = meta[f"{arch}.attention.head_count"], meta.get(f"{arch}.attention.head_count_kv", 1)
+    if not isinstance(kv, int) or kv < 1 or heads % kv:
+        raise ValueError(f"GGUF file {where} has {arch}.attention.head_count_kv = {kv!r}, which does not divide "
+                         f"{arch}.attention.head_count = {heads} (each KV head serves a group of query heads); {GGUF_FIX}")
+    vocab = meta.get("tokenizer.ggml.tokens.count")
+    for name in ("bos", "eos", "eot", "eom", "padding", "unknown"):
+        t = meta.get(f"tokenizer.ggml.{name}_token_id")
+        if vocab is not None and t is not None and not 0 <= t < vocab:
+            raise ValueError(f"GGUF file {where} has tokenizer.ggml.{name}_token_id = {t}, outside its vocabulary of "
+                             f"{vocab} tokens; {GGUF_FIX}")
     head_dim = _gguf_head_dim(arch, meta)
     rotated = meta.get(f"{arch}.rope.dimension_count", head_dim)
     if rotated != head_dim:
@@ -105,9 +116,12 @@ def read_gguf(gguf: Path) -> Tuple[dict, dict]:
             if field.types and field.types[0] != GGUFValueType.ARRAY:
                 part = field.parts[field.data[0]]
                 meta[key] = bytes(part).decode() if field.types[0] == GGUFValueType.STRING else part.tolist()[0]
+            elif key == "tokenizer.ggml.tokens":
+                meta["tokenizer.ggml.tokens.count"] = len(field.data)
         return meta, {t.name: t for t in reader.tensors}
     except Exception as e:  # not a GGUF file, truncated
-        raise ValueError(f"could not read GGUF file {gguf}: {e.__class__.__name__}: {e}") from e
+        raise ValueError(f"could not read GGUF file {gguf} ({e.__class__.__name__}: {e}): it is cut short or not a "
+                         "GGUF file; download it again") from e
 
 
 def convert_gguf(gguf: Path, out: Path) -> Path:
@@ -134,6 +148,9 @@ def _convert(gguf: Path, out: Path) -> None:
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {gguf.name}; kvsieve runs "
                          f"{', '.join(GGUF_ARCHITECTURES)}")
+    if (meta.get("split.count") or 1) > 1:
+        raise ValueError(f"{gguf.name} is shard {meta.get('split.no', 0) + 1} of a GGUF split in {meta['split.count']} "
+                         "files; merge them into one first (llama.cpp: llama-gguf-split --merge FIRST-SHARD OUT.gguf)")
     check_gguf_metadata(arch, meta, tensors, gguf)
     freqs = tensors.get("rope_freqs.weight")
     if freqs is not None:
@@ -186,21 +203,28 @@ def _read_gguf_model(gguf: Path, arch: str, meta: dict):
     from .loader import load_tokenizer  # (loader imports this module)
 
     level = hf_logging.get_verbosity()
-    try:
-        tok = load_tokenizer(gguf.parent, gguf_file=gguf.name)
-        hf_logging.set_verbosity_error()
-        model, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                                           output_loading_info=True, ignore_mismatched_sizes=True)
-    except Exception as e:  # transformers raises many kinds; the user needs one line
-        raise ValueError(f"could not read GGUF file {gguf}: {e.__class__.__name__}: {e}; "
-                         "pass a valid Llama-family or Gemma 3 .gguf or a Hugging Face directory") from e
-    finally:
-        hf_logging.set_verbosity(level)
+    # transformers reads the GGUF's folder as a model directory: a tokenizer.json lying beside the file
+    # would replace the GGUF's own tokenizer (and its chat template). It reads a folder of the file alone.
+    with tempfile.TemporaryDirectory(prefix="kvsieve-gguf-") as alone:
+        (Path(alone) / "model.gguf").symlink_to(gguf.resolve())
+        try:
+            tok = load_tokenizer(alone, gguf_file="model.gguf")
+            hf_logging.set_verbosity_error()
+            model, info = AutoModelForCausalLM.from_pretrained(alone, gguf_file="model.gguf", dtype=torch.float32,
+                                                               output_loading_info=True, ignore_mismatched_sizes=True)
+        except Exception as e:  # transformers raises many kinds; the user needs one line
+            raise ValueError(f"could not read GGUF file {gguf}: {e.__class__.__name__}: {_first_line(e)}; "
+                             "pass a valid Llama-family or Gemma 3 .gguf or a Hugging Face directory") from e
+        finally:
+            hf_logging.set_verbosity(level)
     c = model.config
     for key, attr in GGUF_CONFIG.items():
         want, got = meta.get(f"{arch}.{key}"), getattr(c, attr, None)
         if attr == "head_dim":  # (Qwen2's config has none: hidden / heads)
             got = got or c.hidden_size // c.num_attention_heads
+        if want is not None and got != want and arch == "qwen3" and attr == "head_dim":
+            raise ValueError(f"GGUF file {gguf} has heads of {want} (qwen3.attention.key_length), but transformers' "
+                             f"Qwen3 GGUF reader assumes {got}; pass the model's Hugging Face directory instead")
         if want is not None and got != want:
             raise ValueError(f"transformers read {arch}.{key} = {want} of GGUF file {gguf} as {attr} = {got}; "
                              f"kvsieve will not run another model than the file's: {GGUF_FIX}")
@@ -212,12 +236,38 @@ def _read_gguf_model(gguf: Path, arch: str, meta: dict):
         name, shape, want = mismatched[0][:3]
         raise ValueError(f"GGUF file {gguf}: the tensor for {name} has shape {list(shape)}, but its metadata needs "
                          f"{list(want)}; the metadata (head counts, sizes) does not fit the weights: {GGUF_FIX}")
+    _end_of_turn_tokens(model, meta, model.config.vocab_size, gguf)
     _eos_into_tokenizer(tok, model.config.eos_token_id)
     # the weights are de-quantised float32 now; drop the GGUF marker so they save as plain safetensors
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     return tok, model
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
+
+
+def _end_of_turn_tokens(model, meta: dict, vocab: int, gguf: Path) -> None:
+    """The GGUF's end-of-turn and end-of-message tokens (tokenizer.ggml.eot_token_id, .eom_token_id;
+    llama.cpp stops on them, transformers' reader drops them) added to the config's and the
+    generation config's end tokens, after its EOS. An id outside the vocabulary is refused."""
+    extra = []
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        t = meta.get(key)
+        if t is None:
+            continue
+        if not isinstance(t, int) or not 0 <= t < vocab:
+            raise ValueError(f"GGUF file {gguf} has {key} = {t!r}, outside its vocabulary of {vocab} tokens; {GGUF_FIX}")
+        extra.append(t)
+    eos = model.config.eos_token_id
+    eos = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+    ends = list(dict.fromkeys(eos + extra))
+    if ends != eos:
+        model.config.eos_token_id = ends
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.eos_token_id = ends
 
 
 def _eos_into_tokenizer(tok, eos) -> None:
@@ -266,8 +316,4 @@ def _with_gguf_config(config_file: Path, scaling: Optional[dict], local_theta, q
         cfg["rope_parameters"] = rope
     if json.dumps(cfg, sort_keys=True) != before:
         config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    return cfg
-    cfg.pop("rope_scaling", None)
-    cfg["rope_parameters"] = rope
-    config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return cfg

@@ -120,7 +120,7 @@ def resolve_model_dir(model: Optional[str]) -> Path:
     p = Path(model).expanduser()
     if not p.exists() and model in NAMED:
         return resolve_named(model)
-    if not p.exists() and HUB_ID.fullmatch(model):
+    if not p.exists() and HUB_ID.fullmatch(model) and not model.lower().endswith(".gguf"):
         return hub_snapshot(model)
     if not p.exists():
         raise FileNotFoundError(f"model path {model!r} does not exist; pass a Hugging Face model directory "
@@ -133,7 +133,8 @@ def resolve_model_dir(model: Optional[str]) -> Path:
             return resolve_model_dir(None)
         st = p.stat()
         key = hashlib.sha1(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-        return convert_gguf(p, cache_root() / f"{p.stem}-{key}")
+        stem = p.stem.encode()[:100].decode(errors="ignore")  # (a file name has 255 bytes; the staging suffix too)
+        return convert_gguf(p, cache_root() / f"{stem}-{key}")
     if p.is_dir() and (any(p.glob("pytorch_model*.bin")) or any(p.glob("*.pt"))):
         raise ValueError(f"{model!r} holds PyTorch .bin/.pt weights; kvsieve reads safetensors: convert them once "
                          "(transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, "
