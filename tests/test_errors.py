@@ -83,6 +83,10 @@ def test_inputs_whose_logits_overflow_float32_are_refused():
     ("tactic", {"head_fraction": 0.5}, r"head_fraction=0.5 must be below the first segment centre \(0.1\)"),
     ("tactic", {"layer": -1}, "layer must be an integer >= 0"),
     ("hybrid", {"streaming_heads": [[1, 0], [0, 1]], "layer": 2}, "streaming_heads has 2 layers but layer 2"),
+    ("tactic", {"fold_mode": "nearst"}, "fold_mode must be 'cluster' or 'nearest', got 'nearst'"),
+    ("tactic", {"dense_heads": ((-1, 0),)}, "dense_heads must be .layer, kv_head. pairs of integers >= 0"),
+    ("tactic", {"min_budget": 512, "max_budget": 512}, None),  # the boundaries themselves are accepted
+    ("tactic", {"cluster_size": 16, "cluster_window": 16}, None),
 ])
 def test_bad_options(method, opts, match):
     if match is None:

@@ -103,6 +103,22 @@ def test_paged_decode_splits_long_lists_and_merges_exactly():
     assert rel(out, o64) < 1e-5 and (lse.double() - l64).abs().max() < 1e-4
 
 
+def test_paged_decode_carries_the_running_max_across_blocks_of_a_split():
+    """One split of several key blocks (as on a GPU at long contexts) with a sink of logit +60
+    in its first block and logits of -40 after: the running max carried from block to block
+    keeps exp() finite (restarting it per block overflowed to NaN)."""
+    S, page = 96, 16
+    kp = torch.randn(S // page, 1, page, 64, generator=torch.Generator().manual_seed(0)) * 0.1
+    vp = torch.randn(S // page, 1, page, 64, generator=torch.Generator().manual_seed(1))
+    q = torch.zeros(1, 1, 64)
+    q[..., 0] = 8.0  # with the 1/8 scale, a logit is k[0]
+    kp[0, 0, 0, 0], kp[2:, 0, :, 0] = 60.0, -40.0
+    bt, counts = torch.arange(S // page).view(1, -1).int(), torch.tensor([[S]], dtype=torch.int32)
+    out, lse = kdecode.paged_decode(q, kp, vp, bt, counts, None, _config={"target": 1})
+    o64, l64 = rpaged.paged_decode_reference(q.double(), kp.double(), vp.double(), bt, counts, None)
+    assert torch.isfinite(out).all() and rel(out, o64) < 1e-5 and (lse.double() - l64).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dense_split_is_sized_per_row_not_per_batch(dtype):
     """On the GPU a dense list's split follows the capacity and the KV heads only: one live row

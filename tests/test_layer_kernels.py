@@ -35,6 +35,20 @@ def test_add_rms_norm(dtype, N, H, res):
     assert rel(xo.cpu(), txo) <= TOL[dtype]
 
 
+def test_add_rms_norm_keeps_eps_on_small_and_zero_rows():
+    """Rows of small scale (a small model's embeddings, std 0.01, where eps = 1e-5 matters) and
+    an all-zero row (eps alone keeps it finite): the kernel equals the float64 oracle."""
+    from kvsieve.kernels.layer import add_rms_norm
+
+    x = 0.01 * torch.randn(4, 576, generator=torch.Generator().manual_seed(0))
+    x[3] = 0
+    w = torch.ones(576)
+    y, _ = add_rms_norm(x.to(DEV), None, w.to(DEV), 1e-5)
+    oracle = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert torch.isfinite(y).all() and (y[3] == 0).all()
+    assert rel(y[:3].cpu(), oracle[:3]) <= 1e-5
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("N,Hq,Hkv,D", [(1, 9, 3, 64), (97, 8, 1, 128), (5, 6, 2, 24)])
 @pytest.mark.parametrize("fused", [False, True])

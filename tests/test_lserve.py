@@ -77,6 +77,25 @@ def test_kernel_matches_reference_and_oracle(dtype, T, S, Hkv, G, D, sink, local
     assert (out.transpose(0, 1)[empty] == 0).all()
 
 
+def test_kernel_chunks_starting_inside_a_key_block():
+    """Chunked prefill after a cached prefix that is not a multiple of the key block (32 under
+    the interpreter, 64 on a GPU): the first query at every offset near a block's edge, dense
+    and streaming heads, against the float64 reference (a causal bound one block too late
+    leaked the next key to the chunk's first queries)."""
+    from kvsieve.kernels.prefill import block_sparse_prefill
+
+    bad = {}
+    for S, T in [(64, 34), (64, 33), (200, 42), (97, 65), (130, 3), (128, 128)]:
+        q, k, v = case(T, S, 2, 2, 64, torch.float32, seed=S * T)
+        streaming = torch.tensor([False, True], device=DEV)
+        out = block_sparse_prefill(q, k, v, streaming, 4, 40)
+        want = block_sparse_prefill_reference(q.double(), k.double(), v.double(), streaming, 4, 40)
+        err = (out.double() - want).abs().max().item()
+        if not err < 1e-5:
+            bad[(S, T)] = err
+    assert not bad, f"kernel != float64 reference at (S, T) (max abs err): {bad}"
+
+
 def test_kernel_window_bounds_at_every_alignment_of_local():
     """Pins the streaming-window block bounds of the prefill kernel (`second`, the first block
     of the Λ range, and `c_lo`, the first block every query of an m-block sees whole): with

@@ -514,6 +514,7 @@ BAD = [
     ("/v1/completions", {"prompt": ["a"] * 65, "n": 2}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 1}, "best_of"),  # (OpenAI refuses best_of < n)
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages.0"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": ["hello"]}]}, "messages.0.content"),
     ("/v1/completions", {"prompt": 12}, "prompt"),
@@ -554,6 +555,28 @@ def test_bad_requests_get_400_naming_the_field_and_the_server_keeps_serving(live
     assert live.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1}).status_code == 200
     assert httpx.get(live.url + "/health", timeout=TIMEOUT).status_code == 200
     assert live.metric("kvsieve_requests_rejected_total", '{reason="invalid"}') >= len(BAD)
+
+
+CHAT = "/v1/chat/completions"
+GOOD = [  # each limit the README states, at the limit, and what it says is accepted
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop": [f"<{i}>" for i in range(16)]}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "temperature": 2, "top_p": 1, "seed": 3}),
+    (CHAT, {"messages": chat_msgs("hi"), "max_tokens": 1, "logprobs": True, "top_logprobs": 20}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "logprobs": 20}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "n": 2, "best_of": 2}),
+    (CHAT, {"messages": chat_msgs("hi"), "max_tokens": 1, "response_format": {"type": "text"}}),
+    (CHAT, {"messages": chat_msgs("hi") + [{"role": "assistant", "content": None}] + chat_msgs("and?"),
+            "max_tokens": 1}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop_token_ids": [0]}),
+]
+
+
+def test_requests_at_the_documented_limits_are_served(live):
+    for path, body in GOOD:
+        r = live.post(path, body)
+        assert r.status_code == 200, (body, r.text)
+    r = live.post("/v1/completions", {"prompt": "Once upon a time", "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16  # completions' default max_tokens
 
 
 def test_wrong_http_methods_name_the_allowed_ones_and_probes_may_use_head(live):
