@@ -175,7 +175,8 @@ def plot(results, path: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (loopback only)")
+    p.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="the server, as serve prints it (with or without /v1; loopback only; default %(default)s)")
     p.add_argument("--requests", type=int, default=32, help="requests per (method, concurrency) cell")
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 16], help="comma-separated, e.g. 1,4,16")
     p.add_argument("--prompt-tokens", type=int_list, default=[256], help="approximate prompt lengths, cycled")
@@ -190,6 +191,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--plot", help="write a PNG of latency and throughput against concurrency")
     args = p.parse_args(argv)
+    args.url = args.url.rstrip("/").removesuffix("/v1")  # (serve prints the OpenAI base_url, .../v1)
     host = urlparse(args.url).hostname
     if host not in LOOPBACK:
         p.error(f"--url must point at this machine ({', '.join(sorted(LOOPBACK))}), got {host!r}")

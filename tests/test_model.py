@@ -554,3 +554,15 @@ def test_prompts_for_a_model_without_a_chat_template_are_raw_and_stderr_says_so(
     assert "no chat template; the prompts are sent as raw text" in capsys.readouterr().err
     assert read_prompts(SimpleNamespace(**{**vars(args), "no_chat": True}), Tok())[0] == [[1, 104, 105]]
     assert capsys.readouterr().err == ""
+
+
+def test_standard_input_given_twice_is_refused_naming_both_flags():
+    """`--prompt - --prompt-file -`: the second read found stdin empty and called the prompt
+    empty; it is now one error saying stdin is read once."""
+    from types import SimpleNamespace
+
+    from kvsieve.model.cli import read_prompts
+
+    args = SimpleNamespace(prompts=[("--prompt", "-"), ("--prompt-file", "-")], no_chat=True)
+    with pytest.raises(ValueError, match=r"standard input \('-'\) is given 2 times \(--prompt, --prompt-file\)"):
+        read_prompts(args, None)

@@ -303,6 +303,14 @@ def test_environment_variables_are_read_as_documented(monkeypatch):
     assert use_triton(torch.zeros(1)) is False
     monkeypatch.setenv("KVSIEVE_CACHE_DIR", "  ")
     assert cache_root() == Path(os.path.expanduser("~/.cache/kvsieve")).absolute()
+    from kvsieve.kernels.pdl import pdl_on
+
+    for value, on in (("1", True), ("on", True), ("0", False), ("off", False), ("False", False), ("no", False)):
+        monkeypatch.setenv("KVSIEVE_PDL", value)  # (off/false/no left PDL on: only "0" turned it off)
+        assert pdl_on() == on, value
+    monkeypatch.setenv("KVSIEVE_PDL", "of")
+    with pytest.raises(ValueError, match="KVSIEVE_PDL='of' is not 0 or 1"):
+        pdl_on()
 
 
 def test_an_entry_damaged_later_is_converted_again_and_other_damage_names_the_fix(tmp_path, fake_gguf, monkeypatch):

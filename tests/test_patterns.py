@@ -287,7 +287,7 @@ def test_a_file_pattern_run_with_another_window_warns_once(capsys, tmp_path):
         warn_window(pattern, 128, 256)  # the file's own window: silent
         warn_window(((True, False),), 4, 64)  # not from a file: nothing to compare
         with pytest.raises(UserWarning, match=r"chosen for a sink 128 \+ local 256 window.*sink 4 \+ local 64.*"
-                                              r"kvsieve calibrate --sink 4 --local 64"):
+                                              r"kvsieve calibrate --model MODEL --sink 4 --local 64"):
             warn_window(pattern, 4, 64)
     save_pattern(path, ((True, False),) * 2, {"lambda_mass": [[1, 0]] * 2}, {"model": "m"})
     assert load_pattern(path, 2, 2).window == (None, None)

@@ -148,8 +148,8 @@ def warn_window(pattern, sink: int, local: int) -> None:
         return
     warnings.warn(f"the streaming heads of {pattern.source!r} were chosen for a sink {window[0]} + local "
                   f"{window[1]} window, and this run streams them with sink {sink} + local {local}; to choose "
-                  f"heads for this window, run `kvsieve calibrate --sink {sink} --local {local} --out FILE` "
-                  "and pass --streaming-heads FILE", stacklevel=3)
+                  f"heads for this window, run `kvsieve calibrate --model MODEL --sink {sink} --local {local} --out FILE` "
+                  "on the model you run (MODEL) and pass --streaming-heads FILE", stacklevel=3)
 
 
 def warn_file_window(pattern, options: Dict) -> None:

@@ -45,10 +45,20 @@ def _capable(index: int) -> bool:
     return HAVE_GDC and torch.cuda.get_device_capability(index) >= (9, 0)
 
 
+def pdl_on() -> bool:
+    """KVSIEVE_PDL: unset, 1, true, yes or on: on; 0, false, no or off: off; else a clear error."""
+    v = os.environ.get("KVSIEVE_PDL", "1").strip().lower()
+    if v in ("", "1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"KVSIEVE_PDL={os.environ['KVSIEVE_PDL']!r} is not 0 or 1; unset it, or set 0 (off) or 1 (on)")
+
+
 def enabled(t: torch.Tensor) -> bool:
     """Whether kernels on t's device launch with PDL (a CUDA device of compute capability
-    9.0 or later, not the interpreter, KVSIEVE_PDL not 0)."""
-    return (t.is_cuda and not interpreting() and os.environ.get("KVSIEVE_PDL", "1") != "0"
+    9.0 or later, not the interpreter, KVSIEVE_PDL not off: pdl_on)."""
+    return (t.is_cuda and not interpreting() and pdl_on()
             and _capable(t.device.index if t.device.index is not None else torch.cuda.current_device()))
 
 

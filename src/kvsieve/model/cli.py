@@ -82,6 +82,10 @@ def read_prompts(args, tok) -> tuple[list[list[int]], bool]:
     given = getattr(args, "prompts", None) or [("--prompt", t) for t in args.prompt or []] + \
         [("--prompt-file", f) for f in args.prompt_file or []]
     texts, names = [], []
+    stdin_by = [flag for flag, value in given if value == "-"]
+    if len(stdin_by) > 1:
+        raise ValueError(f"standard input ('-') is given {len(stdin_by)} times ({', '.join(stdin_by)}), but it can be "
+                         "read once; give it to one flag, and the other prompts as text or files")
     for flag, value in given:
         names.append(f"--prompt-file {value!r}" if flag == "--prompt-file" else f"--prompt {len(names) + 1}")
         if flag == "--prompt-file" or value == "-":
