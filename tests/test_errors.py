@@ -337,6 +337,13 @@ def test_python_api_odd_values_are_one_clear_error_or_work(tiny_model, tmp_path)
     eng.warmup(np.int64(8), decode_tokens=np.int32(2))
     assert eng.generate([[5, 6, 7, 8]], params)[0].tokens == before
     assert TacticConfig(threshold=np.float32(0.5), cluster_size=np.int64(8)).cluster_size == 8
+    from kvsieve.methods.hybrid import HybridConfig, LServeConfig
+
+    assert HybridConfig(sink=np.int64(4)).sink == 4 and type(LServeConfig(local=np.int32(64)).local) is int
+    for one in (torch.tensor([5, 6]), np.array([5, 6]), [np.int64(5), np.int64(6)]):
+        with pytest.raises(ValueError, match="got one list .or 1-D tensor. of token ids: wrap it in a list"):
+            eng.generate(one, params)
+    eng.abort(torch.tensor(12345))  # an unknown id, as a 0-d tensor: a no-op
     heads = np.array([[0, 1]])
     assert eng.generate([[5, 6, 7, 8]], params, method="tactic", method_options={"dense_heads": heads})[0].tokens
     q, k, v = qkv(S=300)

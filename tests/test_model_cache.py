@@ -357,11 +357,12 @@ def test_unreadable_weights_and_a_directory_of_ggufs_are_named(tmp_path, monkeyp
     g = tmp_path / "g"
     g.mkdir()
     (g / "Model.Q4.gguf").write_bytes(b"GGUF")
+    (g / "config.json").write_text("{}")  # (GGUF repositories often ship one beside the file)
     with pytest.raises(ValueError, match=r"holding Model.Q4.gguf: pass the file itself \(--model .*g/Model.Q4.gguf\)"):
         loader.resolve_model_dir(str(g))
 
 
-def test_a_tokenizer_transformers_cannot_build_is_one_line_naming_the_directory(tmp_path):
+def test_a_tokenizer_transformers_cannot_build_is_one_line_naming_the_directory(tmp_path, monkeypatch):
     """tokenizer_config.json without tokenizer.json (a partial download): one line naming the
     directory, not transformers' several-line message that names none."""
     d = tmp_path / "tok"
@@ -370,6 +371,14 @@ def test_a_tokenizer_transformers_cannot_build_is_one_line_naming_the_directory(
     with pytest.raises(ValueError, match=f"could not load the tokenizer in {d} .*copy the model's tokenizer files") as e:
         loader.load_tokenizer(d)
     assert "\n" not in str(e.value)
+
+    def needs_package(*a, **kw):
+        raise ValueError("`sentencepiece` is required to read this tokenizer: pip install sentencepiece\nmore")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", needs_package)
+    with pytest.raises(ValueError, match="in .*tok: `sentencepiece` is required .*pip install sentencepiece$") as e:
+        loader.load_tokenizer(d)
+    assert "copy the model's" not in str(e.value)
 
 
 def test_a_long_gguf_name_fits_the_cache_and_a_missing_dir_gguf_is_not_a_hub_id(tmp_path, fake_gguf, monkeypatch):

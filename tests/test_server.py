@@ -564,6 +564,7 @@ GOOD = [  # each limit the README states, at the limit, and what it says is acce
     (CHAT, {"messages": chat_msgs("hi"), "max_tokens": 1, "logprobs": True, "top_logprobs": 20}),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "logprobs": 20}),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "n": 2, "best_of": 2}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "best_of": 1}),  # (n left out is 1)
     (CHAT, {"messages": chat_msgs("hi"), "max_tokens": 1, "response_format": {"type": "text"}}),
     (CHAT, {"messages": chat_msgs("hi") + [{"role": "assistant", "content": None}] + chat_msgs("and?"),
             "max_tokens": 1}),

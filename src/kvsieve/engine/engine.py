@@ -11,7 +11,7 @@ the engine records tokens, timings and the KV fraction each request read.
 """
 from __future__ import annotations
 
-import numbers
+import operator
 import os
 import threading
 import time
@@ -292,9 +292,13 @@ class LLMEngine(BatchCrossover, Warmup):
     def abort(self, rid: int) -> None:
         """Cancel a request (an id add_request returned; an unknown or finished one is a no-op);
         its KV pages are free when this returns."""
-        if isinstance(rid, bool) or not isinstance(rid, numbers.Integral):
-            raise ValueError(f"abort() takes a request id (an int that add_request returned), got {rid!r}")
-        req = self.scheduler.abort(int(rid))
+        try:
+            if isinstance(rid, bool) or getattr(rid, "is_floating_point", lambda: False)():
+                raise TypeError
+            rid = operator.index(rid.item() if isinstance(rid, torch.Tensor) else rid)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"abort() takes a request id (an int that add_request returned), got {rid!r}") from None
+        req = self.scheduler.abort(rid)
         self._later.discard(rid)
         if req is not None:
             self.runner.release(rid)

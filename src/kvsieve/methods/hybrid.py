@@ -74,6 +74,7 @@ class HybridConfig(MethodConfig):
         return self.sink, max(self.local, 1)
 
     def __post_init__(self):
+        self._plain_numbers()
         object.__setattr__(self, "streaming_heads", normalize_pattern(self.streaming_heads))
         if self.dynamic_config is None:
             from . import config_for

@@ -140,7 +140,7 @@ def resolve_model_dir(model: Optional[str]) -> Path:
                          "(transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, "
                          "safe_serialization=True))")
     ggufs = sorted(p.glob("*.gguf")) if p.is_dir() else []
-    if ggufs and not (p / "config.json").is_file():
+    if ggufs:  # (GGUF repositories often ship a config.json beside the file)
         raise ValueError(f"{model!r} is a directory holding {ggufs[0].name}" + (f" and {len(ggufs) - 1} more .gguf files"
                          if len(ggufs) > 1 else "") + f": pass the file itself (--model {ggufs[0]})")
     raise ValueError(f"unknown model format at {model!r}: expected a directory with config.json and "
@@ -177,6 +177,8 @@ def load_tokenizer(path, **kwargs):
         if "gguf_file" in kwargs:
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        if "pip install" in str(e) or "is required" in str(e):  # a missing package (sentencepiece, tiktoken)
+            raise ValueError(f"could not load the tokenizer in {path}: {first}") from e
         raise ValueError(f"could not load the tokenizer in {path} ({first}); "
                          + damaged_fix(Path(path), "copy the model's tokenizer files there (tokenizer.json and "
                                        "tokenizer_config.json)")) from e

@@ -140,7 +140,7 @@ class CompletionRequest(_Common):
     def refused(self) -> List[tuple]:
         return _refused(self) + [
             ("suffix", bool(self.suffix)),
-            ("best_of", self.best_of not in (None, self.n)),  # best_of > n ranks by log-probability
+            ("best_of", self.best_of not in (None, self.n or 1)),  # best_of > n ranks by log-probability
         ]
 
 
