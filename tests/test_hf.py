@@ -340,7 +340,7 @@ def test_full_budget_through_the_kernels_equals_sdpa(tiny_llama, monkeypatch):
     assert torch.equal(out, ref) and state.kv_fraction == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("how", ["beams", "select"])
+@pytest.mark.parametrize("how", ["beams", "select", "repeat"])
 def test_row_moves_of_the_cache_move_the_index(tiny_llama, how, monkeypatch):
     """Beam search reorders the cache's rows every step (and batch_select_indices keeps some):
     the layer's index moves with them, so each row's page summaries stay those of its own
@@ -360,7 +360,10 @@ def test_row_moves_of_the_cache_move_the_index(tiny_llama, how, monkeypatch):
                 model.generate(**enc, max_new_tokens=6, do_sample=False, num_beams=3, **{khf.cache_kwarg(model): cache})
             else:
                 model.generate(**enc, max_new_tokens=3, do_sample=False, **{khf.cache_kwarg(model): cache})
-                cache.batch_select_indices(torch.tensor([1]))
+                if how == "select":
+                    cache.batch_select_indices(torch.tensor([1]))
+                else:  # (each row twice, in place: 0, 0, 1, 1)
+                    cache.batch_repeat_interleave(2)
     finally:
         khf.disable(model)
     assert state.kv_read_steps > 0
@@ -645,3 +648,97 @@ def test_a_deep_copy_generates_with_its_own_weights_and_state(tiny_llama):
         assert twin._kvsieve is None and getattr(twin.generate, "__self__", None) is twin
     finally:
         khf.disable(model)
+
+
+def test_generation_configs_however_given_are_read_as_transformers_reads_them(tiny_llama):
+    """A GenerationConfig passed positionally, one saying use_cache=False, and a model whose
+    config says cache_implementation="hybrid" (older Hub configs; transformers treats it as
+    its default cache) are each honoured (hf.py mutation audit: all three survived)."""
+    import warnings
+
+    model, enc = tiny_llama
+    ids = torch.randint(3, 101, (1, 600), generator=torch.Generator().manual_seed(1))
+    ref = greedy(model, enc, 4)
+    state = khf.enable(model, "quest", dense_below=0, budget=128)  # every page: transformers' tokens
+    try:
+        with pytest.raises(ValueError, match="prompt has 500 tokens .* 100 new"), torch.no_grad():
+            model.generate(ids[:, :500], transformers.GenerationConfig(max_length=600, do_sample=False))
+        no_cache = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, use_cache=False)
+        with torch.no_grad():
+            assert torch.equal(model.generate(**enc, generation_config=no_cache), ref)
+        assert state.kv_read_steps == 0
+        model.generation_config.cache_implementation = "hybrid"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # ("not a kvsieve cache" would be raised)
+            assert torch.equal(greedy(model, enc, 4), ref)
+        assert state.kv_read_steps == 3 * 2
+    finally:
+        model.generation_config.cache_implementation = None
+        khf.disable(model)
+
+
+def test_length_limits_are_exact_and_count_the_longest_row(tiny_llama):
+    """Prompt + new tokens exactly at max_position_embeddings is generated; a forward whose
+    longest row (not its shortest) passes the positions is refused."""
+    model, _ = tiny_llama
+    ids = torch.randint(3, 101, (2, 600), generator=torch.Generator().manual_seed(1))
+    khf.enable(model, "quest", dense_below=0, budget=16)
+    try:
+        assert greedy(model, {"input_ids": ids[:1, :500]}, 12).shape == (1, 512)
+        mask = torch.ones(2, 600, dtype=torch.long)
+        mask[0, :500] = 0  # rows of 100 and 600 tokens
+        with pytest.raises(ValueError, match="this forward reaches 600 positions, past the model's 512"), \
+                torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, **{khf.cache_kwarg(model): khf.make_cache()})
+    finally:
+        khf.disable(model)
+
+
+def test_beams_under_the_crossover_and_a_cropped_cache_keep_the_index_right(tiny_llama):
+    """Beam search on a request still under the dense crossover reorders no index (it has
+    none: it crashed when it tried); crop() (assisted and prompt-lookup decoding) drops the
+    index, which would summarise tokens no longer cached."""
+    model, enc = tiny_llama
+    with torch.no_grad():
+        ref = model.generate(**enc, max_new_tokens=4, do_sample=False, num_beams=2)
+    khf.enable(model, "quest", dense_below=1000, budget=16)
+    try:
+        with torch.no_grad():
+            assert torch.equal(model.generate(**enc, max_new_tokens=4, do_sample=False, num_beams=2), ref)
+    finally:
+        khf.disable(model)
+    cache = khf.make_cache()
+    khf.enable(model, "quest", dense_below=0, budget=16)
+    try:
+        greedy(model, {**enc, khf.cache_kwarg(model): cache}, 3)
+        assert all(layer.index is not None for layer in cache.layers)
+        cache.crop(-2)  # (this transformers: drop the last two tokens)
+        assert all(layer.index is None for layer in cache.layers)
+    finally:
+        khf.disable(model)
+
+
+def test_a_padded_row_folds_its_own_keys_and_kv_fraction_counts_every_head(tiny_llama):
+    """Tactic folding every 4 tokens on a left-padded batch: the padded row answers as it does
+    alone (a fold read its keys at the longest row's offset: padding); lserve with one
+    streaming and one dynamic KV head per layer reads the mean of the two heads' shares."""
+    model, enc = tiny_llama
+    opts = dict(threshold=0.5, cluster_size=8, local=8, protect=0, fold_every=4)
+    khf.enable(model, "tactic", dense_below=0, **opts)
+    try:
+        both = greedy(model, enc, 12)
+        alone = greedy(model, {k: v[:1, 43:] for k, v in enc.items()}, 12)
+    finally:
+        khf.disable(model)
+    assert torch.equal(both[0, 97:], alone[0, 54:])
+    read = {}
+    for name, pattern in [("streaming", [[1, 1], [1, 1]]), ("dynamic", [[0, 0], [0, 0]]), ("half", [[1, 0], [1, 0]])]:
+        window = {"sink": 4, "local": 8} if name != "dynamic" else {}
+        state = khf.enable(model, "lserve", dense_below=0, budget=32, streaming_heads=pattern, **window)
+        try:
+            greedy(model, {k: v[1:] for k, v in enc.items()}, 6)
+        finally:
+            khf.disable(model)
+        read[name] = state.kv_fraction
+    assert read["dynamic"] - read["streaming"] > 0.1
+    assert abs(read["half"] - (read["streaming"] + read["dynamic"]) / 2) < 0.02, read
