@@ -341,7 +341,7 @@ def test_python_api_odd_values_are_one_clear_error_or_work(tiny_model, tmp_path)
 
     assert HybridConfig(sink=np.int64(4)).sink == 4 and type(LServeConfig(local=np.int32(64)).local) is int
     for one in (torch.tensor([5, 6]), np.array([5, 6]), [np.int64(5), np.int64(6)]):
-        with pytest.raises(ValueError, match="got one list .or 1-D tensor. of token ids: wrap it in a list"):
+        with pytest.raises(ValueError, match="got one list of token ids: wrap it in a list .a 1-D tensor"):
             eng.generate(one, params)
     eng.abort(torch.tensor(12345))  # an unknown id, as a 0-d tensor: a no-op
     heads = np.array([[0, 1]])

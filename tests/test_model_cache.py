@@ -91,11 +91,11 @@ def test_concurrent_first_uses_convert_once(tmp_path, fake_gguf):
     with ThreadPoolExecutor(6) as ex:
         results = list(ex.map(convert, range(6)))
     assert results == [(out, True)] * 6
-    assert reads == ["m.gguf"]
+    assert reads == ["model.gguf"]  # (read once, through a private folder holding only the file)
     assert sorted(p.name for p in out.parent.iterdir()) == ["m", "m.lock"]
     assert (out / "model.safetensors").read_bytes() == b"weights"
     # converted: later calls read nothing and take no lock
-    assert loader.convert_gguf(path, out) == out and reads == ["m.gguf"]
+    assert loader.convert_gguf(path, out) == out and reads == ["model.gguf"]
     # a tokenizer read without a pad token gets the model's EOS (padded batches need one), and an
     # EOS that is not the config's becomes the config's
     saved = json.loads((out / "tokenizer_config.json").read_text())

@@ -86,8 +86,8 @@ def params_per_prompt(prompts, params) -> List[SamplingParams]:
                          + ("one str: wrap it in a list" if len(prompts) else "none"))
     first = prompts[0]
     if isinstance(first, numbers.Integral) or (getattr(first, "ndim", None) == 0 and not isinstance(first, str)):
-        raise ValueError("generate() takes a list of prompts; got one list (or 1-D tensor) of token ids: wrap it in "
-                         "a list")
+        raise ValueError("generate() takes a list of prompts; got one list of token ids: wrap it in a list (a 1-D "
+                         "tensor or array of ids too)")
     if not isinstance(params, SamplingParams) and not (
             isinstance(params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in params)):
         raise ValueError(f"params must be a SamplingParams or a list of them (one per prompt), got "
