@@ -11,7 +11,6 @@ the engine records tokens, timings and the KV fraction each request read.
 """
 from __future__ import annotations
 
-import operator
 import os
 import threading
 import time
@@ -25,8 +24,8 @@ from ..methods.base import DENSE_BELOW_KV_BYTES  # noqa: F401 (re-exported by kv
 from ..methods.hybrid import normalize_pattern
 from ..patterns import check_dense_heads, read_dense_heads, read_streaming_heads
 from .crossover import DENSE_ABOVE, DENSE_AFTER, BatchCrossover
-from .inputs import (Prompt, check_params, check_score_lists, check_sizes, params_per_prompt, prompt_token_ids,
-                     resolve_device)  # noqa: F401 (resolve_device: kvsieve.engine's name for it)
+from .inputs import (Prompt, check_params, check_score_lists, check_sizes, params_per_prompt, plain_int,  # noqa: F401
+                     prompt_token_ids, resolve_device)  # (resolve_device: kvsieve.engine's name for it)
 from .records import EngineStats, RequestOutput, _locked, _Track
 from .runner import ModelRunner
 from .sampling import TokenLogprob
@@ -293,9 +292,7 @@ class LLMEngine(BatchCrossover, Warmup):
         """Cancel a request (an id add_request returned; an unknown or finished one is a no-op);
         its KV pages are free when this returns."""
         try:
-            if isinstance(rid, bool) or getattr(rid, "is_floating_point", lambda: False)():
-                raise TypeError
-            rid = operator.index(rid.item() if isinstance(rid, torch.Tensor) else rid)
+            rid = plain_int(rid)
         except (TypeError, ValueError, RuntimeError):
             raise ValueError(f"abort() takes a request id (an int that add_request returned), got {rid!r}") from None
         req = self.scheduler.abort(rid)

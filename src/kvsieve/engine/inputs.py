@@ -8,9 +8,19 @@ from typing import List, Mapping, Optional, Sequence, Union
 
 import torch
 
-from .scheduler import SamplingParams
+from .scheduler import SamplingParams, _token_id
 
 Prompt = Union[str, Sequence[int]]  # text (encoded with the engine's tokenizer) or token ids
+
+
+def plain_int(value) -> int:
+    """value as a Python int: an int, a NumPy integer or a 0-d integer tensor (TypeError for a
+    bool, a float or anything else; ValueError for a tensor of several values)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.dtype == torch.bool:
+            raise TypeError(value)
+        value = value.item()
+    return _token_id(value)
 
 
 def check_sizes(**given) -> None:

@@ -3,21 +3,19 @@ on dummy requests, outside any user request. A mixin of LLMEngine (it steps the 
 from __future__ import annotations
 
 import numbers
-import operator
 import time
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .records import EngineStats, _locked, _Track
+from .inputs import plain_int
 from .scheduler import SamplingParams
 
 
 def _count(n) -> int:
     """n as an int >= 1 (numpy's integers and 0-d integer tensors too); TypeError / ValueError else."""
-    if isinstance(n, (bool, float)) or (isinstance(n, torch.Tensor) and n.is_floating_point()):
-        raise TypeError(n)
-    n = operator.index(n.item() if isinstance(n, torch.Tensor) else n)
+    n = plain_int(n)
     if n < 1:
         raise ValueError(n)
     return n
