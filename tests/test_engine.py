@@ -328,6 +328,42 @@ def test_joins_into_each_method_group_of_a_mixed_batch(tiny_model):
         assert done[i] == want[0], (i, method)
 
 
+@pytest.mark.parametrize("method,opts", [("tactic", {"cluster_size": 8, "fold_every": 16, "local": 8}),
+                                         ("quest", {"budget": 32}), ("lserve", {"budget": 64})])
+def test_alternating_methods_take_back_the_replaced_batch(tiny_model, method, opts):
+    """Requests that alternate between two methods, one after another (a warm-up ending on
+    dense, then the user's request; `generate --compare-dense`), take back the batch the
+    last rebuild replaced (its step graphs with it, on CUDA) instead of rebuilding; one whose
+    index does not fit the shelved batch is rebuilt. Every request's tokens are its own."""
+    eng = LLMEngine(tiny_model, None, method, paged=True, **opts)
+    eng.runner.keep_dead_rows = True  # as with step graphs (CUDA)
+    ps = prompts(5, lo=60, hi=100, seed=31)
+    runs = [(None, 9, {}), ("dense", 7, {}), (None, 11, {}), ("dense", 5, {}), (None, 6, {"logit_bias": {7: 5.0}})]
+    batches = []
+    for (m, n, kw), p in zip(runs, ps):
+        params = SamplingParams(max_new_tokens=n, ignore_eos=True, **kw)
+        got = eng.generate([p], params, method=m)[0].tokens
+        assert got == alone(tiny_model, m or method, opts if m is None else {}, [p], params, paged=True)[0], (m, n)
+        batches.append(eng.runner.batch)
+    assert batches[2] is batches[0] and batches[3] is batches[1]  # taken back, not rebuilt
+    assert batches[4] is not batches[2]  # the shelved batch has no logit-bias buffer: rebuilt
+    assert (eng.runner.composes, eng.runner.unshelves) == (3, 2)
+    assert eng.scheduler.used_pages == 0
+
+
+def test_a_shelved_batch_is_let_go_with_its_method(tiny_model):
+    """Forgetting a per-request method (drop_methods) drops the shelved batch that holds it."""
+    eng = LLMEngine(tiny_model, None, "dense", paged=True)
+    eng.runner.keep_dead_rows = True
+    p = prompts(1, seed=33)[0]
+    eng.generate([p], SamplingParams(max_new_tokens=3), method="quest", method_options={"budget": 32})
+    eng.generate([p], SamplingParams(max_new_tokens=3))
+    shelved = eng.runner.shelf
+    assert shelved is not None and [g for g, _, _ in shelved.groups] != ["dense"]
+    assert eng.drop_methods([shelved.groups[0][0]]) == [shelved.groups[0][0]]
+    assert eng.runner.shelf is None
+
+
 def test_full_pool_queues_and_preempts_without_losing_a_request(tiny_model):
     ps = prompts(6, lo=40, hi=60, seed=5)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)

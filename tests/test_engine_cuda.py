@@ -75,6 +75,30 @@ def test_mid_flight_joins_on_graphs_equal_eager(tiny_cuda, method, opts):
     assert eng.runner.row_joins >= 1 and eng.runner.captures >= 1
 
 
+@pytest.mark.parametrize("method,opts", METHODS[1:4])
+def test_requests_after_warmup_replay_the_warmed_graphs(tiny_cuda, method, opts):
+    """warmup() ends on dense's batch. A request of the warmed length, then a dense one
+    (`generate --compare-dense`), take back the warmed batches with their step graphs: no
+    rebuild, and each method's steps replay; tokens equal the eager engine's."""
+    model, _ = tiny_cuda
+    p = prompts(1, lo=600, hi=601, seed=5)[0]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain = LLMEngine(model, None, method, graphs=False, dense_below=0, **opts)
+    eng = LLMEngine(model, None, method, dense_below=0, **opts)
+    eng.warmup(prompt_tokens=len(p))
+    r, kinds = eng.runner, []
+    composes = r.composes
+    for m in (None, "dense"):
+        rid = eng.add_request(p, params, m)
+        while eng.has_unfinished:
+            out = [o for o in eng.step() if o.id == rid and o.tokens]
+            kinds += [r.last_step] if out else []
+            if out and out[0].finished:
+                assert out[0].tokens == plain.generate([p], params, method=m)[0].tokens, m
+    assert (r.composes, r.unshelves) == (composes, 2)
+    assert set(kinds) == {"replay"}, kinds  # no eager step, no capture
+
+
 @pytest.mark.parametrize("method", ["tactic", "hybrid"])
 def test_batch_rule_flips_on_graphs_equal_eager(tiny_cuda, method, monkeypatch):
     """tactic's batch-wide crossover (runner.step_dense_below): the rows plan while they hold

@@ -4,7 +4,8 @@ A batch is rows grouped by method (contiguous groups, one batched index per grou
 layer) plus the static input buffers a captured decode step reads. With step graphs a
 request that leaves becomes a dead row, and a newcomer takes a dead row of its group, its
 index written in place (SparseMethod.write_slot), so the captured graphs stay valid; the
-batch is rebuilt (indexes merged, groups padded to row buckets) only when a newcomer finds
+batch is rebuilt (indexes merged, groups padded to row buckets; the batch it replaces is
+kept, graphs and all, for the next requests of its layout) only when a newcomer finds
 no free row that fits, or most rows are dead and either the live requests have enough tokens
 left to repay the rebuild or the batch has stayed that empty for as long (SHRINK_MIN_STEPS). A rebuild sizes each method group for the requests
 it holds plus those about to join it (admitted and still prefilling, or waiting), so a
@@ -50,6 +51,7 @@ class DecodeBatch:
     last_host: List[int] = field(default_factory=list)  # each row's host length at the last step
     mostly_dead: int = 0  # consecutive steps with more dead rows than live ones
     retired: bool = False  # a group's method was forgotten (LLMEngine.drop_methods): rebuild before the next step
+    pool: Any = None  # the CUDA graph memory pool its step graphs share
 
     @property
     def tokens(self) -> Tensor:
@@ -103,6 +105,12 @@ class BatchRows:
         bt.mostly_dead = bt.mostly_dead + 1 if 2 * len(reqs) < len(bt.rows) else 0
         if bt.mostly_dead and (bt.mostly_dead > SHRINK_MIN_STEPS or max(map(steps_left, reqs)) >= SHRINK_MIN_STEPS):
             return False
+        return self._fill(reqs)
+
+    def _fill(self, reqs: List[Request]) -> bool:
+        """Give each request of reqs not decoding in the batch yet a free row of its method's
+        group (_write_row). False when one finds none, or its index does not fit."""
+        bt = self.batch
         ids = {r.id for r in reqs}
         free = {g: [b for b in range(a, e) if bt.rows[b] not in ids] for g, a, e in bt.groups}
         for r in reqs:
@@ -114,6 +122,41 @@ class BatchRows:
             if not rows or not self._write_row(rows.pop(0), r):
                 return False
         return True
+
+    def _unshelve(self, reqs: List[Request], soon: Optional[Dict[str, Tuple[int, int]]]) -> bool:
+        """Serve reqs (in row order, see _row_order) with the shelf, the batch the last
+        rebuild replaced, when none of them decoded before and the shelf has the layout a
+        rebuild would make: they take its rows in place and its step graphs replay, instead of
+        a rebuild, an eager step and a capture (a command's warm-up ends on another method's
+        batch; `generate --compare-dense` and a server alternate methods). The batch it
+        replaces goes on the shelf."""
+        shelf, self.shelf = self.shelf, None  # (let go before a rebuild allocates: two batches at most)
+        if shelf is None or shelf.retired or any(r.id not in self.pending for r in reqs) \
+                or [(g, e - a) for g, a, e in shelf.groups] != self._layout(reqs, soon):
+            return False
+        current, self.batch = self.batch, shelf
+        taken = {r.id: self.pending[r.id] for r in reqs}
+        if self._fill(reqs):
+            self._shelve(current)
+            return True
+        self.pending.update(taken)  # a row did not fit: the shelf is dropped, the requests rebuild
+        self.batch = current
+        return False
+
+    def _shelve(self, bt: Optional[DecodeBatch]) -> None:
+        """Keep bt, a batch being replaced, with its step graphs (with dead rows kept: the
+        captured mode), so the next requests of its layout take it back (_unshelve)."""
+        self.shelf = bt if bt is not None and not bt.retired and self.keep_dead_rows and self.paged else None
+
+    def _layout(self, reqs: List[Request], soon: Optional[Dict[str, Tuple[int, int]]]) -> List[Tuple[str, int]]:
+        """(method key, rows) of each group _compose makes for reqs (in row order): with dead
+        rows kept, each group's requests and those about to join it, padded to a row bucket."""
+        slots = self.keep_dead_rows and self.paged
+        out = []
+        for key in dict.fromkeys(r.method_key for r in reqs):
+            n = sum(r.method_key == key for r in reqs)
+            out.append((key, row_bucket(n + (soon or {}).get(key, (0, 0))[0]) if slots else n))
+        return out
 
     def _write_row(self, b: int, req: Request) -> bool:
         """Make dead row b of the batch hold req (index, page table, sampling), in place."""
@@ -166,11 +209,10 @@ class BatchRows:
             if old is not None else {}
         slots = self.keep_dead_rows and self.paged
         groups, states, rows = [], {}, []
-        for key in dict.fromkeys(r.method_key for r in reqs):
+        for key, size in self._layout(reqs, soon):
             members = [r for r in reqs if r.method_key == key]
             n = len(members)
-            coming, longest = (soon or {}).get(key, (0, 0)) if slots else (0, 0)
-            size = row_bucket(n + coming) if slots else n
+            longest = (soon or {}).get(key, (0, 0))[1] if slots else 0
             groups.append((key, len(rows), len(rows) + size))
             rows += members + [None] * (size - n)
             m, parts = self.methods[key], []
@@ -211,6 +253,7 @@ class BatchRows:
         if any(r.params.logit_bias for r in live):
             self.batch.bias = self._logit_biases(filled)
         self.batch.last_host = [pad_host[b] if r is None else r.num_cached + 1 for b, r in enumerate(rows)]
+        self._shelve(old)
 
     def _token_counts(self, reqs: List[Request]) -> Tensor:
         """[len(reqs), vocab] float32: how often each request has generated each token."""

@@ -88,9 +88,10 @@ class ModelRunner(BatchRows):
         self.max_pages = -(-cfg.max_positions // page_size)
         self.pending: Dict[int, List[Any]] = {}  # request id -> per-layer index (B = 1) until it decodes
         self.batch: Optional[DecodeBatch] = None
-        self.graph_pool = None  # shared by the variants of one batch's step graphs
+        self.shelf: Optional[DecodeBatch] = None  # the batch the last rebuild replaced, graphs and all
         self.captures = 0
         self.composes = 0  # batch rebuilds
+        self.unshelves = 0  # rebuilds saved: the requests took the shelved batch back (BatchRows._unshelve)
         self.row_joins = 0  # requests that joined a free row of the batch in place (no rebuild)
         self.last_step = ""  # how the last decode step ran: rebuild, eager, capture or replay
         self._windows: Dict[str, list] = {}
@@ -242,6 +243,8 @@ class ModelRunner(BatchRows):
         """Drop method `key` and what the runner keeps for it (no batch row may use it)."""
         for table in (self.methods, self.step_dense_below, self._windows, self._group_key, self._step_dense):
             table.pop(key, None)
+        if self.shelf is not None and any(g == key for g, _, _ in self.shelf.groups):
+            self.shelf = None
 
     def release(self, rid: int) -> None:
         """Forget a request's index and page table (its pages are the scheduler's)."""
@@ -259,8 +262,13 @@ class ModelRunner(BatchRows):
         over layers and KV heads)."""
         rebuilt = changed = not self._join(reqs)
         if rebuilt:
-            self._compose([reqs[i] for i in self._row_order(reqs)], soon() if soon else None)
-            self.composes += 1
+            ordered, coming = [reqs[i] for i in self._row_order(reqs)], soon() if soon else None
+            if self._unshelve(ordered, coming):
+                rebuilt = changed = False
+                self.unshelves += 1
+            else:
+                self._compose(ordered, coming)
+                self.composes += 1
         bt = self.batch
         live = {r.id: r for r in reqs}
         rows = [live.get(rid) for rid in bt.rows]  # None: a dead row
@@ -355,9 +363,9 @@ class ModelRunner(BatchRows):
 
     def _capture(self, key, host_len: List[int], dense_groups: set) -> Tensor:
         if not self.batch.graphs:  # a pool dies with its last graph: a new one for a new set
-            self.graph_pool = torch.cuda.graph_pool_handle()
+            self.batch.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool):
+        with torch.cuda.graph(graph, pool=self.batch.pool):
             out = self._step(host_len, dense_groups)
         self.batch.graphs[key] = (graph, out)
         self.captures += 1

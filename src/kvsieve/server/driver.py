@@ -73,6 +73,8 @@ class Metrics:
                                 "no free row, or most rows had left)", registry=r),
             "row_joins": Counter("kvsieve_decode_row_joins", "Requests that joined a free row of the running "
                                  "decode batch in place", registry=r),
+            "unshelves": Counter("kvsieve_decode_batch_reuses", "Rebuilds saved: new requests took back the "
+                                 "decode batch the last rebuild replaced, its step graphs with it", registry=r),
             "captures": Counter("kvsieve_decode_graph_captures", "CUDA-graph captures of the decode step",
                                 registry=r),
             "preemptions": Counter("kvsieve_preemptions", "Running requests preempted (recomputed later) for "
