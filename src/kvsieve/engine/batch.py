@@ -74,6 +74,22 @@ SHRINK_MIN_STEPS = 64
 RESERVE_POOL_MULTIPLE = 4
 
 
+# The shelved batch (BatchRows._shelve) may hold indexes of at most this fraction of the KV
+# pool's bytes (a few long requests' indexes; a served batch of many is let go).
+SHELF_POOL_FRACTION = 0.1
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in obj: nested lists, tuples, dicts and objects' fields."""
+    if isinstance(obj, Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(map(tensor_bytes, obj))
+    if isinstance(obj, dict):
+        return sum(map(tensor_bytes, obj.values()))
+    return sum(map(tensor_bytes, vars(obj).values())) if hasattr(obj, "__dict__") else 0
+
+
 def row_bucket(n: int) -> int:
     """Rows a method group is padded to: 1, 2, 4, 8, then multiples of 8."""
     return 1 << max(0, n - 1).bit_length() if n <= 8 else -(-n // 8) * 8
@@ -145,8 +161,12 @@ class BatchRows:
 
     def _shelve(self, bt: Optional[DecodeBatch]) -> None:
         """Keep bt, a batch being replaced, with its step graphs (with dead rows kept: the
-        captured mode), so the next requests of its layout take it back (_unshelve)."""
-        self.shelf = bt if bt is not None and not bt.retired and self.keep_dead_rows and self.paged else None
+        captured mode), so the next requests of its layout take it back (_unshelve). Not a
+        batch whose indexes hold more than SHELF_POOL_FRACTION of the KV pool's bytes: the
+        pool was sized to leave room for two batches' indexes only while a rebuild runs."""
+        keep = bt is not None and not bt.retired and self.keep_dead_rows and self.paged
+        pool = 2 * self.cache.k.numel() * self.cache.k.element_size()
+        self.shelf = bt if keep and tensor_bytes(bt.states) <= SHELF_POOL_FRACTION * pool else None
 
     def _layout(self, reqs: List[Request], soon: Optional[Dict[str, Tuple[int, int]]]) -> List[Tuple[str, int]]:
         """(method key, rows) of each group _compose makes for reqs (in row order): with dead
