@@ -845,6 +845,28 @@ def test_warmup_runs_at_the_asked_length_and_leaves_the_engine_as_new(tiny_model
     assert [o.tokens for o in eng.generate(ps, params)] == [o.tokens for o in fresh]
 
 
+@pytest.mark.parametrize("method,opts", METHODS[:4])
+def test_warmup_together_leaves_the_batch_the_prompts_take_back(tiny_model, method, opts):
+    """warmup(lengths, together=True) runs the lengths as one batch per method (as `generate`
+    submits its prompts): prompts of those lengths then decode in a warmed batch, taken back
+    from the shelf or joined in place, with no rebuild; their tokens are their own."""
+    ps = prompts(3, lo=40, hi=160, seed=41)
+    params = SamplingParams(max_new_tokens=7, ignore_eos=True)
+    eng = LLMEngine(tiny_model, None, method, paged=True, dense_below=0, **opts)
+    eng.runner.keep_dead_rows = True
+    seen, add = [], eng.scheduler.add
+    eng.scheduler.add = lambda ids, *a, **k: seen.append((len(ids), eng.scheduler.has_unfinished)) or add(ids, *a, **k)
+    eng.warmup([len(p) for p in ps], decode_tokens=3, together=True)
+    assert [n for n, _ in seen] == [len(p) for p in ps] * (1 + (method != "dense"))
+    assert [busy for _, busy in seen[:3]] == [False, True, True]  # submitted together
+    composes = eng.runner.composes
+    got = [o.tokens for o in eng.generate(ps, params)]
+    assert eng.runner.composes == composes and eng.runner.unshelves + eng.runner.row_joins >= 1
+    assert got == [alone(tiny_model, method, opts, [p], params, paged=True)[0] for p in ps]
+    with pytest.raises(ValueError, match="together must be True or False, got 'yes'"):
+        eng.warmup(64, together="yes")
+
+
 def test_warmup_runs_the_methods_requests_will_name(tiny_model):
     """serve --warmup-methods: a request naming a warmed method runs under the key the warm-up
     compiled, so it pays no compilation; the default's and dense's keys are warmed once."""

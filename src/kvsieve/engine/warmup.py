@@ -26,11 +26,14 @@ class Warmup:
 
     @_locked
     def warmup(self, prompt_tokens=1100, decode_tokens: int = 6,
-               methods: Sequence[Union[str, Tuple[Optional[str], Optional[dict]]]] = ()) -> float:
+               methods: Sequence[Union[str, Tuple[Optional[str], Optional[dict]]]] = (),
+               together: bool = False) -> float:
         """Compile every kernel the default method uses (prefill, index, plan, attention,
         step-graph capture) on a dummy request of `prompt_tokens` tokens (an int, or a list of
         lengths run one after another; each clamped to the model and the pool), outside any
-        user request. `methods`: more methods to warm, each a name (its defaults) or a request's
+        user request. together=True runs the lengths as one batch of requests instead, as a
+        caller that knows its prompts submits them (`kvsieve generate`): their decode batch
+        and its step graphs are the ones those prompts take back (the shelf, docs/engine.md). `methods`: more methods to warm, each a name (its defaults) or a request's
         (method, options) as add_request takes them (`serve --warmup-methods`). Returns seconds.
         Kernel variants follow the context's size buckets, so a caller that knows its requests
         warms at their length (`kvsieve generate` does) and one that does not warms every bucket
@@ -39,6 +42,8 @@ class Warmup:
         (their outputs would be lost)."""
         if self.has_unfinished:
             raise ValueError("warmup() runs alone: run it before adding requests, or finish or abort them first")
+        if not isinstance(together, bool):
+            raise ValueError(f"together must be True or False, got {together!r}")
         lengths = [prompt_tokens] if isinstance(prompt_tokens, numbers.Integral) or getattr(
             prompt_tokens, "ndim", None) == 0 else prompt_tokens
         try:
@@ -67,8 +72,8 @@ class Warmup:
         self._warming = True  # the method plans at every warm-up step, whatever the batch holds
         self.runner.step_dense_below.clear()
         try:
-            for n in lengths:
-                self._warm_one(max(1, min(n, cap)), decode_tokens, keys)
+            for batch in [lengths] if together else [[n] for n in lengths]:
+                self._warm_batch([max(1, min(n, cap)) for n in batch], decode_tokens, keys)
         finally:
             self._warming = False
             self.runner.step_dense_below.update(rules)
@@ -84,11 +89,14 @@ class Warmup:
         lengths = [n for n in (least << i for i in range(32)) if n < top]
         return lengths + [top]
 
-    def _warm_one(self, n: int, decode_tokens: int, keys: List[str]) -> None:
+    def _warm_batch(self, lengths: List[int], decode_tokens: int, keys: List[str]) -> None:
+        """For each method key, dummy requests of these lengths submitted together, run to the end."""
         vocab = self.model.cfg.vocab_size
         for key in keys:
-            req = self.scheduler.add([(7 * i + 3) % vocab for i in range(n)],
-                                     SamplingParams(max_new_tokens=decode_tokens, ignore_eos=True), key)
-            self._track[req.id] = _Track(self._method_names[key], time.perf_counter(), key=key)
-            while not req.finished:
+            reqs = []
+            for n in lengths:
+                reqs.append(self.scheduler.add([(7 * i + 3) % vocab for i in range(n)],
+                                               SamplingParams(max_new_tokens=decode_tokens, ignore_eos=True), key))
+                self._track[reqs[-1].id] = _Track(self._method_names[key], time.perf_counter(), key=key)
+            while not all(r.finished for r in reqs):
                 self.step()

@@ -115,6 +115,11 @@ def read_prompts(args, tok) -> tuple[list[list[int]], bool]:
     return ids, False
 
 
+# generate's warm-up runs up to this many prompts' lengths as one batch (more: the longest alone, so the
+# warm-up never prefills much more than one prompt's worth per method; their batch is then captured in the run)
+WARM_TOGETHER = 8
+
+
 def cmd_generate(args) -> int:
     from ..cli import method_options
     from ..engine import LLMEngine, SamplingParams, resolve_device
@@ -139,8 +144,10 @@ def cmd_generate(args) -> int:
     pages = args.kv_pages or sum(-(-(len(p) + args.max_new_tokens) // 16) for p in prompts)
     eng = LLMEngine(model, tok, args.method, kv_pages=pages, max_num_seqs=max(len(prompts), 1),
                     dense_below=args.dense_below, **opts)
-    # at the longest prompt's length: kernels specialised on the context's size bucket compile here, not in the request
-    warm = 0.0 if args.no_warmup or device.type != "cuda" else eng.warmup(prompt_tokens=max(map(len, prompts)))
+    # at the prompts' lengths, together: kernels specialised on the context's size bucket compile here, and the
+    # prompts' decode batch is captured here, not in the request (the prompts take it back)
+    lengths = [len(p) for p in prompts] if len(prompts) <= WARM_TOGETHER else [max(map(len, prompts))]
+    warm = 0.0 if args.no_warmup or device.type != "cuda" else eng.warmup(prompt_tokens=lengths, together=True)
     stream = not args.json and not args.no_progress and len(prompts) == 1
     try:
         res = run_requests(eng, tok, prompts, params, None, stream)
