@@ -15,6 +15,16 @@ from .base import (Selection, SparseMethod, TokenPlan, all_valid, budget_capacit
                    dense_head_flags, streaming_window)
 
 
+# The summaries of a batch grow in steps of this many logical pages (1,024 tokens at 16 a page):
+# a reallocation replaces the state's tensors, so the engine re-captures its step graphs.
+GROW_PAGES = 64
+
+
+def _page_room(pages: int) -> int:
+    """pages rounded up to a multiple of GROW_PAGES."""
+    return -(-pages // GROW_PAGES) * GROW_PAGES
+
+
 def _local(cfg) -> int:
     """The local window a page selection keeps: at least the token being decoded (local=0
     still keeps its page when a whole page ends at it)."""
@@ -172,13 +182,13 @@ class PageSelect(SparseMethod):
         return changed
 
     def _grow(self, state: PageState, host_lengths) -> bool:
-        """Room for max(host_lengths) tokens, in steps of 64 pages (a batched index is padded
-        to its longest row); True when the summaries were reallocated."""
+        """Room for max(host_lengths) tokens, in steps of GROW_PAGES pages (a batched index is
+        padded to its longest row); True when the summaries were reallocated."""
         need = -(-max(host_lengths) // self.config.page_size)
         have = state.kmin.shape[2]
         if need <= have:
             return False
-        grow = max(need - have, 64)
+        grow = _page_room(need) - have
         state.kmin = torch.nn.functional.pad(state.kmin, (0, 0, 0, grow), value=float("inf"))
         state.kmax = torch.nn.functional.pad(state.kmax, (0, 0, 0, grow), value=float("-inf"))
         if state.last_plan is not None:  # the new pages chosen by no row (rows keep their schedule)
@@ -206,8 +216,10 @@ class PageSelect(SparseMethod):
 
     def merge_states(self, states: List[PageState]) -> PageState:
         """Every row keeps its reuse schedule and selection (a request joining changes nothing
-        for the others); rows of a state with no selection yet select anew (their steps at 0)."""
-        P = max(s.kmin.shape[2] for s in states)
+        for the others); rows of a state with no selection yet select anew (their steps at 0).
+        The pages are padded to a multiple of GROW_PAGES: a batch's first decode steps do not
+        reallocate the summaries (which would re-capture its step graphs) at its next page."""
+        P = _page_room(max(s.kmin.shape[2] for s in states))
         pad = lambda t, v: torch.nn.functional.pad(t, (0, 0, 0, P - t.shape[2]), value=v)  # noqa: E731
         rows = [s.lengths.shape[0] for s in states]
         out = PageState(torch.cat([pad(s.kmin, float("inf")) for s in states]),
