@@ -51,6 +51,13 @@ def int32_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
+def unit_last(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last dimension steps by one element (or holds one), else a
+    contiguous copy: the kernels take the other dimensions' strides but walk the last one
+    (a page table's pages, a list's tokens, a 1-D [B] tensor's rows) one element at a time."""
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import interpreting, next_pow2, padded_head_dim
+from . import interpreting, next_pow2, padded_head_dim, unit_last
+from ..ops.paged import check_paged_shapes
 from .pdl import launch_args, start_after_producer
 
 TARGET_PROGRAMS = 1024  # enough (sub-request, split) programs to fill ~132 SMs several times
@@ -26,10 +27,10 @@ TARGET_PROGRAMS = 1024  # enough (sub-request, split) programs to fill ~132 SMs 
 MERGE_CHUNK = 16
 
 
-@triton.jit(do_not_specialize=('si_b', 'si_h', 'NS', 'SPLIT'))
+@triton.jit(do_not_specialize=('si_b', 'si_h', 'NS', 'SPLIT', 'CAP'))
 def _split_kernel(Q, K, V, BT, IDX, CNT, OUT, LSE,
                   sq_b, sq_h, sk_p, sk_h, sk_s, sv_p, sv_h, sv_s, sbt, si_b, si_h,
-                  Hkv, NS, SPLIT, scale,
+                  Hkv, NS, SPLIT, CAP, scale,
                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
                   BLOCK_N: tl.constexpr, DENSE: tl.constexpr,
                   UPCAST: tl.constexpr, IEEE: tl.constexpr, LOWP_PV: tl.constexpr,
@@ -39,7 +40,7 @@ def _split_kernel(Q, K, V, BT, IDX, CNT, OUT, LSE,
     s = tl.program_id(1)
     b = row // Hkv
     h = row % Hkv
-    count = tl.load(CNT + row)
+    count = tl.minimum(tl.load(CNT + row), CAP)  # a count past the list's width reads up to it
     start = s * SPLIT
     end = tl.minimum(count, start + SPLIT)
     offs_g = tl.arange(0, GP)
@@ -203,6 +204,7 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
     `_config` overrides the launch parameters (block_n, num_warps, num_stages, target
     programs, most: the longest split, rows: the rows the split is sized for, lowp_pv) for
     tuning sweeps."""
+    check_paged_shapes("paged_decode", q, k_pool, block_table, indices, counts, v_pool)
     B, Hq, D = q.shape
     Hkv, page = k_pool.shape[1], k_pool.shape[2]
     G = Hq // Hkv
@@ -216,8 +218,9 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
         si_b = si_h = 0
     else:
         cap = indices.shape[-1]
-        idx = indices
-        si_b, si_h = indices.stride(0), indices.stride(1)
+        idx = unit_last(indices)
+        si_b, si_h = idx.stride(0), idx.stride(1)
+    block_table = unit_last(block_table)
     counts = counts.to(torch.int32).contiguous()
     cfg = launch_config(q.dtype, dense, D, Hkv, interpreting())
     cfg.update(_config or {})
@@ -234,7 +237,7 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
         q, k_pool, v_pool, block_table, idx, counts, part, plse,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), block_table.stride(0), si_b, si_h,
-        Hkv, ns, split, scale,
+        Hkv, ns, split, cap, scale,
         G=G, GP=max(16, next_pow2(G)), D=D, DP=padded_head_dim(D), PAGE=page, BLOCK_N=block_n, DENSE=dense,
         UPCAST=upcast, IEEE=ieee and not interpreting(), LOWP_PV=cfg["lowp_pv"] and not upcast,
         POOL_ROWS=pool_rows and not dense, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)

@@ -18,8 +18,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import next_pow2
+from . import next_pow2, unit_last
 from .search import count_at_most, search_rounds
+from ..ops.paged import check_paged_shapes
 from ..ops.threshold import AlwaysTokens
 
 
@@ -106,7 +107,7 @@ def ranked_list_tokens(positions: Tensor, csize: Tensor, ranked: Tensor, order: 
     cs, rk, order, est, mem = (t.to(torch.int32).contiguous() for t in (csize, ranked, order, entry_start, members))
     NC, M = cs.shape[-1], mem.shape[-1]
     A = 0 if always is None else always.width
-    nidx, lens = (pos, pos) if always is None else (always.num_indexed, always.lengths)
+    nidx, lens = (pos, pos) if always is None else (unit_last(always.num_indexed), unit_last(always.lengths))
     out = torch.empty(B, Hq, W + A, dtype=torch.int32, device=pos.device)
     block, warps, fan_bits = _config or (256, 4, 2)  # H200, 128K x 8 / x 32: 22 / 64 us (128: 23 / 67)
     if W + A and B * Hq:
@@ -118,6 +119,8 @@ def ranked_list_tokens(positions: Tensor, csize: Tensor, ranked: Tensor, order: 
 
 
 def _launch(q, k_pool, block_table, tokens, scale, ranked=None, _config=None, _rows_first=None):
+    check_paged_shapes("list_logits", q, k_pool, block_table, tokens)
+    block_table = unit_last(block_table)
     B, Hq, D = q.shape
     Hkv, page = k_pool.shape[1], k_pool.shape[2]
     W = tokens.shape[-1]

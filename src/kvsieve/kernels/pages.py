@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import interpreting, next_pow2, padded_head_dim
+from . import interpreting, next_pow2, padded_head_dim, unit_last
 from .pdl import launch_args, start_after_producer
 
 
@@ -156,6 +156,7 @@ def _page_scores(q, kmin, kmax, lengths, ends, page_size, physical_page_size, gq
         raise ValueError("physical_page_scores needs the head dimension contiguous")
     r = physical_page_size // page_size
     NP = -(-P // r)
+    lengths = unit_last(lengths)
     out = torch.empty(B, Hkv, NP, dtype=torch.float32, device=q.device)
     ae, ast = ends[0].expand(B, Hkv), ends[1].expand(B, Hkv)
     sk = out if skip is None else skip.expand(B, Hkv).view(torch.uint8)
@@ -212,6 +213,6 @@ def update_page_summaries(kmin: Tensor, kmax: Tensor, k_new: Tensor, lengths: Te
         from ..ops.pages import update_page_summaries as reference
         return reference(kmin, kmax, k_new, lengths, page_size)
     if B * Hkv:
-        _update_summaries_kernel[(B * Hkv,)](kmin, kmax, k_new, lengths, Hkv, kmin.stride(0), kmin.stride(1),
+        _update_summaries_kernel[(B * Hkv,)](kmin, kmax, k_new, unit_last(lengths), Hkv, kmin.stride(0), kmin.stride(1),
                                              kmin.stride(2), k_new.stride(0), k_new.stride(1), PAGE=page_size, D=D,
                                              BLOCK_D=next_pow2(D), num_warps=1, **launch_args(kmin))

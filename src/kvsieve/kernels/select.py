@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import int32_contiguous, interpreting, next_pow2, padded_head_dim
+from . import int32_contiguous, interpreting, next_pow2, padded_head_dim, unit_last
 from .pdl import launch_args, start_after_producer
 from ..ops.select import ChosenList, key_dtype
 
@@ -150,7 +150,7 @@ def summary_scores(q: Tensor, lo: Tensor, hi: Optional[Tensor] = None,
         lo = lo.contiguous()
     if lo.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("summary_scores needs the head dimension contiguous")
-    nv = torch.full((1, 1), N, dtype=torch.int32, device=q.device) if n_valid is None else n_valid
+    nv = torch.full((1, 1), N, dtype=torch.int32, device=q.device) if n_valid is None else n_valid.expand(B, Hkv)
     snv = (0, 0) if n_valid is None else (nv.stride(0), nv.stride(1))
     out = None if group_only else torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
     gmax = torch.empty(B, Hkv, N, dtype=torch.float32, device=q.device)

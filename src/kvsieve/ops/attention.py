@@ -23,6 +23,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = 
     """
     B, Hq, D = q.shape
     Hkv = k.shape[1]
+    if k.dim() != 4 or not Hkv or Hq % Hkv or k.shape[-1] != D or v.shape[:3] != k.shape[:3] or k.shape[0] != B:
+        raise ValueError(f"attend: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together; "
+                         "give q [B, Hq, D] and k, v [B, Hkv, S, D] with Hq a multiple of Hkv")
     G = Hq // Hkv
     ct = compute_dtype(q.dtype)
     scale = D ** -0.5 if scale is None else scale

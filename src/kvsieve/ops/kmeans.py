@@ -1,6 +1,7 @@
 """Batched K-means over many independent rows of keys (one row = one (request, KV head))."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
@@ -104,6 +105,8 @@ def kmeans(x: Tensor, lengths: Tensor, cluster_size: int, max_iters: int = 10, s
     nearest/update: the assignment and centroid-update steps (default: the torch
     references below; kvsieve.dispatch passes the Triton twins for CUDA tensors).
     """
+    if isinstance(cluster_size, bool) or not isinstance(cluster_size, numbers.Integral) or cluster_size < 1:
+        raise ValueError(f"kmeans: cluster_size must be an integer >= 1 (tokens per cluster), got {cluster_size!r}")
     if window is not None and x.shape[1] > window:
         return _windowed(x, lengths, cluster_size, max_iters, seed, row_period, window, nearest, update)
     nearest = nearest or nearest_centroid

@@ -71,6 +71,28 @@ def plan_positions(indices: Optional[Tensor], counts: Tensor, cap: int) -> Tuple
     return torch.where(valid, pos, torch.zeros_like(pos)), valid
 
 
+def check_paged_shapes(name: str, q: Tensor, k_pool: Tensor, block_table: Tensor, lists: Optional[Tensor],
+                       counts: Optional[Tensor] = None, v_pool: Optional[Tensor] = None) -> None:
+    """One clear error where the shapes of paged_decode's or list_logits' arguments do not
+    fit together: q [B, Hq, D] with Hq a multiple of the pool's Hkv, pools [pages, Hkv,
+    page_size, D], block_table [B, W], counts [B, Hkv], lists [B, Hkv or Hq, N]."""
+    B, Hq, D = q.shape if q.dim() == 3 else (None, None, None)
+    Hkv = k_pool.shape[1] if k_pool.dim() == 4 else 0
+    rows = Hkv if counts is not None else Hq
+    bad = (B is None or not Hkv or Hq % Hkv or k_pool.shape[3] != D or block_table.dim() != 2
+           or block_table.shape[0] != B or (v_pool is not None and v_pool.shape != k_pool.shape)
+           or (counts is not None and tuple(counts.shape) != (B, Hkv))
+           or (lists is not None and (lists.dim() != 3 or tuple(lists.shape[:2]) != (B, rows))))
+    if bad:
+        given = [f"q {tuple(q.shape)}", f"k_pool {tuple(k_pool.shape)}", f"block_table {tuple(block_table.shape)}"]
+        given += [] if v_pool is None else [f"v_pool {tuple(v_pool.shape)}"]
+        given += [] if counts is None else [f"counts {tuple(counts.shape)}"]
+        given += [] if lists is None else [f"{'indices' if counts is not None else 'tokens'} {tuple(lists.shape)}"]
+        want = "indices [B, Hkv, cap], counts [B, Hkv]" if counts is not None else "tokens [B, Hq, W]"
+        raise ValueError(f"{name}: {', '.join(given)} do not fit together; give q [B, Hq, D] with Hq a multiple "
+                         f"of the pool's KV heads, pools [pages, Hkv, page_size, D], block_table [B, W], {want}")
+
+
 def paged_decode_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
                            counts: Tensor, indices: Optional[Tensor] = None,
                            scale: Optional[float] = None, pool_rows: bool = False) -> Tuple[Tensor, Tensor]:
@@ -80,15 +102,18 @@ def paged_decode_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tabl
     Returns out [B, Hq, D] in q's dtype and lse [B, Hq] (float32, float64 for float64
     input; -inf and out = 0 where a list is empty).
     """
+    check_paged_shapes("paged_decode", q, k_pool, block_table, indices, counts, v_pool)
     B, Hq, D = q.shape
     Hkv = k_pool.shape[1]
     G = Hq // Hkv
     ct = compute_dtype(q.dtype)
     scale = D ** -0.5 if scale is None else scale
-    # Only the longest list is gathered: a plan's capacity can be the whole context.
-    cap = max(int(counts.max()), 1)
-    if indices is not None:
-        cap = min(cap, indices.shape[-1])
+    # Only the longest list is gathered: a plan's capacity can be the whole context. Counts
+    # past the lists' width (or the block table's tokens) count up to it, as in the kernel.
+    cap = max(int(counts.max()), 1) if counts.numel() else 0
+    cap = min(cap, indices.shape[-1] if indices is not None else block_table.shape[1] * k_pool.shape[2])
+    if cap == 0:
+        return torch.zeros_like(q), torch.full((B, Hq), float("-inf"), dtype=ct, device=q.device)
     pos, valid = plan_positions(indices, counts, cap)
     rows = pool_rows and indices is not None
     k = gather_tokens(k_pool, block_table, pos, rows).to(ct)
@@ -108,6 +133,7 @@ def list_logits_reference(q: Tensor, k_pool: Tensor, block_table: Tensor, tokens
     q [B, Hq, D]; tokens [B, Hq, W] int logical positions of the head's KV head (negative:
     no token). Returns [B, Hq, W] float32 (float64 for float64 q), -inf where no token.
     """
+    check_paged_shapes("list_logits", q, k_pool, block_table, tokens)
     B, Hq, D = q.shape
     Hkv, page_size = k_pool.shape[1], k_pool.shape[2]
     W = tokens.shape[-1]

@@ -2,10 +2,16 @@
 (physical_page_scores and update_page_summaries: twins of kvsieve.kernels.pages)."""
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+
+
+def check_page_size(page_size: int) -> None:
+    if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral) or page_size < 1:
+        raise ValueError(f"page_size must be an integer >= 1 (tokens per page), got {page_size!r}")
 
 
 def page_summaries(k: Tensor, lengths: Tensor, page_size: int) -> Tuple[Tensor, Tensor]:
@@ -14,6 +20,7 @@ def page_summaries(k: Tensor, lengths: Tensor, page_size: int) -> Tuple[Tensor, 
     values: exact, and half the bytes a selection reads) and its compute dtype otherwise.
     Padding tokens are excluded; a page with no valid token gets kmin=+inf, kmax=-inf
     (scored -inf by page_scores)."""
+    check_page_size(page_size)
     B, H, S, D = k.shape
     ct = torch.float64 if k.dtype == torch.float64 else torch.float32
     P = -(-S // page_size)
