@@ -305,7 +305,9 @@ class ModelRunner(BatchRows):
             else:
                 key.append(tuple(m.graph_key(st, host_len[a:b]) for st in bt.states[g]))
             self._group_key[g] = key[-1]
-            alt.append(m.step_variant(bt.states[g][0]))
+            # every planning layer's variant: a model's own window layers never plan, so their
+            # states stay "fresh" while the others alternate (Gemma 3's layer 0 is one)
+            alt.append(frozenset(m.step_variant(st) for st, w in zip(bt.states[g], self.layer_window) if w is None))
         key = tuple(key)
         eager = changed or key != bt.last_key  # caches the plan rebuilds must not be made inside a capture
         if eager:
