@@ -347,8 +347,26 @@ def test_alternating_methods_take_back_the_replaced_batch(tiny_model, method, op
         batches.append(eng.runner.batch)
     assert batches[2] is batches[0] and batches[3] is batches[1]  # taken back, not rebuilt
     assert batches[4] is not batches[2]  # the shelved batch has no logit-bias buffer: rebuilt
-    assert (eng.runner.composes, eng.runner.unshelves) == (3, 2)
+    assert (eng.runner.composes, eng.runner.unshelves, eng.runner.row_joins) == (3, 2, 0)
     assert eng.scheduler.used_pages == 0
+
+
+def test_a_take_back_that_fails_half_way_loses_nothing(tiny_model):
+    """Two requests would take back a 2-row shelved batch; the second does not fit its row
+    (no logit-bias buffer): the first row's write is undone (its pending index kept, no join
+    counted) and the batch is rebuilt. Both decode their own tokens."""
+    eng = LLMEngine(tiny_model, None, "quest", paged=True, budget=32, step_tokens=2048)
+    eng.runner.keep_dead_rows = True
+    ps = prompts(3, lo=60, hi=100, seed=35)
+    eng.generate(ps[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    eng.generate([ps[2]], SamplingParams(max_new_tokens=3, ignore_eos=True), method="dense")  # shelves quest's
+    assert eng.runner.shelf is not None
+    params = [SamplingParams(max_new_tokens=6, ignore_eos=True),
+              SamplingParams(max_new_tokens=6, ignore_eos=True, logit_bias={7: 5.0})]
+    got = [o.tokens for o in eng.generate(ps[:2], params)]
+    assert got == [alone(tiny_model, "quest", {"budget": 32}, [p], q, paged=True)[0] for p, q in zip(ps[:2], params)]
+    assert (eng.runner.composes, eng.runner.unshelves, eng.runner.row_joins) == (3, 0, 0)
+    assert not eng.runner.pending and eng.scheduler.used_pages == 0
 
 
 def test_a_batch_whose_indexes_outweigh_the_shelf_limit_is_let_go(tiny_model, monkeypatch):

@@ -151,8 +151,10 @@ class BatchRows:
                 or [(g, e - a) for g, a, e in shelf.groups] != self._layout(reqs, soon):
             return False
         current, self.batch = self.batch, shelf
-        taken = {r.id: self.pending[r.id] for r in reqs}
-        if self._fill(reqs):
+        taken, joins = {r.id: self.pending[r.id] for r in reqs}, self.row_joins
+        ok = self._fill(reqs)
+        self.row_joins = joins  # (row_joins counts joins to a running batch; unshelves counts these)
+        if ok:
             self._shelve(current)
             return True
         self.pending.update(taken)  # a row did not fit: the shelf is dropped, the requests rebuild
@@ -162,11 +164,13 @@ class BatchRows:
     def _shelve(self, bt: Optional[DecodeBatch]) -> None:
         """Keep bt, a batch being replaced, with its step graphs (with dead rows kept: the
         captured mode), so the next requests of its layout take it back (_unshelve). Not a
-        batch whose indexes hold more than SHELF_POOL_FRACTION of the KV pool's bytes: the
-        pool was sized to leave room for two batches' indexes only while a rebuild runs."""
+        batch whose indexes (and per-row token counts and biases) hold more than
+        SHELF_POOL_FRACTION of the KV pool's bytes: the pool was sized to leave room for two
+        batches' indexes only while a rebuild runs."""
         keep = bt is not None and not bt.retired and self.keep_dead_rows and self.paged
         pool = 2 * self.cache.k.numel() * self.cache.k.element_size()
-        self.shelf = bt if keep and tensor_bytes(bt.states) <= SHELF_POOL_FRACTION * pool else None
+        held = tensor_bytes([bt.states, bt.counts, bt.bias]) if keep else 0
+        self.shelf = bt if keep and held <= SHELF_POOL_FRACTION * pool else None
 
     def _layout(self, reqs: List[Request], soon: Optional[Dict[str, Tuple[int, int]]]) -> List[Tuple[str, int]]:
         """(method key, rows) of each group _compose makes for reqs (in row order): with dead
