@@ -371,21 +371,20 @@ def test_a_take_back_that_fails_half_way_loses_nothing(tiny_model):
 
 def test_a_batch_whose_indexes_outweigh_the_shelf_limit_is_let_go(tiny_model, monkeypatch):
     """The shelf keeps a replaced batch only while its indexes hold at most
-    SHELF_POOL_FRACTION of the KV pool's bytes; a heavier one is freed and rebuilt later."""
+    SHELF_FREE_FRACTION of the memory still free; a heavier one is freed and rebuilt later."""
     from kvsieve.engine import batch
 
     p = prompts(1, lo=90, hi=100, seed=34)[0]
     eng = LLMEngine(tiny_model, None, "tactic", paged=True, cluster_size=8)
     eng.runner.keep_dead_rows = True
     eng.generate([p], SamplingParams(max_new_tokens=3))
-    tactic_batch = eng.runner.batch
-    pool = 2 * eng.runner.cache.k.numel() * eng.runner.cache.k.element_size()
-    weight = batch.tensor_bytes(tactic_batch.states)
-    assert 0 < weight < pool
-    monkeypatch.setattr(batch, "SHELF_POOL_FRACTION", 0.99 * weight / pool)
+    weight = batch.tensor_bytes(eng.runner.batch.states)
+    assert 0 < weight < batch.free_bytes(torch.device("cpu"))
+    monkeypatch.setattr(batch, "free_bytes", lambda device: 3 * weight)
+    monkeypatch.setattr(batch, "SHELF_FREE_FRACTION", 0.3)  # 0.9 of the tactic batch's weight: let go
     eng.generate([p], SamplingParams(max_new_tokens=3), method="dense")
     assert eng.runner.shelf is None
-    monkeypatch.setattr(batch, "SHELF_POOL_FRACTION", 1.01 * weight / pool)
+    monkeypatch.setattr(batch, "SHELF_FREE_FRACTION", 0.34)
     eng.generate([p], SamplingParams(max_new_tokens=3))  # a rebuild (nothing was shelved); dense's batch is light
     assert eng.runner.shelf is not None and eng.runner.unshelves == 0 and eng.runner.composes == 3
 

@@ -13,6 +13,7 @@ burst of arrivals joins in place instead of rebuilding at every power of two.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -74,9 +75,18 @@ SHRINK_MIN_STEPS = 64
 RESERVE_POOL_MULTIPLE = 4
 
 
-# The shelved batch (BatchRows._shelve) may hold indexes of at most this fraction of the KV
-# pool's bytes (a few long requests' indexes; a served batch of many is let go).
-SHELF_POOL_FRACTION = 0.1
+# The shelved batch (BatchRows._shelve) may hold at most this fraction of the device memory
+# free when it is shelved: what it keeps is memory a later prefill or index growth could need.
+SHELF_FREE_FRACTION = 0.25
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory a new allocation on `device` can still get: the device's free memory plus what
+    torch's caching allocator holds unused (the CPU: available RAM)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
+            torch.cuda.memory_allocated(device)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -165,12 +175,11 @@ class BatchRows:
         """Keep bt, a batch being replaced, with its step graphs (with dead rows kept: the
         captured mode), so the next requests of its layout take it back (_unshelve). Not a
         batch whose indexes (and per-row token counts and biases) hold more than
-        SHELF_POOL_FRACTION of the KV pool's bytes: the pool was sized to leave room for two
-        batches' indexes only while a rebuild runs."""
+        SHELF_FREE_FRACTION of the memory still free: a served batch of many long requests
+        is let go, as before the shelf."""
         keep = bt is not None and not bt.retired and self.keep_dead_rows and self.paged
-        pool = 2 * self.cache.k.numel() * self.cache.k.element_size()
         held = tensor_bytes([bt.states, bt.counts, bt.bias]) if keep else 0
-        self.shelf = bt if keep and held <= SHELF_POOL_FRACTION * pool else None
+        self.shelf = bt if keep and held <= SHELF_FREE_FRACTION * free_bytes(self.model.device) else None
 
     def _layout(self, reqs: List[Request], soon: Optional[Dict[str, Tuple[int, int]]]) -> List[Tuple[str, int]]:
         """(method key, rows) of each group _compose makes for reqs (in row order): with dead
