@@ -884,6 +884,30 @@ def test_warmup_together_leaves_the_batch_the_prompts_take_back(tiny_model, meth
         eng.warmup(64, together="yes")
 
 
+def test_warmup_together_fits_the_queue_and_leaves_nothing_when_stopped(tiny_model, monkeypatch):
+    """More lengths than the running slots and the waiting queue take run in groups that fit;
+    a warm-up stopped midway (an error, Ctrl-C) aborts its dummy requests: the engine is as new."""
+    eng = LLMEngine(tiny_model, None, "quest", budget=32, max_waiting=2, max_num_seqs=2)
+    eng.warmup([50, 60, 70, 80, 90], decode_tokens=2, together=True)
+    assert not eng.has_unfinished and eng.scheduler.used_pages == 0
+    step, calls = eng.step, []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(eng, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        eng.warmup([50, 60], decode_tokens=4, together=True)
+    monkeypatch.undo()
+    assert not eng.has_unfinished and eng.scheduler.used_pages == 0 and not eng.runner.pending
+    p = prompts(1, seed=43)[0]
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    assert eng.generate([p], params)[0].tokens == alone(tiny_model, "quest", {"budget": 32}, [p], params)[0]
+
+
 def test_warmup_runs_the_methods_requests_will_name(tiny_model):
     """serve --warmup-methods: a request naming a warmed method runs under the key the warm-up
     compiled, so it pays no compilation; the default's and dense's keys are warmed once."""

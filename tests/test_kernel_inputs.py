@@ -77,6 +77,8 @@ def test_counts_past_the_list_width_read_up_to_it(pools):
 
 def test_paged_decode_twin_takes_an_empty_batch_and_empty_lists(pools):
     q, kp, vp, bt = pools
+    for f in (klogits.list_logits, rpaged.list_logits_reference):
+        assert f(q[:0], kp, bt[:0], torch.zeros(0, Hq, 5, dtype=torch.int32, device=DEV)).shape == (0, Hq, 5), f
     out, lse = rpaged.paged_decode_reference(q[:0], kp, vp, bt[:0], torch.zeros(0, Hkv, dtype=torch.int32))
     assert out.shape == (0, Hq, D) and lse.shape == (0, Hq)
     empty = torch.zeros(B, Hkv, 0, dtype=torch.int32, device=DEV)
@@ -194,8 +196,10 @@ def test_torch_ops_refuse_sizes_that_cannot_work():
         ops.kmeans(x, torch.tensor([10, 5]), 0)
     with pytest.raises(ValueError, match="page_size must be an integer >= 1 .*got 0"):
         ops.page_summaries(x[:, None], torch.tensor([10, 3]), 0)
-    k = torch.randn(2, 4, 10, 64)
-    with pytest.raises(ValueError, match=r"attend: q \(2, 6, 64\), k \(2, 4, 10, 64\).* Hq a multiple of Hkv"):
-        ops.attend(torch.randn(2, 6, 64), k, k, torch.ones(2, 4, 10, dtype=torch.bool))
+    k, m = torch.randn(2, 4, 10, 64), torch.ones(2, 4, 10, dtype=torch.bool)
+    for q, kk, mask in ((torch.randn(2, 6, 64), k, m), (torch.randn(2, 4, 1, 64), k, m), (torch.randn(2, 8, 64), k, m[:, :1]),
+                        (torch.randn(2, 8, 64), k[0, 0], m)):
+        with pytest.raises(ValueError, match=r"attend: q \(.*\), k \(.*\), v .*, mask .* do not fit together; give"):
+            ops.attend(q, kk, kk, mask)
     import numpy as np
     assert ops.kmeans(x, torch.tensor([10, 5]), np.int64(4)).sizes.sum().item() == 15

@@ -31,9 +31,11 @@ class Warmup:
         """Compile every kernel the default method uses (prefill, index, plan, attention,
         step-graph capture) on a dummy request of `prompt_tokens` tokens (an int, or a list of
         lengths run one after another; each clamped to the model and the pool), outside any
-        user request. together=True runs the lengths as one batch of requests instead, as a
-        caller that knows its prompts submits them (`kvsieve generate`): their decode batch
-        and its step graphs are the ones those prompts take back (the shelf, docs/engine.md). `methods`: more methods to warm, each a name (its defaults) or a request's
+        user request. together=True runs the lengths as one batch of requests instead (in
+        groups the scheduler's running slots and waiting queue take), as a caller that knows
+        its prompts submits them (`kvsieve generate`): their decode batch and its step graphs
+        are the ones those prompts take back (the shelf, docs/engine.md), where they all decode
+        with one method (prompts on both sides of the dense crossover make another batch). `methods`: more methods to warm, each a name (its defaults) or a request's
         (method, options) as add_request takes them (`serve --warmup-methods`). Returns seconds.
         Kernel variants follow the context's size buckets, so a caller that knows its requests
         warms at their length (`kvsieve generate` does) and one that does not warms every bucket
@@ -72,8 +74,10 @@ class Warmup:
         self._warming = True  # the method plans at every warm-up step, whatever the batch holds
         self.runner.step_dense_below.clear()
         try:
-            for batch in [lengths] if together else [[n] for n in lengths]:
-                self._warm_batch([max(1, min(n, cap)) for n in batch], decode_tokens, keys)
+            # together: in groups the scheduler takes at once (the running slots and the waiting queue)
+            size = self.scheduler.max_num_seqs + (self.scheduler.max_waiting or len(lengths)) if together else 1
+            for i in range(0, len(lengths), size):
+                self._warm_batch([max(1, min(n, cap)) for n in lengths[i:i + size]], decode_tokens, keys)
         finally:
             self._warming = False
             self.runner.step_dense_below.update(rules)
@@ -94,9 +98,14 @@ class Warmup:
         vocab = self.model.cfg.vocab_size
         for key in keys:
             reqs = []
-            for n in lengths:
-                reqs.append(self.scheduler.add([(7 * i + 3) % vocab for i in range(n)],
-                                               SamplingParams(max_new_tokens=decode_tokens, ignore_eos=True), key))
-                self._track[reqs[-1].id] = _Track(self._method_names[key], time.perf_counter(), key=key)
-            while not all(r.finished for r in reqs):
-                self.step()
+            try:
+                for n in lengths:
+                    reqs.append(self.scheduler.add([(7 * i + 3) % vocab for i in range(n)],
+                                                   SamplingParams(max_new_tokens=decode_tokens, ignore_eos=True), key))
+                    self._track[reqs[-1].id] = _Track(self._method_names[key], time.perf_counter(), key=key)
+                while not all(r.finished for r in reqs):
+                    self.step()
+            except BaseException:  # (Ctrl-C too) no dummy request is left behind
+                for r in reqs:
+                    self.abort(r.id)
+                raise

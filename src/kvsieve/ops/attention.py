@@ -21,11 +21,14 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = 
     exp(q.k * scale) over the selected tokens; -inf where nothing is selected, in which
     case out is 0). Computed in float32 (float64 for float64 inputs).
     """
+    if q.dim() != 3 or k.dim() != 4 or v.dim() != 4 or mask.dim() != 3 or not k.shape[1] \
+            or q.shape[1] % k.shape[1] or k.shape[-1] != q.shape[-1] or v.shape[:3] != k.shape[:3] \
+            or k.shape[0] != q.shape[0] or tuple(mask.shape) != tuple(k.shape[:3]):
+        raise ValueError(f"attend: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, mask "
+                         f"{tuple(mask.shape)} do not fit together; give q [B, Hq, D], k, v [B, Hkv, S, D] with Hq "
+                         "a multiple of Hkv, and mask [B, Hkv, S]")
     B, Hq, D = q.shape
     Hkv = k.shape[1]
-    if k.dim() != 4 or not Hkv or Hq % Hkv or k.shape[-1] != D or v.shape[:3] != k.shape[:3] or k.shape[0] != B:
-        raise ValueError(f"attend: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together; "
-                         "give q [B, Hq, D] and k, v [B, Hkv, S, D] with Hq a multiple of Hkv")
     G = Hq // Hkv
     ct = compute_dtype(q.dtype)
     scale = D ** -0.5 if scale is None else scale

@@ -138,6 +138,8 @@ def list_logits_reference(q: Tensor, k_pool: Tensor, block_table: Tensor, tokens
     Hkv, page_size = k_pool.shape[1], k_pool.shape[2]
     W = tokens.shape[-1]
     ct = compute_dtype(q.dtype)
+    if B * Hq * W == 0:
+        return torch.full((B, Hq, W), float("-inf"), dtype=ct, device=q.device)
     scale = D ** -0.5 if scale is None else scale
     valid = tokens >= 0
     page, slot = page_and_slot(tokens.long().clamp(min=0), page_size)
