@@ -128,7 +128,8 @@ def test_compaction_reads_strided_lengths_and_page_tables(pools):
                                                             ).to(DEV), sizes, torch.tensor(32, device=DEV))
     args = (chosen, off, tot, None, None, None, width, ae, ast)
     want = rselect.compact_tokens(*args, lengths, cap, bt, PAGE)
-    for lens, table in ((meta_column(lengths), bt), (lengths, column_major(bt)), (meta_column(lengths), column_major(bt))):
+    for lens, table in ((meta_column(lengths), bt), (lengths, column_major(bt)),
+                        (meta_column(lengths), column_major(bt))):
         idx, cnt = kcompact.compact_tokens(*args, lens, cap, table, PAGE)
         assert torch.equal(cnt, want[1])
         valid = torch.arange(cap, device=DEV) < cnt[..., None]
@@ -197,8 +198,8 @@ def test_torch_ops_refuse_sizes_that_cannot_work():
     with pytest.raises(ValueError, match="page_size must be an integer >= 1 .*got 0"):
         ops.page_summaries(x[:, None], torch.tensor([10, 3]), 0)
     k, m = torch.randn(2, 4, 10, 64), torch.ones(2, 4, 10, dtype=torch.bool)
-    for q, kk, mask in ((torch.randn(2, 6, 64), k, m), (torch.randn(2, 4, 1, 64), k, m), (torch.randn(2, 8, 64), k, m[:, :1]),
-                        (torch.randn(2, 8, 64), k[0, 0], m)):
+    for q, kk, mask in ((torch.randn(2, 6, 64), k, m), (torch.randn(2, 4, 1, 64), k, m),
+                        (torch.randn(2, 8, 64), k, m[:, :1]), (torch.randn(2, 8, 64), k[0, 0], m)):
         with pytest.raises(ValueError, match=r"attend: q \(.*\), k \(.*\), v .*, mask .* do not fit together; give"):
             ops.attend(q, kk, kk, mask)
     import numpy as np

@@ -35,7 +35,8 @@ class Warmup:
         groups the scheduler's running slots and waiting queue take), as a caller that knows
         its prompts submits them (`kvsieve generate`): their decode batch and its step graphs
         are the ones those prompts take back (the shelf, docs/engine.md), where they all decode
-        with one method (prompts on both sides of the dense crossover make another batch). `methods`: more methods to warm, each a name (its defaults) or a request's
+        with one method (prompts on both sides of the dense crossover make another batch).
+        `methods`: more methods to warm, each a name (its defaults) or a request's
         (method, options) as add_request takes them (`serve --warmup-methods`). Returns seconds.
         Kernel variants follow the context's size buckets, so a caller that knows its requests
         warms at their length (`kvsieve generate` does) and one that does not warms every bucket

@@ -37,7 +37,8 @@ def store_kv(k_pool, v_pool, page, slot, k, v) -> None:
                          "(k, v [B, Hkv, D] and pools [pages, Hkv, page_size, D], unit stride along D)")
     if B == 0:
         return
-    _store_kv_kernel[(B,)](k, v, k_pool, v_pool, unit_last(page), unit_last(slot), Hkv, D, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+    _store_kv_kernel[(B,)](k, v, k_pool, v_pool, unit_last(page), unit_last(slot), Hkv, D, k.stride(0), k.stride(1),
+                           v.stride(0), v.stride(1),
                            k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
                            v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
                            HP=next_pow2(Hkv), DP=next_pow2(D), num_warps=4, **launch_args(k))

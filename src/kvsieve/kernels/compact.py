@@ -241,10 +241,10 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
     win = win.expand(B, Hkv)
     win = win.view(torch.uint8) if win.dtype == torch.bool else win
     block = 256
-    block_table = None if block_table is None else unit_last(block_table)
-    args = (i32(offsets), i32(total), mem, est, ae, ast, unit_last(lengths), cnt if block_table is None else block_table, idx,
+    table = cnt if block_table is None else unit_last(block_table)  # (cnt: an unused pointer)
+    args = (i32(offsets), i32(total), mem, est, ae, ast, unit_last(lengths), table, idx,
             cnt, win, Hkv, N, M, cap, width, ae.stride(0), ae.stride(1), ast.stride(0), ast.stride(1),
-            0 if block_table is None else block_table.stride(0), win.stride(0), win.stride(1), w_sink, w_local)
+            table.stride(0) if block_table is not None else 0, win.stride(0), win.stride(1), w_sink, w_local)
     flags = dict(BLOCK=block, POOL_ROWS=block_table is not None, PAGE=max(page_size, 1),
                  STREAM=stream is not None, **launch_args(idx))
     eb, cols, warps = (_config or ENTRY_CONFIG)[:3]
