@@ -204,3 +204,16 @@ def test_torch_ops_refuse_sizes_that_cannot_work():
             ops.attend(q, kk, kk, mask)
     import numpy as np
     assert ops.kmeans(x, torch.tensor([10, 5]), np.int64(4)).sizes.sum().item() == 15
+
+
+@pytest.mark.parametrize("fill", [False, True])
+@pytest.mark.parametrize("shape", [(2, 3, 0), (0, 3, 5)])
+def test_budget_selection_of_no_entries_or_no_rows(shape, fill):
+    """No entries (or no rows) choose nothing, in the kernel and its twin alike (both raised)."""
+    s = torch.randn(*shape, device=DEV)
+    z = torch.ones(*shape, dtype=torch.int32, device=DEV)
+    bud = torch.full(shape[:-1], 5, dtype=torch.int32, device=DEV)
+    for f in (rselect.select_by_budget, kselect.select_by_budget):
+        chosen, off, tot, lst = f(s, z, bud, listed=True, fill=fill)
+        assert chosen.shape == off.shape == lst.ids.shape == shape and chosen.dtype == torch.bool
+        assert tot.shape == lst.count.shape == shape[:-1] and not tot.any() and not lst.count.any()

@@ -7,6 +7,7 @@ per-request values are read in place), so a plan is exactly three launches.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -331,8 +332,11 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor, listed: bool
     registers; with `listed` the same launch writes the ChosenList; `fill` splits ties in
     entry order). `_config` = (thresholds per round, warps) overrides the launch."""
     lead, N = scores.shape[:-1], scores.shape[-1]
-    s = scores.reshape(-1, N).to(torch.float32).contiguous()
-    R = s.shape[0]
+    R = math.prod(lead)
+    if N == 0 or R == 0:  # nothing to choose: the twin's empty outputs, no launch
+        from ..ops.select import select_by_budget as reference
+        return reference(scores, sizes, budget, listed, fill)
+    s = scores.reshape(R, N).to(torch.float32).contiguous()
     z = sizes.expand(*lead, N).reshape(R, N)
     if z.dtype != torch.int32 or z.stride(-1) != 1:
         z = z.to(torch.int32).contiguous()

@@ -8,6 +8,7 @@ entries; entry e owns `sizes[e]` tokens.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -154,21 +155,24 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor, listed: bool
     int32 (tokens chosen), and with `listed` the ChosenList of chosen.
     """
     lead, N = scores.shape[:-1], scores.shape[-1]
-    s = scores.reshape(-1, N).double()
-    z = sizes.reshape(-1, N).long()
+    R = math.prod(lead)
+    s = scores.reshape(R, N).double()
+    z = sizes.expand(*lead, N).reshape(R, N).long()
     cand = torch.isfinite(s) & (z > 0)
+    if N == 0:  # no entries: nothing chosen
+        return _budget_outputs(cand, z, lead, N, listed)
     s = s.masked_fill(~cand, float("-inf"))
     srt, order = s.sort(dim=-1, descending=True, stable=True)
     csum = (z.gather(-1, order) * cand.gather(-1, order)).cumsum(-1)
     if fill:
         first = torch.arange(N, device=s.device) == 0
-        keep = torch.isfinite(srt) & ((csum <= budget.reshape(-1, 1).long()) | first)
+        keep = torch.isfinite(srt) & ((csum <= budget.expand(lead).reshape(R, 1).long()) | first)
         chosen = torch.zeros_like(cand).scatter_(-1, order, keep)
         return _budget_outputs(chosen, z, lead, N, listed)
     # tokens taken if the threshold is srt[j]: every entry scoring >= srt[j]
     group_end = torch.searchsorted(-srt.contiguous(), -srt.contiguous(), right=True) - 1
     taken = csum.gather(-1, group_end)
-    ok = (taken <= budget.reshape(-1, 1).long()) & torch.isfinite(srt)
+    ok = (taken <= budget.expand(lead).reshape(R, 1).long()) & torch.isfinite(srt)
     # lowest admissible threshold; else the best group alone
     j = (ok.sum(-1) - 1).clamp(min=0)  # ok holds on a prefix: taken grows with j
     thr = srt.gather(-1, j[:, None])
