@@ -158,6 +158,7 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor, listed: bool
     R = math.prod(lead)
     s = scores.reshape(R, N).double()
     z = sizes.expand(*lead, N).reshape(R, N).long()
+    bud = budget.expand(lead).reshape(R, 1).long()
     cand = torch.isfinite(s) & (z > 0)
     if N == 0:  # no entries: nothing chosen
         return _budget_outputs(cand, z, lead, N, listed)
@@ -166,13 +167,13 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor, listed: bool
     csum = (z.gather(-1, order) * cand.gather(-1, order)).cumsum(-1)
     if fill:
         first = torch.arange(N, device=s.device) == 0
-        keep = torch.isfinite(srt) & ((csum <= budget.expand(lead).reshape(R, 1).long()) | first)
+        keep = torch.isfinite(srt) & ((csum <= bud) | first)
         chosen = torch.zeros_like(cand).scatter_(-1, order, keep)
         return _budget_outputs(chosen, z, lead, N, listed)
     # tokens taken if the threshold is srt[j]: every entry scoring >= srt[j]
     group_end = torch.searchsorted(-srt.contiguous(), -srt.contiguous(), right=True) - 1
     taken = csum.gather(-1, group_end)
-    ok = (taken <= budget.expand(lead).reshape(R, 1).long()) & torch.isfinite(srt)
+    ok = (taken <= bud) & torch.isfinite(srt)
     # lowest admissible threshold; else the best group alone
     j = (ok.sum(-1) - 1).clamp(min=0)  # ok holds on a prefix: taken grows with j
     thr = srt.gather(-1, j[:, None])
