@@ -243,7 +243,8 @@ def _decode_both_paths(opts, prompt_lengths, steps, Hkv=2, Hq=4, D=16):
     """Decode `steps` tokens through tactic's two paths, as their callers drive them:
     select() after append() (the reference), and plan() after maintain() + append_token()
     (the engine's: maintain runs before the step writes its token's key, so read_keys never
-    returns a key past the tokens written). Yields (select mask, plan mask, lengths) per step."""
+    returns a key past the tokens written). Yields (select mask, plan mask, lengths, plan's
+    index) per step."""
     from kvsieve.ops.paged import PagedKeys
 
     B, PS = len(prompt_lengths), 16
@@ -279,7 +280,7 @@ def _decode_both_paths(opts, prompt_lengths, steps, Hkv=2, Hq=4, D=16):
             for h in range(Hkv):
                 n = int(plan.counts[b, h])
                 got[b, h, plan.indices[b, h, :n].long() if plan.indices is not None else torch.arange(n)] = True
-        yield want, got, lengths
+        yield want, got, lengths, st_fast
 
 
 @pytest.mark.parametrize("opts,prompt_lengths,steps", [
@@ -294,9 +295,26 @@ def test_tactic_plan_attends_what_select_does_over_decode_steps(opts, prompt_len
     included. A fixed budget's list was capped at budget + sink + local + fold_every + 1,
     so with fold_every = 0, or prompts too short to cluster, the newest tokens fell off it;
     with local = 0, maintain() folded the token being decoded before its key was written."""
-    for want, got, lengths in _decode_both_paths(opts, prompt_lengths, steps):
+    for want, got, lengths, _ in _decode_both_paths(opts, prompt_lengths, steps):
         assert torch.equal(got, want), (lengths.tolist(), (got != want).sum().item())
         assert want[torch.arange(len(lengths)), :, lengths - 1].all()
+
+
+@pytest.mark.parametrize("opts", [{"threshold": 0.8, "local": 100_000}, {"threshold": 0.8, "sink": 100_000},
+                                  {"threshold": 0.8, "local": 100_000, "fold_every": 0}])
+def test_tactic_windows_wider_than_the_context_attend_it_all_from_columns_of_its_size(opts):
+    """A sink or local window far above the context: every token is attended (as select()
+    attends it), and the threshold plan's always-attended columns stay within the longest
+    context's bucket. They were sink + local + fold_every + 1 wide: 100K columns of exact
+    scores per query head for a 300-token request, several times dense's time."""
+    from kvsieve.methods.base import capacity_bucket
+
+    for want, got, lengths, st in _decode_both_paths(opts, (300, 131), 6):
+        assert torch.equal(got, want)
+        valid = torch.arange(want.shape[-1])[None, :] < lengths[:, None]
+        assert torch.equal(got, valid[:, None, :].expand_as(got))
+        bucket = capacity_bucket(int(lengths.max()))
+        assert st.consts["sink_cols"] <= bucket and st.consts["tail"] <= bucket, (st.consts["sink_cols"], st.consts["tail"])
 
 
 @pytest.mark.parametrize("method,opts", [

@@ -304,12 +304,14 @@ class Tactic(SparseMethod):
     def _tail_width(self, state: ClusterIndex, host_lengths) -> int:
         """Width of the always-attended tail list: fixed at local + fold_every + 1 while
         folding keeps the unindexed tail within it (so a captured step stays valid for a
-        whole fold interval), else the tail's power-of-two bucket."""
+        whole fold interval), else the tail's power-of-two bucket; at most the longest
+        context's bucket (a `local` far above the context would score empty columns)."""
         cfg = self.config
         indexed = state.host_indexed or list(host_lengths)
         tail = max(max(L - i, 0) for L, i in zip(host_lengths, indexed))
         fixed = cfg.local + cfg.fold_every + 1 if cfg.fold_every > 0 else 0
-        return fixed if tail <= fixed else capacity_bucket(tail)
+        width = fixed if tail <= fixed else capacity_bucket(tail)
+        return min(width, capacity_bucket(max(host_lengths)))  # a window wider than every context: no wider
 
     def merge_states(self, states: List[ClusterIndex]) -> ClusterIndex:
         return concat_rows(states)
@@ -420,6 +422,8 @@ class Tactic(SparseMethod):
         if cfg.budget is None:
             fit_tables.refresh(c, cfg, state.host_indexed or list(host_lengths), q.shape[1],
                                self._tail_width(state, host_lengths), q.device)
+            # sink columns past every context's bucket hold no token yet (the bucket is in the graph key)
+            c["sink_cols"] = min(cfg.sink, capacity_bucket(max(host_lengths)))
         return c
 
     def _choose_by_threshold(self, q, st: ClusterIndex, lengths, keys: PagedKeys, c: dict):
@@ -443,7 +447,7 @@ class Tactic(SparseMethod):
         order, ranked, csize = dispatch.rank_clusters(skeys, st.sizes32)
         W = c["positions"].shape[-1]
         pos = c["positions"].view(B, Hq, W)
-        always = AlwaysTokens(cfg.sink, cfg.sink + c["tail"], st.num_indexed, lengths)
+        always = AlwaysTokens(c["sink_cols"], c["sink_cols"] + c["tail"], st.num_indexed, lengths)
         read = dispatch.ranked_list_logits(q, keys.pool, keys.block_table, pos, csize, ranked, order,
                                            st.entry_start, st.members, always=always).view(B * Hq, -1)
         keep = dispatch.keep_clusters(read[:, :W], c["positions"], read[:, W:], c["layout"],
