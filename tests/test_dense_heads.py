@@ -161,6 +161,17 @@ def test_a_request_for_a_fixed_budget_drops_the_default_dense_heads():
         config_for("tactic", **merge_options(defaults, given))
 
 
+def test_a_protect_bound_with_nothing_protected_is_refused_and_a_default_one_dropped():
+    """protect_bound ranks the protected clusters: with protect = 0 it was accepted unused."""
+    for method in ("tactic", "hybrid"):
+        with pytest.raises(ValueError, match=r"protect=0 protects none.*drop protect_bound \('radius'\)"):
+            config_for(method, protect=0, protect_bound="radius")
+        assert config_for(method, protect=0) and config_for(method, protect_bound="radius")
+    merged = merge_options({"protect_bound": "radius"}, {"protect": 0})  # the engine's default, a request's 0
+    assert merged == {"protect": 0} and config_for("tactic", **merged).protect == 0
+    assert merge_options({"protect_bound": "radius"}, {"protect": 8}) == {"protect_bound": "radius", "protect": 8}
+
+
 def test_calibrate_writes_the_head_losing_the_most_needle_mass(tmp_path, capsys):
     """`kvsieve calibrate` (small: 2 suite cases each of 500 and 600 tokens) writes tactic's dense heads
     beside the streaming pattern: the largest entry of its needle-loss table."""

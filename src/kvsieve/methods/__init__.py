@@ -55,8 +55,12 @@ def _threshold_mode_given(method: str, options: dict) -> list:
 
 def config_for(name: str, **options) -> MethodConfig:
     """Validated config for method `name` from keyword options (NumPy scalars taken as numbers).
-    A fixed budget given with tactic's threshold-mode options is refused (they would be unused)."""
+    A fixed budget given with tactic's threshold-mode options is refused (they would be unused),
+    as is a protect_bound with protect = 0 (no cluster to rank)."""
     options = {k: plain_scalar(v) for k, v in options.items()}
+    if options.get("protect") == 0 and options.get("protect_bound") is not None:
+        raise ValueError(f"protect_bound ranks the protected clusters, but protect=0 protects none, so it would be "
+                         f"unused; drop protect_bound ({options['protect_bound']!r}) or give protect > 0")
     unused = _threshold_mode_given(name, options) if options.get("budget") is not None else []
     if unused and name in REGISTRY and (name != "hybrid" or options.get("dynamic", "tactic") == "tactic"):
         raise ValueError(f"{', '.join(unused)} set tactic's threshold mode, which a fixed budget replaces, so "
@@ -80,7 +84,8 @@ def merge_options(defaults: dict, given: dict, method: str = "tactic") -> dict:
     hybrid the request's mode wins: a request choosing a fixed budget drops the default
     threshold-mode options (dense heads too; quest and lserve keep theirs: a budget is their
     only mode), and one giving threshold-mode options without a budget drops the default budget.
-    An lserve or hybrid request with no streaming head drops the default heads' window."""
+    A request protecting nothing (protect = 0) drops the default protect_bound. An lserve or
+    hybrid request with no streaming head drops the default heads' window."""
     out = {**defaults, **given}
     if given.get("budget") is not None:  # the request's mode wins: the default threshold mode's options go
         for k in _threshold_mode_given(method, defaults):
@@ -88,6 +93,8 @@ def merge_options(defaults: dict, given: dict, method: str = "tactic") -> dict:
                 out.pop(k)
     elif _threshold_mode_given(method, given) and "budget" not in given:  # (and a default budget goes)
         out.pop("budget", None)
+    if given.get("protect") == 0 and "protect_bound" not in given:  # nothing protected: no bound to rank by
+        out.pop("protect_bound", None)
     if method in ("lserve", "hybrid") and "streaming_heads" in given and not streams_any(given["streaming_heads"]):
         for k in ("sink", "local", "prefill_local"):  # no streaming head: the default heads' window goes too
             if k not in given:
