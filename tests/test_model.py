@@ -283,11 +283,35 @@ def test_usage_errors_are_one_line_exit_2(capsys):
     (["--prompt", "hi", "--device", "meta"], "kvsieve runs on cpu or cuda devices"),
     (["--prompt", "hi", "--kv-pages", "1000000000"], "give fewer KV pages (--kv-pages)"),
     (["--prompt", "hi", "--device", "mps"], "kvsieve runs on cpu or cuda devices"),
+    # the template's tokens counted apart: "shorten the prompt to at most 2 tokens" could not be done
+    (["--prompt", "Hi", "--max-new-tokens", "8190"], "--prompt 1 has 31 tokens (30 of them the chat template) and "
+     "--max-new-tokens is 8190, but the model allows 8192 positions; ask for at most 8161 new tokens"),
 ])
 def test_generate_bad_input_exits_2_with_one_line(capsys, argv, message):
     rc, out, err = run_cli(capsys, "generate", *argv)
     assert rc == 2
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_generate_refuses_a_prompt_past_the_model_before_sizing_its_kv_pool(capsys, tmp_path):
+    """A 1.2M-token prompt file was refused for the KV pool it would need ("give fewer KV pages
+    (--kv-pages)", a flag the user never gave), after tokenizing it (38 s, 7 GB at 10M tokens).
+    Now text no tokenizer fits in the model is refused unread, and a prompt past the model's
+    positions by its length, with the fix counted in its text's tokens."""
+    huge, long = tmp_path / "huge.txt", tmp_path / "long.txt"
+    huge.write_text("word " * 1_200_000)
+    long.write_text("word " * 10_000)
+    for argv, message in [
+        (["--prompt-file", str(huge)], f"--prompt-file '{huge}' has 6,000,000 characters, more than 64 a position "
+                                       "could hold in the model's 8,192 positions; shorten it"),
+        (["--prompt-file", str(long)], f"--prompt-file '{long}' has 10031 tokens (30 of them the chat template) and "
+                                       "--max-new-tokens is 4, but the model allows 8192 positions; shorten its text "
+                                       "to at most 8158 tokens"),
+        (["--prompt-file", str(long), "--no-chat"], "has 10001 tokens and --max-new-tokens is 4, but the model "
+                                                    "allows 8192 positions; shorten the prompt to at most 8188 tokens"),
+    ]:
+        rc, out, err = run_cli(capsys, "generate", *argv, "--max-new-tokens", "4")
+        assert rc == 2 and message in err and err.count("\n") == 1 and "KV pages" not in err, err
 
 
 def test_prompt_longer_than_model_is_refused_not_truncated(embedded, tmp_path, capsys):

@@ -557,6 +557,22 @@ def test_bad_requests_get_400_naming_the_field_and_the_server_keeps_serving(live
     assert live.metric("kvsieve_requests_rejected_total", '{reason="invalid"}') >= len(BAD)
 
 
+def test_a_client_leaving_while_sending_its_body_is_not_a_server_error(live, caplog):
+    """A client that closes after part of its body: `request.body()` raised ClientDisconnect,
+    logged as an unhandled error with its traceback (twice, with uvicorn's). Now one info line."""
+    host, port = live.url.removeprefix("http://").split(":")
+    with caplog.at_level("INFO"):
+        with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                      b"content-length: 1000\r\n\r\n{\"messages\": [")
+        wait_for(lambda: any("disconnect" in r.getMessage() or r.levelname == "ERROR" for r in caplog.records),
+                 "the server to notice the client leaving")
+        time.sleep(0.2)  # (uvicorn's own error, if any, comes after the handler's)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert "client disconnected while sending its request to /v1/chat/completions" in caplog.text
+    assert live.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1}).status_code == 200
+
+
 CHAT = "/v1/chat/completions"
 GOOD = [  # each limit the README states, at the limit, and what it says is accepted
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop": [f"<{i}>" for i in range(16)]}),

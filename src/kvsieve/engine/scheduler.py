@@ -23,15 +23,19 @@ from enum import Enum
 from typing import Callable, Deque, Dict, List, Optional, Sequence as Seq, Tuple
 
 
-def too_long_fix(prompt: int, new_tokens: int, limit: int) -> str:
-    """How to fit a request of `prompt` + `new_tokens` tokens into `limit` positions."""
+TEXT_CHARS_PER_POSITION = 64  # text longer than this many characters a position cannot fit (tokens hold fewer)
+
+
+def too_long_fix(prompt: int, new_tokens: int, limit: int, what: str = "the prompt") -> str:
+    """How to fit a request of `prompt` + `new_tokens` tokens into `limit` positions (`what`:
+    the name of the prompt's part that the counts are of)."""
     room = limit - new_tokens
     if room > 0:
         fewer = f" or ask for at most {limit - prompt} new tokens" if prompt < limit else ""
-        return f"shorten the prompt to at most {room} tokens" + fewer
+        return f"shorten {what} to at most {room} tokens" + fewer
     if prompt < limit:
         return f"ask for at most {limit - prompt} new tokens"
-    return f"shorten the prompt below {limit} tokens"
+    return f"shorten {what} below {limit} tokens"
 
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs limit)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..config import MODEL_HELP
+from ..engine.scheduler import TEXT_CHARS_PER_POSITION
 
 DEFAULT_QUESTION = "\n\nQuestion: What is the archive access code?\nAnswer: The archive access code is"
 
@@ -75,8 +76,10 @@ def read_text_file(f: str, flag: str, what: str = "prompt file") -> str:
                          f"e.g. iconv -f latin1 -t utf-8") from None
 
 
-def read_prompts(args, tok) -> tuple[list[list[int]], bool]:
-    """Token ids of each prompt, and whether the built-in document was used."""
+def read_prompts(args, tok, limit: int | None = None) -> tuple[list[list[int]], bool]:
+    """Token ids of each prompt, and whether the built-in document was used. limit: the
+    model's positions; a prompt that cannot fit them with --max-new-tokens is refused here,
+    before the KV pool is sized for it (text far too long for them, before tokenizing it)."""
     from ..prompts import document_prompt
 
     given = getattr(args, "prompts", None) or [("--prompt", t) for t in args.prompt or []] + \
@@ -100,19 +103,45 @@ def read_prompts(args, tok) -> tuple[list[list[int]], bool]:
         texts.append(value)
     if not texts:
         doc, _, _ = document_prompt(lambda s: len(tok.encode(s, add_special_tokens=False)), 4000)
-        return [tok.encode(doc + DEFAULT_QUESTION, add_special_tokens=True)], True
+        ids = [tok.encode(doc + DEFAULT_QUESTION, add_special_tokens=True)]
+        check_fits(ids, ["the built-in prompt"], 0, args.max_new_tokens, limit)
+        return ids, True
     ids = []
     chat = not args.no_chat and getattr(tok, "chat_template", None)
     for i, t in enumerate(texts):
         if not t.strip():
             raise ValueError(f"{names[i]} is empty; give some text")
+        if limit is not None and len(t) > TEXT_CHARS_PER_POSITION * limit:
+            raise ValueError(f"{names[i]} has {len(t):,} characters, more than {TEXT_CHARS_PER_POSITION} a position "
+                             f"could hold in the model's {limit:,} positions; shorten it (kvsieve never truncates)")
     if not args.no_chat and not chat:
         print("kvsieve: this model has no chat template; the prompts are sent as raw text", file=sys.stderr)
     for t in texts:
         if chat:  # the template writes the special tokens itself
             t = tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
         ids.append(tok.encode(t, add_special_tokens=not chat))  # raw text: the tokenizer's BOS (Gemma needs it)
+    if limit is not None and any(len(p) + args.max_new_tokens > limit for p in ids):
+        check_fits(ids, names, template_tokens(tok) if chat else 0, args.max_new_tokens, limit)
     return ids, False
+
+
+def template_tokens(tok) -> int:
+    """Tokens the chat template adds around a user message (that message's text cannot use them)."""
+    empty = tok.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=False)
+    return len(tok.encode(empty, add_special_tokens=False))
+
+
+def check_fits(ids: list[list[int]], names: list[str], wrapper: int, new_tokens: int, limit: int | None) -> None:
+    """One error for the first prompt whose tokens plus new_tokens pass the model's `limit`
+    positions; wrapper: its tokens that are the chat template's, so the fix counts the text's."""
+    from ..engine.scheduler import too_long_fix
+
+    for name, p in zip(names, ids):
+        if limit is not None and len(p) + new_tokens > limit:
+            of = f" ({wrapper} of them the chat template)" if wrapper else ""
+            fix = too_long_fix(len(p) - wrapper, new_tokens, limit - wrapper, "its text" if wrapper else "the prompt")
+            raise ValueError(f"{name} has {len(p)} tokens{of} and --max-new-tokens is {new_tokens}, but the model "
+                             f"allows {limit} positions; {fix} (kvsieve never truncates)")
 
 
 # generate's warm-up runs up to this many prompts' lengths as one batch (more: the longest alone, so the
@@ -140,7 +169,7 @@ def cmd_generate(args) -> int:
     model, tok, model_dir = load_model(args.model, dtype=dtype, device=device)
     opts.update(model_head_options(args.method, opts, model_dir, model.cfg.num_layers, model.cfg.num_kv_heads,
                                    args.streaming_heads))
-    prompts, builtin = read_prompts(args, tok)
+    prompts, builtin = read_prompts(args, tok, model.cfg.max_positions)
     pages = args.kv_pages or sum(-(-(len(p) + args.max_new_tokens) // 16) for p in prompts)
     eng = LLMEngine(model, tok, args.method, kv_pages=pages, max_num_seqs=max(len(prompts), 1),
                     dense_below=args.dense_below, **opts)

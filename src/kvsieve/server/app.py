@@ -27,9 +27,10 @@ from typing import List, Optional, Tuple
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..engine import SamplingParams, SchedulerFullError
-from ..engine.scheduler import MAX_TOP_LOGPROBS
+from ..engine.scheduler import MAX_TOP_LOGPROBS, TEXT_CHARS_PER_POSITION
 from ..methods import METHOD_NAMES, config_for, merge_options
 from ..patterns import STREAMING_METHODS, budget_drops_dense_heads, check_dense_heads, dense_heads_of, heads_for
 from .driver import DriverStopped, EngineDriver, EngineError, MethodConfigsFull, Metrics, RequestStream
@@ -40,7 +41,6 @@ log = logging.getLogger("kvsieve.server")
 MAX_STOPS = 16  # OpenAI allows 4; evaluation harnesses send more (their stop words and the EOS)
 MAX_CHOICES = 128  # completions per request (n x prompts), OpenAI's limit on n
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's /v1/completions default (chat's: the rest of the context)
-TEXT_CHARS_PER_POSITION = 64  # text longer than this many characters a position cannot fit (tokens hold fewer)
 
 
 class Server(Responses):
@@ -274,7 +274,11 @@ class Server(Responses):
 
     # ------------------------------------------------------------------ serving one request
     async def handle(self, request: Request, chat: bool):
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # the client left before its request was whole: no one to answer
+            log.info("client disconnected while sending its request to %s", request.url.path)
+            return Response(status_code=499)  # (nginx's "client closed request"; never sent)
         try:
             if self.draining or not self.driver.alive:
                 raise BadRequest("the server is shutting down; retry on another server", None, 503,
