@@ -144,6 +144,23 @@ def test_demo_bad_input_is_one_line(capsys, argv, message):
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("argv,line", [
+    (["demo", "--bogus", "x"], "kvsieve: error: unrecognized arguments: --bogus x; see kvsieve demo --help"),
+    (["demo", "--seed", "abc"], "kvsieve: error: kvsieve demo: argument --seed: invalid int value: 'abc'; see "
+                                "kvsieve demo --help"),
+    (["nosuch"], "kvsieve: error: argument command: invalid choice: 'nosuch'"),
+])
+def test_usage_errors_name_the_command_once_and_its_help(capsys, argv, line):
+    """Unrecognized arguments read `kvsieve: error: kvsieve: unrecognized arguments ...; see
+    kvsieve --help`: the program named twice, and the top-level help, not the command's."""
+    from kvsieve.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith(line) and len(err.strip().splitlines()) == 1, err
+
+
 def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch):
     """Ctrl-C in any command (a long generate, a model conversion) printed a traceback of
     wherever the step was; it is one line now, with the shell's status for SIGINT."""

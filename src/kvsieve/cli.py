@@ -102,7 +102,17 @@ class _Parser(argparse.ArgumentParser):
     """argparse with its usage errors as one line (`kvsieve: error: ...`), exit code 2."""
 
     def error(self, message):
-        self.exit(2, f"kvsieve: error: {self.prog}: {message}; see {self.prog} --help\n")
+        where = "" if self.prog == "kvsieve" else f"{self.prog}: "  # (a subcommand's)
+        self.exit(2, f"kvsieve: error: {where}{message}; see {self.prog} --help\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """Arguments no parser takes are named with the help of the command they followed."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(ns, "command", None)
+            where = f"{self.prog} {command}" if command else self.prog
+            self.exit(2, f"kvsieve: error: unrecognized arguments: {' '.join(extras)}; see {where} --help\n")
+        return ns
 
 
 def build_parser() -> argparse.ArgumentParser:
