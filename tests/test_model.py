@@ -319,7 +319,7 @@ def test_prompt_longer_than_model_is_refused_not_truncated(embedded, tmp_path, c
     f = tmp_path / "long.txt"
     f.write_text("word " * 9000)
     rc, _, err = run_cli(capsys, "generate", "--prompt-file", str(f), "--max-new-tokens", "4")
-    assert rc == 2 and "shorten the prompt" in err
+    assert rc == 2 and "has 9031 tokens (30 of them the chat template)" in err and "shorten its text" in err
 
 
 @pytest.mark.slow
