@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..config import MODEL_HELP
-from ..engine.scheduler import TEXT_CHARS_PER_POSITION
+from ..engine.scheduler import TEXT_CHARS_PER_POSITION, too_long_fix
 
 DEFAULT_QUESTION = "\n\nQuestion: What is the archive access code?\nAnswer: The archive access code is"
 
@@ -134,8 +134,6 @@ def template_tokens(tok) -> int:
 def check_fits(ids: list[list[int]], names: list[str], wrapper: int, new_tokens: int, limit: int | None) -> None:
     """One error for the first prompt whose tokens plus new_tokens pass the model's `limit`
     positions; wrapper: its tokens that are the chat template's, so the fix counts the text's."""
-    from ..engine.scheduler import too_long_fix
-
     for name, p in zip(names, ids):
         if limit is not None and len(p) + new_tokens > limit:
             of = f" ({wrapper} of them the chat template)" if wrapper else ""
