@@ -410,6 +410,9 @@ def test_suite_summary_counts_only_what_dense_answers(tmp_path):
     assert (tmp_path / "c.png").stat().st_size > 10_000
     none_right = [cell(512, "dense", "dense", [0.0, 0.0, 0.0], 1.0), cell(512, "quest", "quest", [0.0, 1.0, 0.0], 0.4)]
     assert "| quest | 40.0% | — | — | — | — | 40.0% |" in suite_section({"cells": none_right})  # (divided by 0)
+    assert "6 cases (" in table and "dense misses (2)" in table
+    one = [cell(512, "dense", "dense", [1.0], 1.0, kinds=("name",)), cell(512, "quest", "quest", [1.0], 0.4, kinds=("name",))]
+    assert "1 case (needle kinds name" in suite_section({"cells": one})
     assert suite_curve({"cells": none_right, "model": "m"}, tmp_path / "none.png") == ""  # nothing to draw
     assert not (tmp_path / "none.png").exists()
 

@@ -146,12 +146,17 @@ def suite_section(results: Dict) -> str:
     n = sum(len(c["scores"]) for c in dense.values())
     right = sum(s == 1.0 for c in dense.values() for s in c["scores"])
     return "\n".join(["## Retrieval suite", "",
-                      f"{n} cases (needle kinds {', '.join(kinds)}; lengths {', '.join(map(str, lengths))}). Dense "
-                      f"answers {right} right: found = the share of those a method also answers right (exact "
-                      f"match); the {n - right} cases dense misses are not counted. KV read: mean fraction of the "
+                      f"{_count(n, 'case')} (needle kinds {', '.join(kinds)}; lengths {', '.join(map(str, lengths))}). "
+                      f"Dense answers {right} right: found = the share of those a method also answers right (exact "
+                      f"match); the cases dense misses ({n - right}) are not counted. KV read: mean fraction of the "
                       "cache read per decode step (overall: the mean over lengths).", "",
                       _table(["method", "KV read", "found", *map(str, lengths), *kinds,
                               *(f"KV {L}" for L in lengths)], rows)])
+
+
+def _count(n: int, noun: str) -> str:
+    """ "1 case", "3 cases" """
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _window_note(results: Dict) -> List[str]:
@@ -199,9 +204,9 @@ def write_report(results: Dict, out_dir) -> Report:
     parts = [f"# kvsieve eval: {Path(results['model']).name}", "",
              f"- device: {results['device']}, dtype {results['dtype']}, date {results['date']}",
              f"- command: `{results['command']}`",
-             f"- wall time: {sum(r['wall_s'] for r in results['runs']):.0f} s over {len(results['runs'])} "
-             f"invocation(s) (" + "; ".join(f"{r['date']}: {r['wall_s']:.0f} s, {r['new_cells']} new cells"
-                                           for r in results["runs"]) + ")",
+             f"- wall time: {sum(r['wall_s'] for r in results['runs']):.0f} s over "
+             f"{_count(len(results['runs']), 'invocation')} (" + "; ".join(
+                 f"{r['date']}: {r['wall_s']:.0f} s, {_count(r['new_cells'], 'new cell')}" for r in results["runs"]) + ")",
              "- streaming heads (lserve, hybrid): " + (
                  "none: no pattern for this model, so lserve = hierarchical page selection on every head and "
                  "hybrid = tactic" if results["streaming_heads"] is None else
