@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import torch
 
@@ -47,6 +49,29 @@ def test_inputs_whose_logits_overflow_float32_are_refused():
     with pytest.raises(ValueError, match="past float32's range"):
         sparse_decode(q * 1e19, k * 1e19, v)
     assert sparse_decode(q.double() * 1e19, k.double() * 1e19, v.double(), method="dense").out.isfinite().all()
+    with pytest.raises(ValueError, match=r"q.k can reach .*past float64's range \(1.8e308\).*; scale q or k down$"):
+        sparse_decode(q.double() * 1e155, k.double() * 1e155, v.double(), method="dense")  # (NaN came back)
+
+
+def test_values_whose_sum_overflows_are_refused_and_large_ones_kept():
+    """v at float32's maximum summed to inf in the output (each output is a weighted mean of v)."""
+    q, k, v = qkv()
+    top = torch.finfo(torch.float32).max
+    with pytest.raises(ValueError, match=r"v holds values up to 3.4e\+38; a sum of 20 of them passes float32's"):
+        sparse_decode(q, k, torch.full_like(v, top), method="dense")
+    big = sparse_decode(q, k, torch.full_like(v, 1e36), method="dense").out  # 20 x 1e36 fits
+    assert torch.allclose(big, torch.full_like(big, 1e36), rtol=1e-5)
+    wide = sparse_decode(q.double(), k.double(), torch.full_like(v.double(), top), method="dense").out
+    assert torch.allclose(wide, torch.full_like(wide, top), rtol=1e-12)
+
+
+def test_inputs_that_require_grad_give_no_warning():
+    q, k, v = (t.requires_grad_() for t in qkv())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = sparse_decode(q, k, v, method="dense").out
+    out.sum().backward()
+    assert q.grad is not None and q.grad.isfinite().all()
 
 
 @pytest.mark.parametrize("method,opts,match", [

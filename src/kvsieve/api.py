@@ -71,11 +71,20 @@ def check_decode_inputs(q: Tensor, k: Tensor, v: Tensor, lengths: Optional[Tenso
         if not bool(torch.isfinite(t).all()):
             raise ValueError(f"{name} holds NaN or infinite values; give finite ones (positions past a request's "
                              "length too, e.g. zeros: a NaN there would reach the output)")
-    if q.dtype != torch.float64:  # logits are computed in float32: finite inputs must stay finite there
-        reach = float(q.double().abs().amax()) * float(k.double().abs().amax()) * D
-        if reach > torch.finfo(torch.float32).max / 16:
-            raise ValueError(f"q.k can reach {reach:.3g}, past float32's range (3.4e38), in which the logits are "
-                             "computed; scale q or k down, or pass float64 tensors")
+    # logits and output sums are computed in float32 (float64 for float64 inputs): finite
+    # inputs must stay finite there. An output sums up to S of v's rows, each weighed <= 1.
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    limit, where = torch.finfo(wide).max, ("float64's range (1.8e308)" if wide == torch.float64
+                                           else "float32's range (3.4e38)")
+    fix = "scale q or k down" + ("" if wide == torch.float64 else ", or pass float64 tensors")
+    with torch.no_grad():
+        q_max, k_max, v_max = (float(t.detach().abs().amax().double()) for t in (q, k, v))
+    reach = q_max * k_max * D
+    if reach > limit / 16:
+        raise ValueError(f"q.k can reach {reach:.3g}, past {where}, in which the logits are computed; {fix}")
+    if v_max * S > limit / 16:
+        raise ValueError(f"v holds values up to {v_max:.3g}; a sum of {S} of them passes {where}, in which the "
+                         f"output is accumulated; {fix.replace('q or k', 'v')}")
     return lengths
 
 
