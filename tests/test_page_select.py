@@ -208,6 +208,32 @@ def test_tied_pages_keep_the_budget_and_the_page_being_decoded(kernels, name, op
 
 
 @pytest.mark.parametrize("kernels", ["reference", "auto"])
+def test_tactic_budget_splits_tied_clusters_in_cluster_order(kernels, monkeypatch):
+    """Tactic's fixed budget took a tied group of clusters whole: a query of zeros (every
+    cluster ties) read all 1,000 tokens at budget 64. Tied clusters are now taken in cluster
+    order up to the budget, in select() and the plan alike, as quest's pages are."""
+    monkeypatch.setenv("KVSIEVE_KERNELS", kernels)
+    from kvsieve.bench.fidelity import plan_token_mask
+
+    g = torch.Generator().manual_seed(11)
+    B, Hkv, G, D, S = 2, 2, 4, 64, 400
+    k = torch.randn(B, Hkv, S, D, generator=g)
+    q = torch.randn(B, Hkv * G, D, generator=g)
+    q[0] = 0  # row 0 ties every cluster; row 1 ranks them
+    lengths = torch.tensor([S, S - 3])
+    m = make_method("tactic", budget=64, sink=4, local=16)
+    st = m.prepare(k, lengths)
+    want = m.select(q, k, lengths, st).mask
+    windows = 4 + 16 + m.config.fold_every
+    assert (want.sum(-1) <= 64 + windows).all(), want.sum(-1)
+    assert (want[0].sum(-1) >= 64 - m.config.cluster_size).all()  # the budget, not just the windows
+    stp = m.prepare(k.to(DEV), lengths.to(DEV))
+    plan = m.plan(q.to(DEV), stp, lengths.to(DEV), lengths.tolist())
+    got = plan_token_mask(plan.indices, plan.counts, False, None, 0, S).cpu()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "auto"])
 def test_lserve_skips_streaming_heads_and_plans_the_same(kernels, monkeypatch):
     """The dynamic selector chooses no page for streaming heads (it never scores them), and
     the hybrid's lists equal those of the old path, which selected for every head."""

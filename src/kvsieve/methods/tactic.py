@@ -257,7 +257,7 @@ class Tactic(SparseMethod):
         B, Hkv = st.sizes.shape[:2]
         _, group_max = summary_scores(q, st.centroids, None, st.num_clusters[:, None].expand(B, Hkv))
         budget = torch.full((B, Hkv), self.config.budget, device=q.device)
-        chosen, _, _ = select_by_budget(group_max, st.sizes, budget)
+        chosen, _, _ = select_by_budget(group_max, st.sizes, budget, fill=True)  # (tied clusters in cluster order)
         sel = chosen.gather(-1, st.assign[..., :in_list_kv.shape[-1]].clamp(min=0)) & in_list_kv
         return Selection(sel | always_kv, {"head_budget": sel.sum(-1).repeat_interleave(G, 1)})
 
@@ -397,7 +397,7 @@ class Tactic(SparseMethod):
             chosen, offsets, total, listed = self._choose_by_threshold(q, state, lengths, keys, c)
         else:
             _, group_max = dispatch.summary_scores(q, state.centroids, None, n_valid, group_only=True)
-            chosen, offsets, total = dispatch.select_by_budget(group_max, state.sizes32, c["budget"])
+            chosen, offsets, total = dispatch.select_by_budget(group_max, state.sizes32, c["budget"], fill=True)
             listed = None
         stream, cap = streaming_window(skip, window, self.plan_capacity(state, host_lengths))
         table, page = row_table(keys)
