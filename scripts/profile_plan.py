@@ -54,7 +54,8 @@ def _method(spec: str, S: int, P: float):
     """tactic: threshold P (tactic/16: cluster size 16, tactic:field=value,...: config fields);
     quest / lserve: a 2.5% budget (lserve: every other KV head streaming)."""
     if spec.startswith("tactic"):
-        return make_method("tactic", threshold=P, **_tactic_options(spec))
+        opts = _tactic_options(spec)
+        return make_method("tactic", **opts) if "budget" in opts else make_method("tactic", threshold=P, **opts)
     opts = {"budget": int(0.025 * S)}
     if spec == "lserve":
         from kvsieve.bench.kernels import half_streaming

@@ -222,13 +222,13 @@ def test_tactic_budget_splits_tied_clusters_in_cluster_order(kernels, monkeypatc
     q[0] = 0  # row 0 ties every cluster; row 1 ranks them
     lengths = torch.tensor([S, S - 3])
     m = make_method("tactic", budget=64, sink=4, local=16)
-    st = m.prepare(k, lengths)
-    want = m.select(q, k, lengths, st).mask
+    q, k, lengths = q.to(DEV), k.to(DEV), lengths.to(DEV)
+    st = m.prepare(k, lengths)  # (one index for both: K-means on CUDA need not cluster as on the CPU)
+    want = m.select(q, k, lengths, st).mask.cpu()
     windows = 4 + 16 + m.config.fold_every
     assert (want.sum(-1) <= 64 + windows).all(), want.sum(-1)
     assert (want[0].sum(-1) >= 64 - m.config.cluster_size).all()  # the budget, not just the windows
-    stp = m.prepare(k.to(DEV), lengths.to(DEV))
-    plan = m.plan(q.to(DEV), stp, lengths.to(DEV), lengths.tolist())
+    plan = m.plan(q, st, lengths, lengths.tolist())
     got = plan_token_mask(plan.indices, plan.counts, False, None, 0, S).cpu()
     assert torch.equal(got, want)
 
