@@ -166,10 +166,24 @@ def test_decode_matches_transformers_generate(tmp_path, name, paged):
         want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False)[0, 70:].tolist()
     got = LLMEngine(model, None, "dense", paged=paged).generate([ids], SamplingParams(10, ignore_eos=True))[0]
     assert got.tokens == want
+    windowed = name == "mistral-window"  # every layer its window: no method runs, and the output says so
     for method, opts in [("tactic", dict(cluster_size=8, local=8, sink=2, protect=0)),
                          ("quest", dict(budget=16, physical_page_size=16))]:
-        out = LLMEngine(model, None, method, paged=paged, **opts).generate([ids], SamplingParams(6, ignore_eos=True))[0]
+        out = LLMEngine(model, None, method, paged=paged, dense_below=0, **opts).generate(
+            [ids], SamplingParams(6, ignore_eos=True))[0]
         assert len(out.tokens) == 6 and 0 < out.kv_fraction < 1
+        assert (out.attended_densely, out.dense_reason) == ((True, "windowed_model") if windowed else (False, None))
+        if windowed:
+            assert out.tokens == got.tokens[:6]
+    if windowed:
+        from types import SimpleNamespace
+
+        from kvsieve.model.cli import attended_densely_note
+
+        eng = LLMEngine(model, None, "quest", budget=16)
+        note = attended_densely_note(SimpleNamespace(method="quest"), eng, ["windowed_model"])
+        assert note.startswith("--- attended as dense: every layer of this model attends its own sliding window of "
+                               "16 tokens, so quest has no layer to run on")
 
 
 def test_a_head_dim_not_a_power_of_two_decodes_as_transformers_in_every_kernel(tmp_path):

@@ -609,6 +609,31 @@ def test_a_prompt_past_the_models_positions_is_refused(tiny_llama, monkeypatch):
         khf.disable(model)
 
 
+def test_a_yarn_model_takes_the_positions_the_engine_gives_it():
+    """Qwen2.5's long-context recipe keeps max_position_embeddings at the original context and
+    adds YaRN x 4: transformers and the engine run factor x original positions, and the drop-in
+    refused everything past the original (128 here)."""
+    from kvsieve.model.config import ModelConfig
+
+    cfg = transformers.Qwen2Config(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   rope_scaling={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                                 "original_max_position_embeddings": 128})
+    assert ModelConfig.from_hf(cfg.to_dict()).max_positions == 512  # (the engine's limit)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    ids = torch.randint(3, 101, (1, 520), generator=torch.Generator().manual_seed(1))
+    want = greedy(model, {"input_ids": ids[:, :300]}, 8)
+    khf.enable(model, "dense")
+    try:
+        assert torch.equal(greedy(model, {"input_ids": ids[:, :300]}, 8), want)
+        with pytest.raises(ValueError, match=r"prompt has 510 tokens .* allows 512 positions \(config.max_position_"
+                                             r"embeddings 128 scaled by its YaRN rope scaling\); .* at most 2 new"):
+            greedy(model, {"input_ids": ids[:, :510]}, 8)
+    finally:
+        khf.disable(model)
+
+
 def test_statistics_cover_the_latest_generate_call(tiny_llama):
     """kv_fraction and the counters start afresh with each generate(): a second call on the
     same model reports its own steps, not the sum of both."""

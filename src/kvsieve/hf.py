@@ -62,7 +62,8 @@ class HFState:
     attended_densely: int = 0
     new_tokens: Optional[int] = None  # the running generate()'s max_new_tokens (None: not known)
     prompt_tokens: Optional[int] = None  # the last prefill's longest valid length (generated since: the rest)
-    max_positions: Optional[int] = None  # the model's max_position_embeddings: no forward runs past it
+    max_positions: Optional[int] = None  # the model's positions (_max_positions): no forward runs past it
+    max_positions_source: str = "config.max_position_embeddings"
     warned_foreign_cache: bool = False
     _host: Any = None  # (weak ref to the forward's mask, valid lengths on the device and as ints)
 
@@ -219,7 +220,7 @@ def kvsieve_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
     n, host = state.lengths(attention_mask, B, S, key.device)
     if state.max_positions and max(host) > state.max_positions:  # (however generate() counted its length)
         raise ValueError(f"kvsieve.hf: this forward reaches {max(host)} positions, past the model's "
-                         f"{state.max_positions} (config.max_position_embeddings); ask generate() for fewer new "
+                         f"{state.max_positions} ({state.max_positions_source}); ask generate() for fewer new "
                          "tokens (max_new_tokens, or max_length in its GenerationConfig): kvsieve never runs past "
                          "the model's positions")
     method, idx = state.method, module.layer_idx
@@ -305,6 +306,22 @@ def _text_config(model):
     return model.config.get_text_config(decoder=True)
 
 
+def _max_positions(cfg) -> Tuple[Optional[int], str]:
+    """The positions the model takes, as the engine counts them (ModelConfig.max_positions: a
+    YaRN config reaches factor x original, Qwen2.5's long-context recipe), and where that
+    number comes from, for messages."""
+    limit = getattr(cfg, "max_position_embeddings", None)
+    try:
+        from .model.config import ModelConfig
+
+        scaled = ModelConfig.from_hf(cfg.to_dict()).max_positions
+    except (ValueError, KeyError, TypeError, AttributeError):  # (a config the engine does not read: its own field)
+        scaled = limit
+    if not limit or not scaled or scaled == limit:
+        return limit, "config.max_position_embeddings"
+    return scaled, f"config.max_position_embeddings {limit} scaled by its YaRN rope scaling"
+
+
 def _unsupported(model, mods) -> Optional[str]:
     """Why kvsieve cannot decode `model` (None: it can): its decode attends softmax(q k^T) v
     over one cache of keys and values per layer, causal, as Llama does."""
@@ -344,7 +361,7 @@ def _prompt_tokens(args, kwargs) -> Optional[int]:
 def _check_length(model, prompt: Optional[int], new_tokens: Optional[int]) -> None:
     """Refuses a generate() whose prompt plus new tokens pass the model's positions
     (max_position_embeddings), as the engine does: kvsieve never truncates."""
-    limit = getattr(_text_config(model), "max_position_embeddings", None)
+    limit, source = _max_positions(_text_config(model))
     if prompt is None or not limit or prompt + (new_tokens or 0) <= limit:
         return
     from .engine.scheduler import too_long_fix
@@ -352,7 +369,7 @@ def _check_length(model, prompt: Optional[int], new_tokens: Optional[int]) -> No
     n = new_tokens or 0
     raise ValueError(f"kvsieve.hf: the prompt has {prompt} tokens and generate() asks for {n} new "
                      f"token{'' if n == 1 else 's'}, but the model allows {limit} positions "
-                     f"(config.max_position_embeddings); {too_long_fix(prompt, n, limit)} (kvsieve never truncates)")
+                     f"({source}); {too_long_fix(prompt, n, limit)} (kvsieve never truncates)")
 
 
 def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **options) -> HFState:
@@ -388,8 +405,9 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
         options = {**options, "streaming_heads": read_streaming_heads(options["streaming_heads"],
                                                                       cfg.num_hidden_layers, kv_heads, method)}
         warn_file_window(options["streaming_heads"], options)  # (heads chosen for another window)
+    limit, source = _max_positions(cfg)
     state = HFState(make_method(method, **{**options, **model_head_defaults(model, method, options)}), dense_below,
-                    max_positions=getattr(cfg, "max_position_embeddings", None))
+                    max_positions=limit, max_positions_source=source)
     _check_streaming_heads(state.method, cfg.num_hidden_layers, kv_heads)
     if getattr(model, "_kvsieve", None) is not None:
         disable(model)

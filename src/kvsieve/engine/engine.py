@@ -65,6 +65,7 @@ class LLMEngine(BatchCrossover, Warmup):
         max_num_seqs, step_tokens = int(max_num_seqs), int(step_tokens)
         self.model, self.tokenizer = model, tokenizer
         cfg = model.cfg
+        self._all_windowed = not cfg.global_layers()  # (Mistral 7B v0.1: no layer for a method to run on)
         self.default_method = method
         method_options = self._model_heads(dict(method_options), method)
         self.default_options = dict(method_options)
@@ -403,14 +404,16 @@ class LLMEngine(BatchCrossover, Warmup):
         tr = self._track[req.id]
         new = req.output[tr.sent:]
         tr.sent = len(req.output)
-        dense = req.method_key == "dense" and tr.method != "dense"
+        windowed = self._all_windowed and tr.method != "dense"  # every layer its window: what dense reads
+        dense = (req.method_key == "dense" and tr.method != "dense") or windowed
         out = RequestOutput(req.id, new, list(req.output), len(req.prompt), req.finished, req.finish_reason,
                             tr.frac_sum / tr.steps if tr.steps else 1.0, tr.method,
                             None if tr.first is None else tr.first - tr.arrival,
                             0.0 if tr.first is None else tr.last - tr.first, dense,
                             None if req.params.logprobs is None else list(tr.logprobs),
                             None if req.params.prompt_logprobs is None else tr.prompt_logprobs,
-                            ("plans_read_most" if tr.fell_back else "not_indexed") if dense else None)
+                            None if not dense else "windowed_model" if windowed else
+                            "plans_read_most" if tr.fell_back else "not_indexed")
         if req.finished:
             self._track.pop(req.id, None)
             self._later.discard(req.id)

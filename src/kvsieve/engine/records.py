@@ -34,7 +34,8 @@ class RequestOutput:
     # why it attended densely: "not_indexed" (its context stayed under its method's crossover,
     # too few new tokens were left to repay an index, or the batch rule), "plans_read_most"
     # (indexed, its plans read more than half of its cache for a few steps in a row: dense
-    # from there); None when it did not
+    # from there), "windowed_model" (every layer of the model attends its own sliding window,
+    # so no method runs: it reads what dense reads); None when it did not
     dense_reason: Optional[str] = None
 
 

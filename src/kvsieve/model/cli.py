@@ -264,6 +264,10 @@ def attended_densely_note(args, eng, reasons) -> str:
 
     if args.method == "dense" or not any(reasons):
         return ""
+    if "windowed_model" in reasons:
+        window = eng.model.cfg.sliding_window
+        return (f"--- attended as dense: every layer of this model attends its own sliding window of {window} tokens, "
+                f"so {args.method} has no layer to run on (kv_fraction is the windows' share)")
     why = []
     if "not_indexed" in reasons:
         payback = eng.runner.methods["default"].index_payback_tokens
