@@ -743,6 +743,33 @@ def test_beams_under_the_crossover_and_a_cropped_cache_keep_the_index_right(tiny
         khf.disable(model)
 
 
+@pytest.mark.parametrize("method,opts", [("tactic", dict(cluster_size=8, local=8, protect=0)),
+                                         ("hybrid", dict(cluster_size=8, local=8, streaming_heads=[1, 0]))])
+def test_a_decode_loop_of_ones_own_with_autograd_on_runs_the_method(tiny_llama, method, opts):
+    """model(...) with a kvsieve cache and no torch.no_grad(): tactic's ranking (torch.sort with
+    out=) raised "functions with out=... arguments don't support automatic differentiation";
+    the index work now runs without grad, and the steps give no_grad's logits."""
+    model, enc = tiny_llama
+    ids = enc["input_ids"][1:]
+    khf.enable(model, method, dense_below=0, **opts)
+    try:
+        logits = []
+        for grad in (True, False):
+            with torch.set_grad_enabled(grad):
+                cache = khf.make_cache()
+                out = model(input_ids=ids, **{khf.cache_kwarg(model): cache})
+                steps = []
+                for _ in range(3):
+                    nxt = out.logits[:, -1:].argmax(-1)
+                    out = model(input_ids=nxt, **{khf.cache_kwarg(model): cache})
+                    steps.append(out.logits[:, -1].detach())
+                logits.append(torch.stack(steps))
+        assert all(layer.index is not None for layer in cache.layers)
+        assert torch.equal(logits[0], logits[1])
+    finally:
+        khf.disable(model)
+
+
 def test_a_padded_row_folds_its_own_keys_and_kv_fraction_counts_every_head(tiny_llama):
     """Tactic folding every 4 tokens on a left-padded batch: the padded row answers as it does
     alone (a fold read its keys at the longest row's offset: padding); lserve with one

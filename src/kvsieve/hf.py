@@ -231,7 +231,8 @@ def kvsieve_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
             layer.index = _DENSE  # under the crossover: SDPA, no index
             state.attended_densely += 1
         else:
-            layer.index, layer.method = method.prepare(_compact(key, S - n), n, idx), method
+            with torch.no_grad():  # an index is no function to differentiate (torch.sort(out=) refuses grad)
+                layer.index, layer.method = method.prepare(_compact(key, S - n), n, idx), method
         if T > 1:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)
@@ -244,8 +245,9 @@ def kvsieve_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
         out, read = _decode_planned(state.method, layer, query[:, :, 0], key, value, n, host, scaling)
     else:
         k, v = _compact(key, S - n), _compact(value, S - n)
-        layer.index = method.append(layer.index, k, n)
-        sel = method.select(query[:, :, 0], k, n, layer.index)
+        with torch.no_grad():
+            layer.index = method.append(layer.index, k, n)
+            sel = method.select(query[:, :, 0], k, n, layer.index)
         out, _ = attend(query[:, :, 0], k, v, sel.mask, scale=scaling)
         read = sel.read_fraction(n)
     state.kv_read_sum = state.kv_read_sum + read.mean().detach()  # no host sync per layer
@@ -281,9 +283,10 @@ def _decode_planned(method: SparseMethod, layer, q: Tensor, key: Tensor, value: 
         p = S - host[b]
         return key[b, :, p + start:p + end]
 
-    method.maintain(layer.index, n, host, read_keys)
-    layer.index = method.append_token(layer.index, key[:, :, -1], n, host, read_keys)
-    plan = method.plan(q, layer.index, n, host, PagedKeys(k_pool, table, pool_rows=True))
+    with torch.no_grad():  # (a decode loop of the user's own may run with autograd on)
+        method.maintain(layer.index, n, host, read_keys)
+        layer.index = method.append_token(layer.index, key[:, :, -1], n, host, read_keys)
+        plan = method.plan(q, layer.index, n, host, PagedKeys(k_pool, table, pool_rows=True))
     out, _ = dispatch.paged_decode(q, k_pool, v_pool, table, plan.counts, plan.indices, scale=scaling, cap=plan.cap,
                                    pool_rows=plan.pool_rows)
     return out, plan.read_fraction(n)
