@@ -59,7 +59,7 @@ class HFState:
     dense_below: Optional[int] = None
     kv_read_sum: Any = 0.0  # a device scalar once a step ran: summed there, read only by kv_fraction
     kv_read_steps: int = 0  # (layer, decode step) pairs counted in kv_read_sum
-    attended_densely: int = 0
+    attended_densely: int = 0  # layers that went dense under the crossover (once each per prefill or index point)
     new_tokens: Optional[int] = None  # the running generate()'s max_new_tokens (None: not known)
     prompt_tokens: Optional[int] = None  # the last prefill's longest valid length (generated since: the rest)
     max_positions: Optional[int] = None  # the model's positions (_max_positions): no forward runs past it
