@@ -297,4 +297,6 @@ def test_a_file_pattern_run_with_another_window_warns_once(capsys, tmp_path):
     warned = [line for line in err if line.startswith("kvsieve: warning:")]
     assert len(warned) == 1 and "sink 128 + local 64" in warned[0] and "UserWarning" not in "".join(err)
     assert main(["generate", "--method", "lserve", "--prompt", "hi", "--max-new-tokens", "1"]) == 0
-    assert "warning" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "warning" not in err
+    assert "no decode step (one token each, from the prefill)" in err and "0.0 tok/s" not in err  # (one token)

@@ -352,7 +352,7 @@ def cmd_calibrate(args) -> int:
                                           f"length, seed {CALIBRATION_SEED}); global layers only",
                  "dense_heads_calibration": {"cases": args.dense_cases, "lengths": list(dense_lengths),
                                              "seed": CALIBRATION_SEED,
-                                             "device": str(model.device), "dtype": str(model.dtype)}}
+                                             "device": str(model.device), "dtype": str(model.dtype).replace("torch.", "")}}
     pattern = choose_streaming(mass.tolist(), args.ratio, local)
     save_pattern(out, pattern, {"score": mass.tolist(), **tables}, {
         "model": out_model, "ratio": args.ratio, "sink": args.sink, "local": args.local,

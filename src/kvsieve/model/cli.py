@@ -245,16 +245,22 @@ def cmd_generate(args) -> int:
     attended = ", ".join(sorted(set(report["attended"])))
     print(f"--- {args.method} ({attended} attention) on {device} {report['dtype']}: prompt {report['prompt_tokens']} "
           f"tokens, {gen} generated, KV read {frac:.1%}, prefill {report['prefill_s']:.2f} s, "
-          f"decode {report['decode_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+          f"{_decode_speed(report['decode_tokens_per_s'])}", file=sys.stderr)
     if args.compare_dense:
         d = report["dense"]
-        print(f"--- dense on {device} {report['dtype']}: prefill {d['prefill_s']:.2f} s, decode "
-              f"{d['decode_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+        print(f"--- dense on {device} {report['dtype']}: prefill {d['prefill_s']:.2f} s, "
+              f"{_decode_speed(d['decode_tokens_per_s'])}", file=sys.stderr)
         if device.type == "cpu" and attended != "dense" and report["decode_tokens_per_s"] < d["decode_tokens_per_s"]:
             print("--- on the CPU a sparse plan runs as torch reference code (a few hundred small operations a "
                   "layer), so it decodes slower than dense here; speed is measured on a GPU "
                   "(docs/benchmarks.md)", file=sys.stderr)
     return 0
+
+
+def _decode_speed(tokens_per_s: float) -> str:
+    """"decode 123.4 tok/s", or what stood for it when no decode step ran (each answer's one
+    token came from its prefill)."""
+    return f"decode {tokens_per_s:.1f} tok/s" if tokens_per_s else "no decode step (one token each, from the prefill)"
 
 
 def attended_densely_note(args, eng, reasons) -> str:
