@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("KVSIEVE_KERNELS", "reference")
 
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked gpu skip, with a reason, where there is no CUDA device (some mark only one
     parameter case and would fail in torch's CUDA init instead)."""
