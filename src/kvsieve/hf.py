@@ -361,10 +361,10 @@ def _prompt_tokens(args, kwargs) -> Optional[int]:
     return x.shape[1] if isinstance(x, Tensor) and x.dim() >= 2 else None
 
 
-def _check_length(model, prompt: Optional[int], new_tokens: Optional[int]) -> None:
+def _check_length(state: HFState, prompt: Optional[int], new_tokens: Optional[int]) -> None:
     """Refuses a generate() whose prompt plus new tokens pass the model's positions
-    (max_position_embeddings), as the engine does: kvsieve never truncates."""
-    limit, source = _max_positions(_text_config(model))
+    (state.max_positions), as the engine does: kvsieve never truncates."""
+    limit, source = state.max_positions, state.max_positions_source
     if prompt is None or not limit or prompt + (new_tokens or 0) <= limit:
         return
     from .engine.scheduler import too_long_fix
@@ -453,7 +453,7 @@ class _Generate:
         new_tokens, max_length = setting("max_new_tokens"), setting("max_length")
         if new_tokens is None and max_length is not None and prompt is not None and max_length > prompt:
             new_tokens = max_length - prompt  # (max_length <= prompt: transformers refuses it itself)
-        _check_length(model, prompt, new_tokens)
+        _check_length(state, prompt, new_tokens)
         if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
             raise ValueError("kvsieve.hf returns no attention weights (output_attentions=True): its attention reads a "
                              "selection of the cache; call kvsieve.hf.disable(model) to get them")
