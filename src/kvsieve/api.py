@@ -77,8 +77,7 @@ def check_decode_inputs(q: Tensor, k: Tensor, v: Tensor, lengths: Optional[Tenso
     limit, where = torch.finfo(wide).max, ("float64's range (1.8e308)" if wide == torch.float64
                                            else "float32's range (3.4e38)")
     fix = "scale q or k down" + ("" if wide == torch.float64 else ", or pass float64 tensors")
-    with torch.no_grad():
-        q_max, k_max, v_max = (float(t.detach().abs().amax().double()) for t in (q, k, v))
+    q_max, k_max, v_max = (float(t.detach().abs().amax().double()) for t in (q, k, v))
     reach = q_max * k_max * D
     if reach > limit / 16:
         raise ValueError(f"q.k can reach {reach:.3g}, past {where}, in which the logits are computed; {fix}")
