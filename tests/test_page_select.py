@@ -210,7 +210,7 @@ def test_tied_pages_keep_the_budget_and_the_page_being_decoded(kernels, name, op
 @pytest.mark.parametrize("kernels", ["reference", "auto"])
 def test_tactic_budget_splits_tied_clusters_in_cluster_order(kernels, monkeypatch):
     """Tactic's fixed budget took a tied group of clusters whole: a query of zeros (every
-    cluster ties) read all 1,000 tokens at budget 64. Tied clusters are now taken in cluster
+    cluster ties) read the whole context at budget 64. Tied clusters are now taken in cluster
     order up to the budget, in select() and the plan alike, as quest's pages are."""
     monkeypatch.setenv("KVSIEVE_KERNELS", kernels)
     from kvsieve.bench.fidelity import plan_token_mask
