@@ -326,7 +326,7 @@ class TacticConfig(MethodConfig):
         the centroids' memory, half a bf16 box's; the bound is at most |q|_1 step looser and
         still bounds every member). "radius":
         q.c + |q| r (r: the cluster's radius). [ours] "box". |q| r dominates the radius
-        bound, so it ranks clusters by their width: on a suite miss (docs/accuracy.md, seed
+        bound, so it ranks clusters by their width: on a suite miss (docs/accuracy-history.md, seed
         2, 7,680 tokens) the cluster holding 0.94 of a head's mass ranks 228th by the
         radius bound and 10th by the box. At 256 tokens the two bounds find as many cases
         (821 / 819); 512 radius-ranked tokens were not measured on the suite.
