@@ -263,7 +263,7 @@ def test_usage_errors_are_one_line_exit_2(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--model", "/nonexistent/model"], "does not exist"),
     (["--model", "tests"], "unknown model format"),
-    (["--prompt", "   "], "--prompt 1 is empty"),
+    (["--prompt", "   "], "--prompt 1 is empty (only whitespace)"),
     (["--max-new-tokens", "0", "--prompt", "hi"], "--max-new-tokens must be >= 1, got 0"),
     (["--method", "fancy", "--prompt", "hi"], "unknown method 'fancy'"),
     (["--method", "tactic", "--page-size", "100", "--prompt", "hi"],
@@ -463,6 +463,44 @@ def test_prompt_file_dash_reads_standard_input(capsys, monkeypatch):
     assert rc == 0 and json.loads(out)["prompt_tokens"] == 3
     rc, _, err = run_cli(capsys, *argv, "--prompt", "caf\udce9")  # argv byte 0xe9 (Latin-1 é), not UTF-8
     assert rc == 2 and "--prompt 1 is not UTF-8 text (byte 0xe9" in err and "Traceback" not in err
+
+
+def test_a_file_and_standard_input_give_the_same_prompt(capsys, monkeypatch, tmp_path):
+    """CRLF and CR line endings are kept through --prompt-file FILE as through stdin (the file
+    path turned them into "\\n"), and a leading byte-order mark is dropped by both."""
+    import io
+    import sys
+
+    argv = ["generate", "--no-chat", "--max-new-tokens", "1", "--json", "--method", "dense"]
+    text = "Line one.\r\nLine two.\rLine three.\n"
+    expected = json.loads(run_cli(capsys, *argv, "--prompt", text)[1])["prompt_tokens"]
+    assert expected != json.loads(run_cli(capsys, *argv, "--prompt", text.replace("\r\n", "\n"))[1])["prompt_tokens"]
+    for raw in (text.encode(), b"\xef\xbb\xbf" + text.encode()):
+        f = tmp_path / "p.txt"
+        f.write_bytes(raw)
+        rc, out, _ = run_cli(capsys, *argv, "--prompt-file", str(f))
+        assert rc == 0 and json.loads(out)["prompt_tokens"] == expected
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(raw)))
+        rc, out, _ = run_cli(capsys, *argv, "--prompt-file", "-")
+        assert rc == 0 and json.loads(out)["prompt_tokens"] == expected
+
+
+def test_output_a_terminal_cannot_encode_is_escaped_not_an_error(monkeypatch):
+    """stdout in ascii or cp1252 (PYTHONIOENCODING, a Windows console): an answer with an emoji
+    was lost to an encoding error reported as bad input (exit 2) after the model had run."""
+    import io
+    import sys
+
+    from kvsieve.cli import _escape_unencodable_output
+
+    for encoding in ("ascii", "cp1252"):
+        raw = io.BytesIO()
+        out = io.TextIOWrapper(raw, encoding=encoding)
+        monkeypatch.setattr(sys, "stdout", out)
+        _escape_unencodable_output()
+        print("caf\u00e9 \U0001f426", end="")
+        out.flush()
+        assert raw.getvalue() == ("caf\u00e9 \\U0001f426" if encoding == "cp1252" else "caf\\xe9 \\U0001f426").encode(encoding)
 
 
 def test_per_request_methods_of_a_loaded_engine_take_the_models_heads():

@@ -123,6 +123,12 @@ def test_schema_errors_name_the_field():
     with pytest.raises(BadRequest) as e:  # JSON may escape a lone surrogate; no tokenizer encodes it (was a 500)
         parse(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}')
     assert e.value.param == "messages.0.content" and "surrogate" in e.value.message
+    for body in (b'{"messages": [{"role": "user", "content": "hi"}], "\\udc00": 1}',  # in a key (was a 500: the
+                 b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"\\ud800": 1}}'):  # path unencodable)
+        with pytest.raises(BadRequest) as e:
+            parse(ChatCompletionRequest, body)
+        assert "surrogate" in e.value.message and "\\ud" in e.value.param
+        (e.value.message + e.value.param).encode("utf-8")  # the error response's JSON can be written
     assert parse(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}') \
         .messages[0].content == "\U0001F600"  # a pair is one character
 

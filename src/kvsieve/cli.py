@@ -161,9 +161,23 @@ def _one_line_warnings(default):
 
 
 def main(argv=None) -> int:
+    _escape_unencodable_output()
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warnings(warnings.showwarning)
         return _run(argv)
+
+
+def _escape_unencodable_output() -> None:
+    """On a terminal or pipe whose encoding is not UTF-8 (PYTHONIOENCODING=ascii, a cp1252
+    console), write characters it cannot hold as \\U escapes: an answer with an emoji is
+    shown, not lost to an encoding error after the model has run."""
+    for stream in (sys.stdout, sys.stderr):
+        encoding = (getattr(stream, "encoding", None) or "").lower().replace("_", "-")
+        if encoding not in ("utf-8", "utf8", "utf-8-sig") and hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):  # (a closed or detached stream: leave it)
+                pass
 
 
 def _joined_values(argv: list) -> list:

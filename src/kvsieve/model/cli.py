@@ -55,10 +55,12 @@ class _InOrder(argparse.Action):
 
 def read_text_file(f: str, flag: str, what: str = "prompt file") -> str:
     """A UTF-8 text file's contents, or one clear error (missing, a directory, not UTF-8):
-    nothing is decoded with replacement characters. "-" reads standard input."""
+    nothing is decoded with replacement characters. "-" reads standard input. A file and
+    standard input give the same text: line endings kept as they are ("\r\n" stays), a
+    leading byte-order mark dropped (it marks the encoding; it is not text)."""
     if f == "-":
         try:
-            return sys.stdin.buffer.read().decode("utf-8")
+            return sys.stdin.buffer.read().decode("utf-8-sig")
         except UnicodeDecodeError as e:
             raise ValueError(f"{flag} - (standard input) is not UTF-8 text ({e.reason} at byte {e.start}); "
                              "convert it, e.g. iconv -f latin1 -t utf-8") from None
@@ -70,7 +72,7 @@ def read_text_file(f: str, flag: str, what: str = "prompt file") -> str:
     if not path.is_file():
         raise FileNotFoundError(f"{what} {f!r} not found; pass an existing text file to {flag}")
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise ValueError(f"{flag} {f!r} is not UTF-8 text ({e.reason} at byte {e.start}); convert it, "
                          f"e.g. iconv -f latin1 -t utf-8") from None
@@ -110,7 +112,7 @@ def read_prompts(args, tok, limit: int | None = None) -> tuple[list[list[int]], 
     chat = not args.no_chat and getattr(tok, "chat_template", None)
     for i, t in enumerate(texts):
         if not t.strip():
-            raise ValueError(f"{names[i]} is empty; give some text")
+            raise ValueError(f"{names[i]} is empty{' (only whitespace)' if t else ''}; give some text")
         if limit is not None and len(t) > TEXT_CHARS_PER_POSITION * limit:
             raise ValueError(f"{names[i]} has {len(t):,} characters, more than {TEXT_CHARS_PER_POSITION} a position "
                              f"could hold in the model's {limit:,} positions; shorten it (kvsieve never truncates)")

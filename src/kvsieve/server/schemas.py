@@ -192,9 +192,10 @@ def _unpaired_surrogate(obj, where: str = "") -> Optional[str]:
         return None
     items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
     for key, value in items:
-        path = f"{where}.{key}" if where else str(key)
         if isinstance(key, str) and _unpaired_surrogate(key) is not None:
-            return path
+            key = key.encode("utf-8", "backslashreplace").decode("utf-8")  # (printable in the error's JSON)
+            return f"{where}.{key}" if where else key
+        path = f"{where}.{key}" if where else str(key)
         found = _unpaired_surrogate(value, path)
         if found is not None:
             return found
