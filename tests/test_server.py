@@ -129,6 +129,14 @@ def test_schema_errors_name_the_field():
             parse(ChatCompletionRequest, body)
         assert "surrogate" in e.value.message and "\\ud" in e.value.param
         (e.value.message + e.value.param).encode("utf-8")  # the error response's JSON can be written
+    parts = parse(ChatCompletionRequest, json.dumps({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Line one."}, {"type": "text", "text": "Line two."}]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}]}).encode())
+    assert [m.text() for m in parts.messages] == ["Line one.\nLine two.", "I can't."]  # (parts ran together as one line)
+    with pytest.raises(BadRequest, match="refusal"):
+        parse(ChatCompletionRequest, b'{"messages": [{"role": "assistant", "content": [{"type": "refusal"}]}]}')
+    with pytest.raises(BadRequest, match="part 0 has type 'refusal'"):  # only an assistant's
+        parse(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]}')
     assert parse(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}') \
         .messages[0].content == "\U0001F600"  # a pair is one character
 

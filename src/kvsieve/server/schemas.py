@@ -59,6 +59,10 @@ class ChatMessage(BaseModel):
             raise ValueError(f"a {self.role} message needs content: a string or a list of text parts")
         for i, part in enumerate(self.content if isinstance(self.content, list) else ()):
             kind = part.get("type")
+            if kind == "refusal" and self.role == "assistant":  # (OpenAI's assistant turns may hold one: its text)
+                if not isinstance(part.get("refusal"), str):
+                    raise ValueError(f"content part {i} is a refusal part, so its \"refusal\" must be a string")
+                continue
             if kind != "text":
                 raise ValueError(f"content parts must be {{\"type\": \"text\", \"text\": \"...\"}}; part {i} has type "
                                  f"{kind!r}" + (": this server's model reads text only" if kind in
@@ -69,11 +73,12 @@ class ChatMessage(BaseModel):
         return self
 
     def text(self) -> str:
+        """The message's text; a list of parts joined by newlines, as vLLM joins them."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p["text"] for p in self.content)
+        return "\n".join(p["text"] if p["type"] == "text" else p["refusal"] for p in self.content)
 
 
 class _Common(BaseModel):
