@@ -624,6 +624,25 @@ def test_sampling_filters_and_greedy():
         assert set(toks.tolist()) == want, t
 
 
+def test_top_p_takes_its_nucleus_within_the_top_k():
+    """top_k then top_p, as transformers' warpers and vLLM apply them: the nucleus is taken over
+    the top-k's renormalised probabilities. softmax([3, 2, 1, 0, -1]) gives the first token 0.64
+    of the whole vocabulary's mass but 0.73 of the top 2's, so top_k 2 + top_p 0.7 keep it alone
+    (the whole vocabulary's mass kept both). top_p = 1 keeps everything: a float32 running sum
+    over a 49,152-entry vocabulary reached 1.0 early and cut thousands of tail tokens."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 3)
+    f = filter_logits(logits, torch.tensor([2, 3, 100]), torch.tensor([0.7, 0.7, 0.7]))
+    assert torch.isfinite(f).tolist() == [[True, False, False, False, False], [True, True, False, False, False],
+                                          [True, True, False, False, False]]
+    n = 4000
+    toks = sample(logits[:1].expand(n, 5), torch.ones(n), torch.full((n,), 2), torch.full((n,), 0.7),
+                  torch.arange(n), torch.zeros(n))
+    assert set(toks.tolist()) == {0}
+    wide = torch.randn(2, 49152, generator=torch.Generator().manual_seed(0)) * 4
+    for k in (0, 100000):  # off, and larger than the vocabulary
+        assert torch.isfinite(filter_logits(wide, torch.tensor([k, k]), torch.tensor([1.0, 1.0]))).all()
+
+
 def test_top_p_stops_at_the_first_prefix_whose_mass_reaches_it_exactly():
     """Pins filter_logits' top-p boundary: the nucleus is the *smallest* prefix of the sorted
     probabilities reaching top_p, so a prefix whose mass equals top_p exactly ends it (the

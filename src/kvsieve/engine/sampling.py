@@ -48,14 +48,17 @@ def gumbel_noise(seeds: Tensor, positions: Tensor, vocab: int) -> Tensor:
 
 def filter_logits(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     """logits [B, V] float32 with everything outside each row's top-k (0 = off) and top-p
-    nucleus (the smallest prefix of the sorted probabilities reaching top_p) set to -inf.
-    Ties at the cut-off are kept."""
+    nucleus set to -inf. As transformers' warpers and vLLM apply them: top-k first, then the
+    nucleus is the smallest prefix of the top-k's renormalised probabilities reaching top_p
+    (top_p >= 1: all of them, not the prefix a float32 running sum reaches 1.0 at). Ties at
+    the cut-off are kept."""
     B, V = logits.shape
     srt = logits.sort(-1, descending=True).values
     rank = torch.arange(V, device=logits.device)[None, :]
-    probs = srt.softmax(-1)
-    before = probs.cumsum(-1) - probs  # mass of the entries ranked above
-    keep = (before < top_p[:, None]) & ((top_k[:, None] == 0) | (rank < top_k[:, None]))
+    in_k = (top_k[:, None] == 0) | (rank < top_k[:, None])
+    probs = srt.masked_fill(~in_k, float("-inf")).softmax(-1)
+    before = probs.cumsum(-1) - probs  # mass of the entries ranked above, within the top k
+    keep = in_k & ((before < top_p[:, None]) | (top_p[:, None] >= 1))
     last = keep.sum(-1, keepdim=True).clamp(min=1) - 1
     cutoff = srt.gather(-1, last)
     return logits.masked_fill(logits < cutoff, float("-inf"))
