@@ -56,7 +56,7 @@ class _InOrder(argparse.Action):
 def read_text_file(f: str, flag: str, what: str = "prompt file") -> str:
     """A UTF-8 text file's contents, or one clear error (missing, a directory, not UTF-8):
     nothing is decoded with replacement characters. "-" reads standard input. A file and
-    standard input give the same text: line endings kept as they are ("\r\n" stays), a
+    standard input give the same text: line endings kept as they are ("\\r\\n" stays), a
     leading byte-order mark dropped (it marks the encoding; it is not text)."""
     if f == "-":
         try:
