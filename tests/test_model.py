@@ -282,6 +282,8 @@ def test_usage_errors_are_one_line_exit_2(capsys):
     (["--prompt", "hi", "--method", "streaming", "--local", "99999999999"], "local must be at most 16,777,216"),
     (["--prompt", "hi", "--device", "meta"], "kvsieve runs on cpu or cuda devices"),
     (["--prompt", "hi", "--kv-pages", "1000000000"], "give fewer KV pages (--kv-pages)"),
+    (["--no-chat", "--prompt", "Once upon a time", "--kv-pages", "2", "--max-new-tokens", "30"],
+     "a request of 4 prompt tokens and --max-new-tokens 30 caches up to 33 tokens"),  # (named max_new_tokens)
     (["--prompt", "hi", "--device", "mps"], "kvsieve runs on cpu or cuda devices"),
     # the template's tokens counted apart: "shorten the prompt to at most 2 tokens" could not be done
     (["--prompt", "Hi", "--max-new-tokens", "8190"], "--prompt 1 has 31 tokens (30 of them the chat template) and "

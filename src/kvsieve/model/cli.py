@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -181,7 +182,7 @@ def cmd_generate(args) -> int:
     try:
         res = run_requests(eng, tok, prompts, params, None, stream)
     except ValueError as e:  # the engine's refusal, in the flag's name
-        raise ValueError(str(e).replace("max_new_tokens is", "--max-new-tokens is")) from None
+        raise ValueError(re.sub(r"(?<![\w.-])max_new_tokens\b", "--max-new-tokens", str(e))) from None
     texts = [tok.decode(o.tokens, skip_special_tokens=True) for o in res]
     st = eng.stats
     gen = sum(len(o.tokens) for o in res)

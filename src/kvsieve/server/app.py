@@ -86,8 +86,11 @@ class Server(Responses):
                           status=404, code="model_not_found")
 
     def too_long(self, message: str, param: str) -> BadRequest:
-        """A request past the context, worded and coded as OpenAI's (clients trim and retry on it)."""
-        return BadRequest(f"This model's maximum context length is {self.max_positions} tokens. {message}", param,
+        """A request past the context, worded and coded as OpenAI's (clients trim and retry on it); the
+        length is /v1/models' max_model_len (the model's positions, or the KV pool's tokens if fewer)."""
+        sch = self.engine.scheduler
+        return BadRequest(f"This model's maximum context length is "
+                          f"{min(self.max_positions, sch.num_pages * sch.page_size)} tokens. {message}", param,
                           code="context_length_exceeded")
 
     def sampling(self, req, prompt_len: int, chat: bool) -> SamplingParams:
@@ -99,10 +102,12 @@ class Server(Responses):
                                  "differ; give one of them", "max_completion_tokens")
             field, max_tokens = "max_completion_tokens", req.max_completion_tokens
         sch = self.engine.scheduler
-        room = min(self.max_positions, sch.num_pages * sch.page_size) - prompt_len
+        pool = sch.num_pages * sch.page_size
+        # new tokens that fit: the model's positions hold them all, the pool all but the last (never fed back)
+        room = min(self.max_positions - prompt_len, pool - prompt_len + 1)
         scoring = echo and max_tokens == 0  # (a prompt that fills the context, scored, generating nothing)
-        if room < (0 if scoring else 1):
-            most = min(self.max_positions, sch.num_pages * sch.page_size) - (0 if scoring else 1)
+        if prompt_len > pool or self.max_positions - prompt_len < (0 if scoring else 1):
+            most = min(self.max_positions - (0 if scoring else 1), pool)
             raise self.too_long(
                 f"The prompt has {prompt_len} tokens but this server allows at most {most} (the model's "
                 f"{self.max_positions} positions, the KV pool's {sch.num_pages * sch.page_size} tokens"
@@ -116,8 +121,8 @@ class Server(Responses):
         elif max_tokens > room:
             raise self.too_long(
                 f"The prompt has {prompt_len} tokens and {field} is {max_tokens}, but at most {prompt_len + room} "
-                f"positions fit (the model allows {self.max_positions}, the KV pool holds "
-                f"{sch.num_pages * sch.page_size}); set {field} <= {room} or shorten the prompt", field)
+                f"positions fit (the model allows {self.max_positions}, the KV pool holds {pool} and the last new "
+                f"token is never cached); set {field} <= {room} or shorten the prompt", field)
         if req.temperature is not None and not 0 <= req.temperature <= 2:
             raise BadRequest(f"temperature must be a number in [0, 2], got {req.temperature}", "temperature")
         logprobs = self.logprobs_asked(req, chat)
