@@ -85,12 +85,15 @@ class Server(Responses):
         return BadRequest(f"model {name!r} is not served here; use {self.model_name!r} (GET /v1/models)", "model",
                           status=404, code="model_not_found")
 
-    def too_long(self, message: str, param: str) -> BadRequest:
-        """A request past the context, worded and coded as OpenAI's (clients trim and retry on it); the
-        length is /v1/models' max_model_len (the model's positions, or the KV pool's tokens if fewer)."""
+    @property
+    def max_model_len(self) -> int:
+        """A request's tokens are bounded by the model's positions and by the KV pool (/v1/models)."""
         sch = self.engine.scheduler
-        return BadRequest(f"This model's maximum context length is "
-                          f"{min(self.max_positions, sch.num_pages * sch.page_size)} tokens. {message}", param,
+        return min(self.max_positions, sch.num_pages * sch.page_size)
+
+    def too_long(self, message: str, param: str) -> BadRequest:
+        """A request past the context, worded and coded as OpenAI's (clients trim and retry on it)."""
+        return BadRequest(f"This model's maximum context length is {self.max_model_len} tokens. {message}", param,
                           code="context_length_exceeded")
 
     def sampling(self, req, prompt_len: int, chat: bool) -> SamplingParams:
@@ -110,7 +113,7 @@ class Server(Responses):
             most = min(self.max_positions - (0 if scoring else 1), pool)
             raise self.too_long(
                 f"The prompt has {prompt_len} tokens but this server allows at most {most} (the model's "
-                f"{self.max_positions} positions, the KV pool's {sch.num_pages * sch.page_size} tokens"
+                f"{self.max_positions} positions, the KV pool's {pool} tokens"
                 f"{'' if scoring else ', one new token'}); shorten the prompt (kvsieve never truncates)",
                 self.prompt_param(chat))
         if max_tokens is None:  # OpenAI's defaults: the rest of the context for chat, 16 for completions
@@ -411,9 +414,8 @@ def create_app(engine, model_name: str = "kvsieve", *, streaming_heads=None, max
         return await server.handle(request, chat=False)
 
     def model_card() -> dict:
-        sch = server.engine.scheduler  # a request's tokens are bounded by the model and by the KV pool
         return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "kvsieve",
-                "max_model_len": min(server.max_positions, sch.num_pages * sch.page_size)}
+                "max_model_len": server.max_model_len}
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
