@@ -356,6 +356,15 @@ def test_select_by_budget_fill_takes_the_longest_fitting_prefix(N, ties):
                                        listed=True, fill=True)
         for w, x in zip(want[:3] + tuple(want[3]), got[:3] + tuple(got[3])):
             assert torch.equal(w.int().cpu(), x.int().cpu())
+        # offsets=False (pages: the compaction reads the list): the same total and list, no mask or offsets
+        for impl, dev in ((rselect, "cpu"), (kselect, DEV)):
+            lean = impl.select_by_budget(s.to(dev), sizes.int().to(dev), bud.to(dev), listed=True, fill=True,
+                                         offsets=False)
+            assert len(lean) == 4 and lean[0] is None and lean[1] is None
+            for w, x in zip((want[2],) + tuple(want[3]), (lean[2],) + tuple(lean[3])):
+                assert torch.equal(w.int().cpu(), x.int().cpu())
+            with pytest.raises(ValueError, match="offsets=False needs listed=True"):
+                impl.select_by_budget(s.to(dev), sizes.to(dev), bud.to(dev), offsets=False)
         for r in range(3):
             for h in range(2):
                 cand = [i for i in range(N) if sizes[r, h, i] > 0 and math.isfinite(s[r, h, i].item())]
@@ -464,12 +473,12 @@ def test_compact_tokens(S, cap, N, mode):
 
 @pytest.mark.parametrize("S", [1, 54, 97, 700])
 @pytest.mark.parametrize("pool", [False, True])
-@pytest.mark.parametrize("by_entry", [False, True, "listed"])
+@pytest.mark.parametrize("by_entry", [False, True, "listed", "list-only"])
 def test_compact_streaming_rows(S, pool, by_entry):
     """Rows flagged as streaming heads (LServe's static heads inside the dynamic plan) get
     [0, sink) + [L - local, L) and nothing chosen, whatever the selection holds for them;
     the other rows keep their pages and windows: kernel (by position, by entry, by position
-    through the chosen pages' list) = twin = oracle."""
+    through the chosen pages' list, given the list alone: no mask or offsets) = twin = oracle."""
     g = torch.Generator().manual_seed(S)
     B, Hkv, W = 3, 4, 8
     lengths = torch.tensor([S, max(1, S - 7), max(1, S // 2)])
@@ -485,15 +494,24 @@ def test_compact_streaming_rows(S, pool, by_entry):
     table = torch.randperm(4 * B * (S // 4 + 1), generator=g)[:B * (S // 4 + 1)].view(B, -1).int() if pool else None
     cap = 24 + 8 + 13 + W
     args = (chosen, off, tot, None, None, None, W, a_end, a_start, lengths, cap, table, 4 if pool else 0)
-    listed = rselect.chosen_list(chosen) if by_entry == "listed" else None
+    listed = rselect.chosen_list(chosen) if by_entry in ("listed", "list-only") else None
     want_i, want_c = rselect.compact_tokens(*args, stream=(flags, 5, 11), listed=listed)
+    live = torch.arange(cap)[None, None, :] < want_c[..., None]
+    if by_entry == "list-only":  # what the page methods pass: the list stands in for chosen and offsets
+        args = (None, None) + args[2:]
+        twin_i, twin_c = rselect.compact_tokens(*args, stream=(flags, 5, 11), listed=listed)
+        assert torch.equal(twin_c, want_c) and torch.equal(twin_i[live], want_i[live])
     dev = [a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args]
     dev_listed = None if listed is None else rselect.ChosenList(*(t.to(DEV) for t in listed))
     got_i, got_c = kcompact.compact_tokens(*dev, stream=(flags.to(DEV), 5, 11), listed=dev_listed,
                                            _by_entry=None if listed is not None else by_entry)
     assert torch.equal(got_c.cpu(), want_c)
-    live = torch.arange(cap)[None, None, :] < want_c[..., None]
     assert torch.equal(got_i.cpu()[live], want_i[live])
+    if by_entry == "list-only":  # a launch that reads offsets builds them from the list; no list: one error
+        forced = kcompact.compact_tokens(*dev, stream=(flags.to(DEV), 5, 11), listed=dev_listed, _by_entry=True)
+        assert torch.equal(forced[1].cpu(), want_c) and torch.equal(forced[0].cpu()[live], want_i[live])
+        with pytest.raises(ValueError, match="only for pages with their ChosenList"):
+            kcompact.compact_tokens(*dev, stream=(flags.to(DEV), 5, 11))
     for b in range(B):  # the oracle
         L = int(lengths[b])
         for h in range(Hkv):

@@ -14,7 +14,7 @@ from kvsieve.methods import make_method  # noqa: E402
 from kvsieve.methods.pages import PageSelect  # noqa: E402
 from kvsieve.ops import pages as rpages  # noqa: E402
 from kvsieve.ops.paged import plan_positions  # noqa: E402
-from kvsieve.ops.select import chosen_list  # noqa: E402
+from kvsieve.ops.select import ChosenList, chosen_list, pages_from_list  # noqa: E402
 
 from conftest import clustered_qkv  # noqa: E402
 
@@ -100,10 +100,11 @@ def test_kernel_matches_twin_and_oracle(G, D, dtype, reduce, r, skip, config):
         assert (got[flags.expand(B, Hkv)] == float("-inf")).all()
 
 
-def old_choose(self, q, state, lengths, skip=None):
+def old_choose(self, q, state, lengths, skip=None, with_offsets=False):
     """PageSelect._choose before the fused kernel (per-head scores, torch reductions and
     candidate masking, sizes per page), with today's semantics: tied pages split in page
-    order (fill), the page of the token being decoded kept even at local=0; it had no skip."""
+    order (fill), the page of the token being decoded kept even at local=0; it had no skip.
+    with_offsets: its chosen pages and offsets instead (the list implies them now)."""
     cfg = self.config
     pp = cfg.physical_page_size
     B, Hq, _ = q.shape
@@ -126,7 +127,9 @@ def old_choose(self, q, state, lengths, skip=None):
     budget = torch.full((B, Hkv), kpages * pp, dtype=torch.int32, device=q.device)
     chosen, offsets, total = dispatch.select_by_budget(s, sizes, budget, fill=True)
     ends = always_end.expand(B, Hkv).contiguous(), always_start.expand(B, Hkv).contiguous()
-    return chosen, offsets, total, *ends, *chosen_list(chosen)  # (the list: the twin's, of the same choice)
+    if with_offsets:
+        return chosen, offsets
+    return total, *ends, *chosen_list(chosen)  # (the list: the twin's, of the same choice)
 
 
 def tied_case(G, D, dtype, seed):
@@ -154,8 +157,9 @@ def plans_equal(a, b):
     (8, 64, torch.float32, {"budget": 64, "physical_page_size": 16, "gqa_reduce": "sum", "sink": 16}),
 ])
 def test_fresh_selection_is_unchanged(kernels, G, D, dtype, opts, monkeypatch):
-    """Chosen pages, offsets, totals and windows equal the old path's bit for bit (torch
-    references, and the kernels under the interpreter/CUDA), ties included; so do the plans."""
+    """Chosen pages (listed), totals and windows equal the old path's bit for bit (torch
+    references, and the kernels under the interpreter/CUDA), ties included, and so do the
+    chosen mask and offsets that the list implies; so do the plans."""
     monkeypatch.setenv("KVSIEVE_KERNELS", kernels)
     q, k, lengths = tied_case(G, D, dtype, seed=G + D)
     m = make_method("pages", reuse_steps=1, **opts)
@@ -163,11 +167,15 @@ def test_fresh_selection_is_unchanged(kernels, G, D, dtype, opts, monkeypatch):
     q, lengths = q.to(DEV), lengths.to(DEV)
     st.kmin, st.kmax, st.lengths = st.kmin.to(DEV), st.kmax.to(DEV), lengths
     new, old = m._choose(q, st, lengths), old_choose(m, q, st, lengths)
+    assert len(new) == len(old) == 5
     for a, b in zip(new, old):
         assert torch.equal(a.expand_as(b), b)  # the windows are [B, 1] now, broadcast over heads
-    assert (0 < new[2][3]).all() and (new[2][3] < new[4][3] - new[3][3]).all()  # a real choice (row 3)
+    chosen, offsets = old_choose(m, q, st, lengths, with_offsets=True)
+    implied = pages_from_list(ChosenList(new[3], new[4]), None, m.config.physical_page_size)
+    assert torch.equal(implied[0], chosen) and torch.equal(implied[1], offsets)
+    assert (0 < new[0][3]).all() and (new[0][3] < new[2][3] - new[1][3]).all()  # a real choice (row 3)
     cfg = m.config
-    s = dispatch.physical_page_scores(q, st.kmin, st.kmax, lengths, new[3], new[4], cfg.page_size,
+    s = dispatch.physical_page_scores(q, st.kmin, st.kmax, lengths, new[1], new[2], cfg.page_size,
                                       cfg.physical_page_size, cfg.gqa_reduce)
     fin = s[torch.isfinite(s)]
     assert fin.numel() > torch.unique(fin).numel()  # tied candidates
@@ -246,13 +254,13 @@ def test_lserve_skips_streaming_heads_and_plans_the_same(kernels, monkeypatch):
     for layer in range(2):
         st = m.prepare(k.to(DEV), lengths, layer)
         plan = m.plan(q, st, lengths, LENGTHS)
-        chosen_tokens = st.dynamic.last_plan[2]  # [B, Hkv]
+        chosen_tokens = st.dynamic.last_plan[0]  # [B, Hkv]
         streaming = torch.tensor(flags[layer], device=DEV)
         assert (chosen_tokens[:, streaming] == 0).all() and (chosen_tokens[3, ~streaming] > 0).all()
         with monkeypatch.context() as mp:
             mp.setattr(PageSelect, "_choose", old_choose)
             old = m.plan(q, st, lengths, LENGTHS)
-            assert (st.dynamic.last_plan[2][3, streaming] > 0).all()  # the old path chose pages there
+            assert (st.dynamic.last_plan[0][3, streaming] > 0).all()  # the old path chose pages there
         assert plans_equal(plan, old)
 
 
@@ -444,7 +452,7 @@ def test_a_reused_selection_survives_growth_and_rebuilds(kernels, monkeypatch):
     want = token_sets(m.plan(q, ref, lengths, LENGTHS))
     assert token_sets(m.plan(q, st, lengths, LENGTHS)) == want
     rebuilt = m.merge_states([m.take_states(st, [0, 1]), m.take_states(st, [2, 3])])
-    assert rebuilt.steps == [2] * 4 and rebuilt.last_plan[0].shape == st.last_plan[0].shape
+    assert rebuilt.steps == [2] * 4 and rebuilt.last_plan[3].shape == st.last_plan[3].shape
     m.maintain(rebuilt, lengths, LENGTHS, None)
     assert rebuilt.mode == "reuse" and token_sets(m.plan(q, rebuilt, lengths, LENGTHS)) == want
     fresh = m.merge_states([m.take_states(st, [0, 1, 2]), m.prepare(k[3:], lengths[3:])])

@@ -106,17 +106,17 @@ def windowed_page_scores(q, kmin, kmax, lengths, sink, local, page_size, physica
     return impl(q, kmin, kmax, lengths, sink, local, page_size, physical_page_size, gqa_reduce, skip)
 
 
-def select_by_budget(scores, sizes, budget, listed=False, fill=False):
+def select_by_budget(scores, sizes, budget, listed=False, fill=False, offsets=True):
     if use_triton(scores):
         from .kernels.select import select_by_budget as kernel
-        return kernel(scores, sizes, budget, listed, fill)
-    return _select_ref.select_by_budget(scores, sizes, budget, listed, fill)
+        return kernel(scores, sizes, budget, listed, fill, offsets)
+    return _select_ref.select_by_budget(scores, sizes, budget, listed, fill, offsets)
 
 
 def compact_tokens(chosen, offsets, total, members, entry_start, sizes, width,
                    always_end, always_start, lengths, cap, block_table=None, page_size=0, stream=None, listed=None):
     impl = _select_ref.compact_tokens
-    if use_triton(offsets):
+    if use_triton(total):
         from .kernels.compact import compact_tokens as impl
     return impl(chosen, offsets, total, members, entry_start, sizes, width,
                 always_end, always_start, lengths, cap, block_table, page_size, stream, listed)

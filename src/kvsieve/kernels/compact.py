@@ -13,7 +13,7 @@ from torch import Tensor
 
 from . import int32_contiguous, next_pow2, unit_last
 from .pdl import launch_args, start_after_producer
-from ..ops.select import ChosenList
+from ..ops.select import ChosenList, pages_from_list
 
 
 @triton.jit
@@ -211,7 +211,7 @@ def listed_programs(rows: int) -> int:
     return min(64, max(16, 16384 // max(rows, 1)))
 
 
-def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Optional[Tensor],
+def compact_tokens(chosen: Optional[Tensor], offsets: Optional[Tensor], total: Tensor, members: Optional[Tensor],
                    entry_start: Optional[Tensor], sizes: Optional[Tensor], width: int,
                    always_end: Tensor, always_start: Tensor, lengths: Tensor, cap: int,
                    block_table: Optional[Tensor] = None, page_size: int = 0,
@@ -226,10 +226,15 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
     compact by position through the list, whatever the lists' length.
     `chosen` and `sizes` are implied by `offsets` here (only chosen entries own positions;
     a page crossing always_start must have been offered with its clipped size; pages with
-    `listed`: every chosen page holds `width` tokens, as ops.select.compact_tokens says)."""
-    B, Hkv, N = chosen.shape
-    dev = chosen.device
+    `listed`: every chosen page holds `width` tokens, as ops.select.compact_tokens says;
+    chosen and offsets may then be None, as there)."""
     csr = members is not None
+    unlisted = chosen is None or offsets is None
+    if unlisted and (listed is None or csr or _by_entry):  # (the launch forced by entry reads the offsets)
+        chosen, offsets = pages_from_list(listed, members, width)  # (raises where no list stands in)
+        unlisted = False
+    B, Hkv, N = listed.ids.shape if unlisted else chosen.shape
+    dev = total.device
     M = members.shape[-1] if csr else 0
     idx = torch.empty(B, Hkv, cap, dtype=torch.int32, device=dev)
     cnt = torch.empty(B, Hkv, dtype=torch.int32, device=dev)
@@ -242,7 +247,7 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
     win = win.view(torch.uint8) if win.dtype == torch.bool else win
     block = 256
     table = cnt if block_table is None else unit_last(block_table)  # (cnt: an unused pointer)
-    args = (i32(offsets), i32(total), mem, est, ae, ast, unit_last(lengths), table, idx,
+    args = (cnt if unlisted else i32(offsets), i32(total), mem, est, ae, ast, unit_last(lengths), table, idx,
             cnt, win, Hkv, N, M, cap, width, ae.stride(0), ae.stride(1), ast.stride(0), ast.stride(1),
             table.stride(0) if block_table is not None else 0, win.stride(0), win.stride(1), w_sink, w_local)
     flags = dict(BLOCK=block, POOL_ROWS=block_table is not None, PAGE=max(page_size, 1),

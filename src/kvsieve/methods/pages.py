@@ -47,7 +47,7 @@ class PageState:
     steps: Optional[List[int]] = None  # per row (None: every row at 0)
     last_mask: Optional[Tensor] = None
     last_len: Optional[Tensor] = None
-    last_plan: Optional[tuple] = None  # (chosen, offsets, total, always_end, always_start, ids, count), fast path
+    last_plan: Optional[tuple] = None  # (total, always_end, always_start, ids, count), fast path
     mode: Optional[str] = None  # set by maintain(): the next plan's "fresh" (every row), "some" or "reuse"
     due: Optional[Tensor] = None  # [B] bool: the rows selecting anew at a "some" step
     consts: Optional[tuple] = None  # (page sizes, budget) a fresh selection reuses (_consts)
@@ -200,16 +200,12 @@ class PageSelect(SparseMethod):
 
     @staticmethod
     def _pad_plan(plan: tuple, Pp: int) -> tuple:
-        """A selection over Pp physical pages: pages past its own unchosen (their offsets at
-        the row's total, so they own no positions)."""
-        chosen, offsets, total, always_end, always_start, ids, count = plan
-        grow = Pp - chosen.shape[-1]
+        """A selection over Pp physical pages: pages past its own unchosen (not listed)."""
+        total, always_end, always_start, ids, count = plan
+        grow = Pp - ids.shape[-1]
         if grow <= 0:
             return plan
-        chosen = torch.nn.functional.pad(chosen, (0, grow), value=False)
-        offsets = torch.cat([offsets, total[..., None].to(offsets.dtype).expand(*total.shape, grow)], dim=-1)
-        ids = torch.nn.functional.pad(ids, (0, grow), value=-1)
-        return chosen, offsets, total, always_end, always_start, ids, count
+        return total, always_end, always_start, torch.nn.functional.pad(ids, (0, grow), value=-1), count
 
     def step_variant(self, state: PageState):
         return state.mode or "fresh"
@@ -322,9 +318,9 @@ class PageSelect(SparseMethod):
             else:  # in place: a captured reuse step reads these buffers
                 for dst, src in zip(state.last_plan, new):
                     dst.copy_(src)
-        chosen, offsets, total, always_end, always_start, ids, count = state.last_plan
+        total, always_end, always_start, ids, count = state.last_plan
         table, page = row_table(keys)
-        idx, counts = dispatch.compact_tokens(chosen, offsets, total, None, None, None, pp, always_end, always_start,
+        idx, counts = dispatch.compact_tokens(None, None, total, None, None, None, pp, always_end, always_start,
                                               lengths, cap, table, page, stream=stream, listed=ChosenList(ids, count))
         return TokenPlan(idx, counts, cap, table is not None)
 
@@ -332,7 +328,8 @@ class PageSelect(SparseMethod):
         """Top physical pages between the sink pages and the local pages (the same pages as
         _fresh, as token ranges instead of a mask): one fused scoring pass over the
         summaries (non-candidate pages and skipped rows score -inf), then the budget, which
-        also lists the chosen pages (the compaction finds a position's page in that list)."""
+        also lists the chosen pages (the compaction finds a position's page in that list, so
+        the search writes no chosen mask or offsets)."""
         cfg = self.config
         pp = cfg.physical_page_size
         B, Hkv = q.shape[0], state.kmin.shape[1]
@@ -342,9 +339,9 @@ class PageSelect(SparseMethod):
                                                                     skip)
         Pp = s.shape[-1]
         sizes, budget = self._consts(state, Pp, q.device)
-        chosen, offsets, total, listed = dispatch.select_by_budget(s, sizes.expand(B, Hkv, Pp), budget.expand(B, Hkv),
-                                                                   listed=True, fill=True)
-        return chosen, offsets, total, always_end, always_start, *listed
+        _, _, total, listed = dispatch.select_by_budget(s, sizes.expand(B, Hkv, Pp), budget.expand(B, Hkv),
+                                                        listed=True, fill=True, offsets=False)
+        return total, always_end, always_start, *listed
 
     def _consts(self, state: PageState, Pp: int, device):
         """[1, 1, Pp] page sizes (candidates: finite scores) and [1, 1] token budget ([1, Hkv]

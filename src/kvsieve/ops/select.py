@@ -141,7 +141,7 @@ def radius_bound(per_head: Tensor, q: Tensor, radius: Tensor) -> Tensor:
 
 
 def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor, listed: bool = False,
-                     fill: bool = False) -> tuple:
+                     fill: bool = False, offsets: bool = True) -> tuple:
     """Take entries in descending score order while their total size stays <= budget.
 
     scores [R..., N] float (-inf: not a candidate); sizes [R..., N] int (0: not a
@@ -152,8 +152,12 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor, listed: bool
     longest prefix of the order (score descending, then entry) that fits, at least the first.
     Returns chosen [R..., N] bool, offsets [R..., N] int32 (exclusive running sum of the
     chosen sizes in entry order: where each chosen entry's tokens go) and total [R...]
-    int32 (tokens chosen), and with `listed` the ChosenList of chosen.
+    int32 (tokens chosen), and with `listed` the ChosenList of chosen. offsets=False (with
+    `listed`, for pages, whose compaction reads only the list): chosen and offsets are
+    returned as None (the GPU kernel then skips a running sum and two row-wide stores).
     """
+    if not offsets and not listed:
+        raise ValueError("select_by_budget: offsets=False needs listed=True (the list is then the only selection)")
     lead, N = scores.shape[:-1], scores.shape[-1]
     R = math.prod(lead)
     s = scores.reshape(R, N).double()
@@ -161,7 +165,7 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor, listed: bool
     bud = budget.expand(lead).reshape(R, 1).long()
     cand = torch.isfinite(s) & (z > 0)
     if N == 0:  # no entries: nothing chosen
-        return _budget_outputs(cand, z, lead, N, listed)
+        return _budget_outputs(cand, z, lead, N, listed, offsets)
     s = s.masked_fill(~cand, float("-inf"))
     srt, order = s.sort(dim=-1, descending=True, stable=True)
     csum = (z.gather(-1, order) * cand.gather(-1, order)).cumsum(-1)
@@ -169,7 +173,7 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor, listed: bool
         first = torch.arange(N, device=s.device) == 0
         keep = torch.isfinite(srt) & ((csum <= bud) | first)
         chosen = torch.zeros_like(cand).scatter_(-1, order, keep)
-        return _budget_outputs(chosen, z, lead, N, listed)
+        return _budget_outputs(chosen, z, lead, N, listed, offsets)
     # tokens taken if the threshold is srt[j]: every entry scoring >= srt[j]
     group_end = torch.searchsorted(-srt.contiguous(), -srt.contiguous(), right=True) - 1
     taken = csum.gather(-1, group_end)
@@ -177,14 +181,16 @@ def select_by_budget(scores: Tensor, sizes: Tensor, budget: Tensor, listed: bool
     # lowest admissible threshold; else the best group alone
     j = (ok.sum(-1) - 1).clamp(min=0)  # ok holds on a prefix: taken grows with j
     thr = srt.gather(-1, j[:, None])
-    return _budget_outputs(cand & (s >= thr), z, lead, N, listed)
+    return _budget_outputs(cand & (s >= thr), z, lead, N, listed, offsets)
 
 
-def _budget_outputs(chosen: Tensor, z: Tensor, lead, N: int, listed: bool) -> tuple:
+def _budget_outputs(chosen: Tensor, z: Tensor, lead, N: int, listed: bool, with_offsets: bool = True) -> tuple:
     """select_by_budget's outputs from chosen [R, N] bool and sizes z [R, N]."""
     chosen_sizes = (z * chosen).to(torch.int32)
     offsets = chosen_sizes.cumsum(-1, dtype=torch.int32) - chosen_sizes
     out = chosen.view(*lead, N), offsets.view(*lead, N), chosen_sizes.sum(-1, dtype=torch.int32).view(lead)
+    if not with_offsets:
+        return None, None, out[2], chosen_list(out[0])
     return (*out, chosen_list(out[0])) if listed else out
 
 
@@ -204,7 +210,7 @@ def chosen_list(chosen: Tensor) -> ChosenList:
     return ChosenList(torch.where(torch.arange(N, device=chosen.device) < count[..., None], ids, -1), count)
 
 
-def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Optional[Tensor],
+def compact_tokens(chosen: Optional[Tensor], offsets: Optional[Tensor], total: Tensor, members: Optional[Tensor],
                    entry_start: Optional[Tensor], sizes: Optional[Tensor], width: int,
                    always_end: Tensor, always_start: Tensor, lengths: Tensor, cap: int,
                    block_table: Optional[Tensor] = None, page_size: int = 0,
@@ -227,9 +233,12 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
     listed: chosen as a ChosenList, where the caller has it (the Triton twin then visits
     only the chosen clusters, or finds a page position's page at position // width; the
     result is the same). For pages it requires every chosen page to hold `width` tokens
-    (none crossing always_start), as the page methods choose them.
+    (none crossing always_start), as the page methods choose them; chosen and offsets may
+    then be None (select_by_budget(offsets=False)): the list implies them.
     Returns indices [B, Hkv, cap] int32 and counts [B, Hkv] int32.
     """
+    if chosen is None or offsets is None:
+        chosen, offsets = pages_from_list(listed, members, width)
     B, Hkv, N = chosen.shape
     dev = chosen.device
     always_end = torch.minimum(always_end.expand(B, Hkv).long(), lengths[:, None])
@@ -282,6 +291,19 @@ def compact_tokens(chosen: Tensor, offsets: Tensor, total: Tensor, members: Opti
     return out, counts
 
 
+def pages_from_list(listed: Optional[ChosenList], members: Optional[Tensor], width: int) -> Tuple[Tensor, Tensor]:
+    """chosen [B, Hkv, N] bool and offsets [B, Hkv, N] int32 of pages listed in `listed`,
+    every chosen page `width` tokens (compact_tokens without them)."""
+    if listed is None or members is not None:
+        raise ValueError("compact_tokens: chosen and offsets may be left out only for pages with their ChosenList")
+    ids = listed.ids.long()
+    N = ids.shape[-1]
+    chosen = torch.zeros(*ids.shape[:-1], N + 1, dtype=torch.bool, device=ids.device)
+    chosen = chosen.scatter_(-1, torch.where(ids >= 0, ids, N), True)[..., :N]
+    sizes = chosen.to(torch.int32) * width
+    return chosen, sizes.cumsum(-1, dtype=torch.int32) - sizes
+
+
 BOX_LEVELS = 255  # a box offset is a whole number of its cluster's steps, 0..255 (uint8)
 
 
@@ -293,7 +315,8 @@ def quantize_box(kmin: Tensor, kmax: Tensor, centroids: Tensor) -> Tuple[Tensor,
     side 0 holds hi's offset above the centroid, side 1 lo's below it, in steps of
     max offset / 255, so box_bounds' centroid + codes[0] step >= kmax and
     centroid - codes[1] step <= kmin in every channel. Half the bytes of a bf16 box, and
-    the bound it gives is at most |q|_1 step above the exact box's."""
+    the bound it gives is at most |q|_1 step above the exact box's where the centroid lies
+    within kmin..kmax (offsets are >= 0: elsewhere the box reaches back to the centroid)."""
     ct = torch.float64 if centroids.dtype == torch.float64 else torch.float32
     c = centroids.to(ct)
     offset = torch.stack([kmax.to(ct) - c, c - kmin.to(ct)], -2).clamp(min=0)  # [..., C, 2, D]
