@@ -1,5 +1,6 @@
 """Our Llama-family forward vs transformers on tiny random models of each supported type, and the
 same models through GGUF files (RoPE scaling carried over)."""
+import json
 import math
 
 import numpy as np
@@ -70,11 +71,11 @@ GEMMA_TENSORS = {**GGUF_TENSORS, "post_attention_layernorm": "post_attention_nor
                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def tiny_gguf(path, hf, arch="llama", keys=None, extra=None, drop=()):
+def tiny_gguf(path, hf, arch="llama", keys=None, extra=None, drop=(), tokens=None):
     """hf (a tiny transformers model) as a float32 GGUF file written the way llama.cpp's converter
     writes one: its metadata (`keys` overrides a key after "<arch>."; None leaves it out), q/k
-    rows permuted for llama, Gemma's norm weights + 1, a byte-level vocabulary; extra(writer)
-    adds keys or tensors; the GGUF tensors named in `drop` are left out."""
+    rows permuted for llama, Gemma's norm weights + 1, a byte-level vocabulary (`tokens` replaces
+    it); extra(writer) adds keys or tensors; the GGUF tensors named in `drop` are left out."""
     import gguf
 
     c = hf.config
@@ -92,7 +93,7 @@ def tiny_gguf(path, hf, arch="llama", keys=None, extra=None, drop=()):
             (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
-    w.add_token_list(byte_vocab(c.vocab_size))
+    w.add_token_list(tokens or byte_vocab(c.vocab_size))
     w.add_token_types([1] * 257 + [3] * (c.vocab_size - 257))
     w.add_token_merges(["Ġ t"])
     w.add_bos_token_id(257)
@@ -507,6 +508,15 @@ def test_a_gguf_is_read_alone_with_its_end_of_turn_token_and_bad_files_are_named
     want = load_tokenizer(alone).encode("hello there")
     assert load_tokenizer(beside).encode("hello there") == want
     assert load_weights(alone).cfg.eos_token_ids == (258, 7) and load_weights(beside).cfg.eos_token_ids == (258,)
+    # no end-of-turn key: the tokens llama.cpp ends generation on by their text (gemma3-270m's <end_of_turn>)
+    vocab = byte_vocab(hf.config.vocab_size)
+    vocab[299], vocab[290], vocab[280], vocab[270] = "<end_of_turn>", "<|endoftext|>", "end_of_turn", "<eot>"
+    by_text = convert_gguf(tiny_gguf(tmp_path / "c.gguf", hf, tokens=vocab), tmp_path / "cache" / "c")
+    assert load_weights(by_text).cfg.eos_token_ids == (258, 299, 290)
+    both = convert_gguf(tiny_gguf(tmp_path / "d.gguf", hf, tokens=vocab, extra=lambda w: w.add_eot_token_id(299)),
+                        tmp_path / "cache" / "d")
+    assert load_weights(both).cfg.eos_token_ids == (258, 299, 290)
+    assert json.loads((by_text / "generation_config.json").read_text())["eos_token_id"] == [258, 299, 290]
     c = hf.config
     for case, keys, extra, message in [
             ("split", None, lambda w: (w.add_uint16("split.no", 0), w.add_uint16("split.count", 2)),

@@ -59,7 +59,7 @@ def test_pattern_file_dense_heads_are_read_and_checked(tmp_path):
     assert load_dense_heads(path, 30, 3) == ()  # a model's shipped file without them: none
     with pytest.raises(ValueError, match="holds no dense_heads"):  # --dense-heads FILE must hold them
         parse_heads(str(path))
-    with pytest.raises(ValueError, match=r"name 7:2, but this model has 4 layers x 3 KV heads"):
+    with pytest.raises(ValueError, match=r"dense head 7:2, but this model has 4 layers x 3 KV heads"):
         load_dense_heads(_write(tmp_path, [[7, 2]]), 4, 3)
     with pytest.raises(ValueError, match="malformed 'dense_heads'"):
         load_dense_heads(_write(tmp_path, [[1, -1]]))
@@ -91,7 +91,7 @@ def test_the_embedded_model_ships_dense_heads_that_tactic_and_hybrid_take_by_def
     assert dense_heads_for("quest", {"budget": 4096}, EMBEDDED_DIR, 30, 3) == shipped  # its only mode
     assert dense_heads_for("streaming", {}, EMBEDDED_DIR, 30, 3) is None
     assert dense_heads_for("tactic", {}, "/models/another-model", 30, 3) is None
-    with pytest.raises(ValueError, match="name 31:0, but this model has 30 layers"):
+    with pytest.raises(ValueError, match="dense head 31:0, but this model has 30 layers"):
         dense_heads_for("tactic", {"dense_heads": ((31, 0),)}, EMBEDDED_DIR, 30, 3)
     opts = model_head_options("tactic", {}, EMBEDDED_DIR, 30, 3)
     assert opts == {"dense_heads": shipped}
@@ -290,6 +290,6 @@ def test_a_pattern_files_method_ratios_name_streaming_methods(tmp_path):
 def test_a_dense_heads_file_naming_a_head_the_model_lacks_is_named_in_the_error(tmp_path):
     path = tmp_path / "oob.streaming.json"
     path.write_text(json.dumps({"format": "kvsieve-streaming-heads/1", "dense_heads": [[30, 0]]}))
-    with pytest.raises(ValueError, match=r"dense heads of file '.*oob.streaming.json' name 30:0, but this model has "
+    with pytest.raises(ValueError, match=r"file '.*oob.streaming.json' names the dense head 30:0, but this model has "
                                          r"30 layers x 3 KV heads"):
         dense_heads_for("tactic", {"dense_heads": parse_heads(str(path))}, EMBEDDED_DIR, 30, 3)

@@ -252,7 +252,8 @@ def test_gemma3_270m_config_facts():
     assert c.global_layers() == (5, 11, 17) and all(c.layer_window(i) == 512 for i in range(18) if i % 6 != 5)
     assert (c.rope_theta, c.rope_local_theta, c.query_pre_attn_scalar) == (1e6, 1e4, 256)
     assert c.rope_scaling is None and c.final_logit_softcapping is None and c.attn_logit_softcapping is None
-    assert c.tie_word_embeddings and c.eos_token_ids == (1,) and c.hidden_activation == "gelu_pytorch_tanh"
+    # <end_of_turn> (106) ends generation, as llama.cpp and Gemma 3's own config take it: the GGUF names no eot token
+    assert c.tie_word_embeddings and c.eos_token_ids == (1, 106) and c.hidden_activation == "gelu_pytorch_tanh"
 
 
 @pytest.mark.slow

@@ -271,8 +271,8 @@ def test_usage_errors_are_one_line_exit_2(capsys):
     (["--method", "tactic", "--dense-prefill", "--prompt", "hi"], "--dense-prefill does not apply to --method tactic"),
     (["--threshold", "1.5", "--prompt", "hi"], "threshold must be a number in (0, 1]"),
     (["--dense-heads", "7-2", "--prompt", "hi"], "--dense-heads must be layer:kv_head pairs separated by commas"),
-    (["--dense-heads", "7:9", "--prompt", "hi"], "name 7:9, but this model has 30 layers x 3 KV heads"),
-    (["--dense-heads", "30:0", "--prompt", "hi"], "name 30:0, but this model has 30 layers x 3 KV heads"),
+    (["--dense-heads", "7:9", "--prompt", "hi"], "dense head 7:9, but this model has 30 layers x 3 KV heads"),
+    (["--dense-heads", "30:0", "--prompt", "hi"], "dense head 30:0, but this model has 30 layers x 3 KV heads"),
     (["--dense-heads", "/nonexistent/heads.json", "--prompt", "hi"], "dense-heads file '/nonexistent/heads.json' "
                                                                         "not found"),
     (["--prompt-file", "/nonexistent.txt"], "prompt file '/nonexistent.txt' not found"),

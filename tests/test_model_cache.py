@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("filelock")
 
 from kvsieve.model import gguf as gguf_reader, loader  # noqa: E402
+from kvsieve.model.cache import CONVERSION_FORMAT  # noqa: E402
 
 CONFIG = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
               num_attention_heads=2, max_position_embeddings=64)
@@ -315,9 +316,10 @@ def test_environment_variables_are_read_as_documented(monkeypatch):
 
 def test_an_entry_damaged_later_is_converted_again_and_other_damage_names_the_fix(tmp_path, fake_gguf, monkeypatch):
     """An entry whose files were later cut short or deleted (its manifest's sizes no longer
-    match) is converted again, not loaded half; where a damaged file keeps its size, or an
-    entry predates the manifest, the error says to delete the entry (not to download the model);
-    an unreadable weights file is named as unreadable, not as missing."""
+    match), or one an earlier version wrote (an older manifest format, or none), is converted
+    again, not loaded half; where a damaged file keeps its size, the error says to delete the
+    entry (not to download the model); an unreadable weights file is named as unreadable, not
+    as missing."""
     path, reads = fake_gguf
     monkeypatch.setenv("KVSIEVE_CACHE_DIR", str(tmp_path / "cache"))
     out = loader.convert_gguf(path, tmp_path / "cache" / "m")
@@ -331,8 +333,17 @@ def test_an_entry_damaged_later_is_converted_again_and_other_damage_names_the_fi
     (out / "config.json").write_text("x" * len(json.dumps(CONFIG)))  # same size: not seen by the manifest
     with pytest.raises(ValueError, match=f"entry {out} is damaged: delete it, and kvsieve converts the model again"):
         loader.load_weights(out)
-    (out / "kvsieve-entry.json").unlink()  # an entry of an older kvsieve: accepted as before
-    assert loader.is_converted(out)
+    manifest = json.loads((out / "kvsieve-entry.json").read_text())
+    assert manifest["format"] == CONVERSION_FORMAT
+    for older in ({"files": manifest["files"]}, None):  # entries earlier versions wrote: converted again, once
+        if older is None:
+            (out / "kvsieve-entry.json").unlink()
+        else:
+            (out / "kvsieve-entry.json").write_text(json.dumps(older))
+        assert not loader.is_converted(out)
+        assert loader.convert_gguf(path, out) == out and loader.is_converted(out)
+        assert loader.convert_gguf(path, out) == out
+    assert len(reads) == 5 and json.loads((out / "config.json").read_text()) == CONFIG
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "config.json").write_text("{not json")

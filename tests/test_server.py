@@ -662,10 +662,10 @@ def test_per_request_tactic_takes_the_model_dense_heads_unless_it_names_others_o
         assert server.method({"method": "hybrid", "budget": 64})[1] == {"budget": 64}
         server.streaming_heads["dense"]["quest"] = ((1, 0),)  # a page method keeps them with a budget
         assert server.method({"method": "quest", "budget": 64})[1] == {"budget": 64, "dense_heads": ((1, 0),)}
-        with pytest.raises(Exception, match="name 99:0, but this model has 30 layers x 3 KV heads") as e:
+        with pytest.raises(Exception, match="dense head 99:0, but this model has 30 layers x 3 KV heads") as e:
             server.method({"method": "tactic", "dense_heads": [[99, 0]]})
         assert e.value.param == "kvsieve.dense_heads"
-        with pytest.raises(ValueError, match="name 30:1, but this model has 30 layers"):  # the engine checks too
+        with pytest.raises(ValueError, match="dense head 30:1, but this model has 30 layers"):  # the engine checks too
             server.engine.method_key("tactic", {"dense_heads": ((30, 1),)})
         # a server started with a budget: a request naming nothing of the mode keeps it (no dense heads:
         # "dense_heads applies to the threshold mode" refused them); one asking for the threshold mode gets it

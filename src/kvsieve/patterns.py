@@ -299,7 +299,7 @@ def check_dense_heads(heads, num_layers: Optional[int], num_kv_heads: Optional[i
                          "this model with `kvsieve calibrate`")
     bad = [(a, b) for a, b in heads if num_layers is not None and (a >= num_layers or b >= num_kv_heads)]
     if bad:
-        raise ValueError(f"dense heads of {source} name {bad[0][0]}:{bad[0][1]}, but this model has {num_layers} "
+        raise ValueError(f"{source} names the dense head {bad[0][0]}:{bad[0][1]}, but this model has {num_layers} "
                          f"layers x {num_kv_heads} KV heads, counted from 0: name layers 0-{num_layers - 1} and "
                          f"heads 0-{num_kv_heads - 1}")
 

@@ -55,6 +55,9 @@ def cache_lock(out: Path):
 
 
 MANIFEST = "kvsieve-entry.json"  # written into a converted entry after its files: their names and sizes
+# what a conversion writes, by version: an entry of another version (or none) is converted again.
+# 2: a GGUF's end-of-generation tokens found by their text, as llama.cpp finds them (gguf.EOG_TEXTS)
+CONVERSION_FORMAT = 2
 CONVERTED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "chat_template.jinja", "model.safetensors.index.json", MANIFEST)
 
@@ -77,19 +80,21 @@ def write_manifest(d: Path) -> None:
     """Record d's files and sizes (MANIFEST), so that an entry damaged later (a file deleted or
     truncated by hand) is converted again instead of failing to load."""
     files = {f.name: f.stat().st_size for f in sorted(d.iterdir()) if f.is_file() and f.name != MANIFEST}
-    (d / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+    (d / MANIFEST).write_text(json.dumps({"format": CONVERSION_FORMAT, "files": files}, indent=1))
 
 
 def is_converted(out: Path) -> bool:
-    """out is a complete converted entry: every file its manifest lists is there at its size
-    (entries written before the manifest: config, weights and tokenizer config present)."""
+    """out is a complete converted entry of this version's conversion: every file its manifest
+    lists is there at its size, and the manifest's format is CONVERSION_FORMAT (an entry an
+    earlier version wrote, with or without a manifest, is converted again)."""
     if not (is_hf_dir(out) and (out / "tokenizer_config.json").is_file()):
         return False
     try:
-        files = json.loads((out / MANIFEST).read_text())["files"]
-    except FileNotFoundError:
-        return True
-    except (OSError, ValueError, KeyError, TypeError):
+        manifest = json.loads((out / MANIFEST).read_text())
+        files = manifest["files"]
+        if manifest.get("format") != CONVERSION_FORMAT:
+            return False
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
     try:
         return isinstance(files, dict) and all((out / n).stat().st_size == size for n, size in files.items())

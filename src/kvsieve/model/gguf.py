@@ -30,6 +30,13 @@ GGUF_ROPE_KEYS = ("type", "factor", "original_context_length", "finetuned", "yar
 GGUF_ROPE_NEUTRAL = {"attn_factor": 1.0, "yarn_ext_factor": 1.0, "yarn_attn_factor": 1.0}
 GGUF_FIX = "convert the model again with llama.cpp's convert_hf_to_gguf.py, or pass its Hugging Face directory"
 
+# token texts llama.cpp ends generation on whatever the metadata says (llama-vocab.cpp, its
+# end-of-generation set): a GGUF often names no end-of-turn token (gemma3-270m's has no
+# tokenizer.ggml.eot_token_id, yet Gemma 3 ends its turns with <end_of_turn>)
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
+             "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>")
+EOG_BY_TEXT = "kvsieve.eog_by_text"  # read_gguf's key: the ids of the vocabulary's EOG_TEXTS tokens, in that order
+
 
 def _gguf_head_dim(arch: str, meta: dict) -> int:
     return meta.get(f"{arch}.attention.key_length") or \
@@ -118,6 +125,7 @@ def read_gguf(gguf: Path) -> Tuple[dict, dict]:
                 meta[key] = bytes(part).decode() if field.types[0] == GGUFValueType.STRING else part.tolist()[0]
             elif key == "tokenizer.ggml.tokens":
                 meta["tokenizer.ggml.tokens.count"] = len(field.data)
+                meta[EOG_BY_TEXT] = _ids_of(field, EOG_TEXTS)
         return meta, {t.name: t for t in reader.tensors}
     except Exception as e:  # not a GGUF file, truncated
         raise ValueError(f"could not read GGUF file {gguf} ({e.__class__.__name__}: {e}): it is cut short or not a "
@@ -250,12 +258,25 @@ def _first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [e.__class__.__name__])[0]
 
 
+def _ids_of(tokens_field, texts) -> list:
+    """The ids of the tokens (a GGUF token-list field) whose text is one of `texts`, in the order of texts."""
+    want = {t.encode(): i for i, t in enumerate(texts)}
+    found = {}
+    for token_id, part in enumerate(tokens_field.data):
+        rank = want.get(bytes(tokens_field.parts[part]))
+        if rank is not None:
+            found.setdefault(rank, token_id)
+    return [found[r] for r in sorted(found)]
+
+
 def _end_of_turn_tokens(model, meta: dict) -> None:
-    """The GGUF's end-of-turn and end-of-message tokens (tokenizer.ggml.eot_token_id, .eom_token_id;
-    llama.cpp stops on them, transformers' reader drops them) added to the config's and the
-    generation config's end tokens, after its EOS (check_gguf_metadata checked them against the
+    """The GGUF's end-of-generation tokens as llama.cpp takes them: those its metadata names
+    (tokenizer.ggml.eot_token_id, .eom_token_id) and those whose text is one of EOG_TEXTS
+    (transformers' reader keeps its EOS alone), added to the config's and the generation
+    config's end tokens, after its EOS (check_gguf_metadata checked the ids against the
     vocabulary)."""
     extra = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
+    extra += meta.get(EOG_BY_TEXT, [])
     eos = model.config.eos_token_id
     eos = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
     ends = list(dict.fromkeys(eos + extra))
