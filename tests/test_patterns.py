@@ -287,7 +287,7 @@ def test_a_file_pattern_run_with_another_window_warns_once(capsys, tmp_path):
         warn_window(pattern, 128, 256)  # the file's own window: silent
         warn_window(((True, False),), 4, 64)  # not from a file: nothing to compare
         with pytest.raises(UserWarning, match=r"chosen for a sink 128 \+ local 256 window.*sink 4 \+ local 64.*"
-                                              r"kvsieve calibrate --model MODEL --sink 4 --local 64"):
+                                              r"kvsieve calibrate --model m --sink 4 --local 64"):
             warn_window(pattern, 4, 64)
     save_pattern(path, ((True, False),) * 2, {"lambda_mass": [[1, 0]] * 2}, {"model": "m"})
     assert load_pattern(path, 2, 2).window == (None, None)
@@ -300,3 +300,14 @@ def test_a_file_pattern_run_with_another_window_warns_once(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "warning" not in err
     assert "no decode step (one token each, from the prefill)" in err and "0.0 tok/s" not in err  # (one token)
+
+
+def test_streaming_count_leaves_out_sliding_window_layers():
+    """calibrate's and eval's "N of M KV heads stream" count the global layers' heads: a
+    sliding-window layer attends its own window whatever its flags say."""
+    from kvsieve.patterns import streaming_count
+
+    rows = ((True, True), (True, False), (False, False), (True, True))
+    assert streaming_count(rows, 4, ()) == (5, 8)
+    assert streaming_count(rows, 4, (0, 3)) == (1, 4)
+    assert streaming_count(((True, False),), 3, (1,)) == (2, 4)  # one row for every layer

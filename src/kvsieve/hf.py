@@ -41,7 +41,7 @@ from . import dispatch
 from .methods import SparseMethod, make_method
 from .ops.attention import attend
 from .ops.paged import PagedKeys
-from .patterns import read_dense_heads, read_streaming_heads, warn_file_window
+from .patterns import check_dense_heads, read_dense_heads, read_streaming_heads, warn_file_window
 
 ATTN_NAME = "kvsieve"
 _active = threading.local()  # the cache layer most recently updated: read by the attention call that follows
@@ -304,6 +304,20 @@ def _attention_modules(model):
     return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")]
 
 
+def _layer_windows(cfg, mods) -> List[int]:
+    """Each layer's sliding window (0: a global layer), as the attention modules (or the config's
+    layer_types) give it: kvsieve decodes the global layers only."""
+    windows = [0] * cfg.num_hidden_layers
+    types = getattr(cfg, "layer_types", None) or ()
+    for i, kind in enumerate(types[:len(windows)]):
+        if kind == "sliding_attention":
+            windows[i] = getattr(cfg, "sliding_window", None) or 1
+    for m in mods:
+        if 0 <= m.layer_idx < len(windows) and getattr(m, "sliding_window", None):
+            windows[m.layer_idx] = m.sliding_window
+    return windows
+
+
 def _text_config(model):
     """The decoder's config: model.config, or a multimodal model's text config."""
     return model.config.get_text_config(decoder=True)
@@ -402,8 +416,10 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
                          "decoder-only models (Llama, Qwen2/3, Mistral, SmolLM2, Gemma 3, ...)")
     cfg = _text_config(model)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    if "dense_heads" in options:  # a `kvsieve calibrate` file's path is read
+    if "dense_heads" in options:  # a `kvsieve calibrate` file's path is read; heads on global layers only
         options = {**options, "dense_heads": read_dense_heads(options["dense_heads"], cfg.num_hidden_layers, kv_heads)}
+        check_dense_heads(options["dense_heads"], cfg.num_hidden_layers, kv_heads, "dense_heads",
+                          window_of=_layer_windows(cfg, mods).__getitem__)
     if "streaming_heads" in options:  # "none", or a `kvsieve calibrate` file
         options = {**options, "streaming_heads": read_streaming_heads(options["streaming_heads"],
                                                                       cfg.num_hidden_layers, kv_heads, method)}

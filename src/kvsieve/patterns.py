@@ -27,7 +27,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .config import dense_head_pairs
 
@@ -44,6 +44,7 @@ class FilePattern(tuple):
 
     source: str = ""
     window: Tuple[Optional[int], Optional[int]] = (None, None)
+    model: Optional[str] = None  # the model the file was calibrated on, as it names it
 
 
 def check_ratio(ratio: float) -> None:
@@ -134,6 +135,7 @@ def load_pattern(path, num_layers: Optional[int] = None, num_kv_heads: Optional[
     out = FilePattern(choose_streaming(score, ratio, window_layers) if ratio is not None
                       else tuple(tuple(c == "1" for c in r) for r in rows))
     out.source = str(path)
+    out.model = doc.get("model") if isinstance(doc.get("model"), str) else None
     out.window = tuple(x if isinstance(x, int) and not isinstance(x, bool) else None
                        for x in (doc.get("sink"), doc.get("local")))
     return out
@@ -148,8 +150,9 @@ def warn_window(pattern, sink: int, local: int) -> None:
         return
     warnings.warn(f"the streaming heads of {pattern.source!r} were chosen for a sink {window[0]} + local "
                   f"{window[1]} window, and this run streams them with sink {sink} + local {local}; to choose "
-                  f"heads for this window, run `kvsieve calibrate --model MODEL --sink {sink} --local {local} --out FILE` "
-                  "on the model you run (MODEL) and pass --streaming-heads FILE", stacklevel=3)
+                  f"heads for this window, run `kvsieve calibrate --model {getattr(pattern, 'model', None) or 'MODEL'} "
+                  f"--sink {sink} --local {local} --out FILE` (the model you run) and pass --streaming-heads FILE",
+                  stacklevel=3)
 
 
 def warn_file_window(pattern, options: Dict) -> None:
@@ -177,6 +180,17 @@ def _file_shape(path: Path) -> Tuple[Optional[int], Optional[int]]:
 
 
 STREAMING_METHODS = ("lserve", "hybrid")
+
+
+def streaming_count(rows, num_layers: int, local_layers: Sequence[int]) -> Tuple[int, int]:
+    """(heads that stream, heads) of a pattern (one row of KV-head flags per layer, or one row for
+    every layer) on the global layers: a sliding-window layer (`local_layers`) attends its own
+    window whatever its flags say, so its heads are not counted."""
+    rows = [list(r) for r in rows]
+    rows = rows * num_layers if len(rows) == 1 else rows
+    local = set(local_layers)
+    kept = [r for i, r in enumerate(rows) if i not in local]
+    return sum(map(sum, kept)), sum(map(len, kept))
 
 
 def pattern_for(method: str, path: Optional[str], model_dir, num_layers: int, num_kv_heads: int) -> Optional[Pattern]:
@@ -287,9 +301,12 @@ def read_dense_heads(value, num_layers: int, num_kv_heads: int):
     return value
 
 
-def check_dense_heads(heads, num_layers: Optional[int], num_kv_heads: Optional[int], source: str) -> None:
+def check_dense_heads(heads, num_layers: Optional[int], num_kv_heads: Optional[int], source: str,
+                      window_of: Optional[Callable[[int], int]] = None) -> None:
     """Every (layer, KV head) pair names a head of a model with these counts; heads from a
-    file (load_dense_heads) also come from a file calibrated for this shape."""
+    file (load_dense_heads) also come from a file calibrated for this shape; with window_of
+    (layer -> its sliding window, 0 or None for a global layer), every pair is on a global
+    layer (a sliding-window layer runs no method)."""
     shape = getattr(heads, "shape", None) if isinstance(heads, FileHeads) else None
     if not isinstance(heads, FileHeads):
         heads = dense_head_pairs(heads)  # (one clear error for anything but pairs; an array's rows are pairs)
@@ -302,6 +319,14 @@ def check_dense_heads(heads, num_layers: Optional[int], num_kv_heads: Optional[i
         raise ValueError(f"{source} names the dense head {bad[0][0]}:{bad[0][1]}, but this model has {num_layers} "
                          f"layers x {num_kv_heads} KV heads, counted from 0: name layers 0-{num_layers - 1} and "
                          f"heads 0-{num_kv_heads - 1}")
+    windowed = [(a, b) for a, b in heads if window_of is not None and window_of(a)]
+    if windowed:
+        (a, b), where = windowed[0], heads.source if isinstance(heads, FileHeads) else source
+        glob = [i for i in range(num_layers) if not window_of(i)]
+        raise ValueError(f"{where} names the dense head {a}:{b}, but layer {a} is a sliding-window layer (window "
+                         f"{window_of(a)}), which attends its window densely and runs no method; "
+                         + (f"name heads of the global layers {glob}" if glob else
+                            "this model has no global layer: give no dense heads"))
 
 
 def dense_heads_for(method: str, options: Dict, model_dir, num_layers: int, num_kv_heads: int

@@ -18,11 +18,10 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, 
 
 import torch
 
-from ..config import dense_head_pairs
 from ..methods import config_for, make_method, merge_options
 from ..methods.base import DENSE_BELOW_KV_BYTES  # noqa: F401 (re-exported by kvsieve.engine)
 from ..methods.hybrid import normalize_pattern
-from ..patterns import check_dense_heads, read_dense_heads, read_streaming_heads
+from ..patterns import STREAMING_METHODS, check_dense_heads, read_dense_heads, read_streaming_heads
 from .crossover import DENSE_ABOVE, DENSE_AFTER, BatchCrossover
 from .inputs import (Prompt, check_params, check_score_lists, check_sizes, params_per_prompt, plain_int,  # noqa: F401
                      prompt_token_ids, resolve_device)  # (resolve_device: kvsieve.engine's name for it)
@@ -128,6 +127,8 @@ class LLMEngine(BatchCrossover, Warmup):
         if "streaming_heads" in kwargs:  # "none", or a `kvsieve calibrate` file
             kwargs["streaming_heads"] = read_streaming_heads(given, L, H, kwargs.get("method"))
             warn_file_window(kwargs["streaming_heads"], kwargs)  # (heads chosen for another window)
+        if kwargs.get("method", "dense") not in STREAMING_METHODS:  # (checked above; lserve/hybrid requests take it)
+            kwargs.pop("streaming_heads", None)
         eng = cls(m, tok, **{**kwargs, **head_defaults(kwargs.get("method", "dense"), kwargs, model_dir, L, H)})
         given_dense = kwargs.get("dense_heads")  # (a request's dense-head method takes them, as serve's do)
         eng.head_defaults = lambda name, opts: head_defaults(name, opts, model_dir, L, H, given_dense)
@@ -211,15 +212,7 @@ class LLMEngine(BatchCrossover, Warmup):
         for `method`) hold one row of KV-head flags for every layer or one for each."""
         cfg = self.model.cfg
         L, H = cfg.num_layers, cfg.num_kv_heads
-        check_dense_heads(opts.get("dense_heads", ()), L, H, "dense_heads")
-        windowed = [(a, b) for a, b in dense_head_pairs(opts.get("dense_heads", ())) if cfg.layer_window(a)]
-        if windowed:
-            a, b = windowed[0]
-            glob = [i for i in range(L) if not cfg.layer_window(i)]
-            raise ValueError(f"dense_heads names {a}:{b}, but layer {a} is a sliding-window layer (window "
-                             f"{cfg.layer_window(a)}), which attends its window densely and runs no method; "
-                             + (f"name heads of the global layers {glob}" if glob else
-                                "this model has no global layer: give no dense heads"))
+        check_dense_heads(opts.get("dense_heads", ()), L, H, "dense_heads", window_of=cfg.layer_window)
         heads = opts.get("streaming_heads")
         if isinstance(heads, (str, os.PathLike)):
             return {**opts, "streaming_heads": read_streaming_heads(heads, L, H, method)}

@@ -259,7 +259,7 @@ def check_out(path: Optional[str]) -> None:
 def cmd_calibrate(args) -> int:
     from ..engine.engine import resolve_device
     from ..model.loader import load_model
-    from ..patterns import check_ratio, choose_streaming, save_pattern
+    from ..patterns import check_ratio, choose_streaming, save_pattern, streaming_count
     from .cli import read_text
     from .harness import special_prefix, text_windows
 
@@ -332,10 +332,17 @@ def cmd_calibrate(args) -> int:
             raise ValueError(f"--dense-lengths {','.join(map(str, dense_lengths))}: {e} (at most {limit - 16} on "
                              f"this model's {limit} positions); or pass --dense-heads 0 to choose no dense "
                              "heads") from None
+    replacing = out.exists()
+
+    def phase(what: str) -> None:  # (each phase runs minutes without output)
+        print(f"kvsieve calibrate: {what} ({time.time() - t0:.0f} s so far)", file=sys.stderr, flush=True)
+
+    phase(f"the Λ mass of every KV head on {len(windows)} text window(s) of {length} tokens + {args.steps} steps")
     mass, err = measure_lambda_mass(model, [w[:length] for w in windows], [w[length:] for w in windows],
                                     args.sink, args.local)
     tables = {"lambda_mass_text": mass.tolist(), "lambda_err_text": err.tolist()}
     if retrieval is not None:
+        phase(f"the Λ mass on {args.retrieval} retrieval prompt(s) of {length} tokens")
         r_mass, r_err = measure_lambda_mass(model, *retrieval, args.sink, args.local)
         tables.update(lambda_mass_retrieval=r_mass.tolist(), lambda_err_retrieval=r_err.tolist())
         mass = torch.minimum(mass, r_mass)
@@ -343,6 +350,8 @@ def cmd_calibrate(args) -> int:
     local = [i for i in range(model.cfg.num_layers) if window and window(i) is not None]
     dense = {}
     if args.dense_heads:
+        phase(f"tactic's needle loss on {len(cases)} suite case(s) at {', '.join(map(str, dense_lengths))} tokens, "
+              "for --dense-heads (the longest part; --dense-heads 0 skips it)")
         lost = measure_needle_loss(model, tok, cases)
         tables["tactic_needle_lost"] = lost.tolist()
         dense = {"dense_heads": [list(h) for h in choose_dense_heads(lost, args.dense_heads, local)],
@@ -366,19 +375,24 @@ def cmd_calibrate(args) -> int:
                         "retrieval_data": (f"suite seed {CALIBRATION_SEED}" if args.retrieval_data == "suite"
                                            else "passkey"),
                         "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - t0, 1)}})
-    n = sum(map(sum, pattern))
-    kept = mass[torch.tensor(pattern)]
-    print(f"{n} of {mass.numel()} KV heads stream (ratio {args.ratio}); their Λ mass: min {kept.min():.3f}, "
-          f"mean {kept.mean():.3f}; the others' mean {mass[~torch.tensor(pattern)].mean():.3f}" if n and
-          n < mass.numel() else f"{n} of {mass.numel()} KV heads stream")
+    n, total = streaming_count(pattern, len(pattern), local)
+    on_global = torch.tensor([[i not in local] * len(row) for i, row in enumerate(pattern)])
+    flags = torch.tensor(pattern)
+    scope = f" of the {len(pattern) - len(local)} global layers" if local else ""
+    print(f"{n} of {total} KV heads{scope} stream (ratio {args.ratio}); their Λ mass: min "
+          f"{mass[flags & on_global].min():.3f}, mean {mass[flags & on_global].mean():.3f}; the others' mean "
+          f"{mass[~flags & on_global].mean():.3f}" if 0 < n < total else f"{n} of {total} KV heads{scope} stream")
+    if local:
+        print(f"the {len(local)} sliding-window layers {local} attend their own window (flagged S, not counted)")
     for i, row in enumerate(pattern):
         flags = " ".join(f"{'S' if f else '.'}{m:.2f}" for f, m in zip(row, mass[i].tolist()))
-        print(f"layer {i:>3}: {flags}")
+        print(f"layer {i:>3}: {flags}" + ("  (sliding window)" if i in local else ""))
     if dense and dense["dense_heads"]:
         print("tactic's dense heads (layer:KV head, needle mass lost): " + ", ".join(
             f"{i}:{j} {tables['tactic_needle_lost'][i][j]:.3f}" for i, j in dense["dense_heads"]))
     elif dense:
         print(f"tactic's dense heads: none (tactic's selection lost no needle mass at --dense-lengths "
               f"{','.join(map(str, dense_lengths))}: there it reads every needle token)")
-    print(f"wrote {out} ({time.time() - t0:.0f} s)", file=sys.stderr)
+    print(f"wrote {out}{' (replacing the file that was there)' if replacing else ''} ({time.time() - t0:.0f} s)",
+          file=sys.stderr)
     return 0

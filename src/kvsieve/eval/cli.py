@@ -171,7 +171,8 @@ def cmd_eval(args) -> int:
 
     from ..model.loader import load_model
     from ..cli import parse_heads
-    from ..patterns import STREAMING_METHODS, model_heads, pattern_tag, warn_file_window
+    from ..patterns import (STREAMING_METHODS, check_dense_heads, model_heads, pattern_tag, streaming_count,
+                            warn_file_window)
     from .harness import plan_cell_ids, run_fidelity, run_retrieval, special_prefix
     from .report import write_report
     from .store import ResultStore
@@ -193,6 +194,9 @@ def cmd_eval(args) -> int:
     # each streaming method's own pattern (a file may give hybrid another ratio), tactic's/hybrid's dense heads
     heads = model_heads(model_dir, model.cfg.num_layers, model.cfg.num_kv_heads, args.streaming_heads,
                         None if args.dense_heads is None else parse_heads(args.dense_heads))
+    for dense in heads["dense"].values():  # before any cell runs (a head on a sliding-window layer is refused)
+        check_dense_heads(dense, model.cfg.num_layers, model.cfg.num_kv_heads, "--dense-heads",
+                          window_of=model.cfg.layer_window)
     if args.streaming_heads:  # eval streams them at the default window
         warn_file_window(heads["lserve"], {})
     text_ids = tok.encode(text, add_special_tokens=False) if "fidelity" in plan.tasks else []
@@ -232,6 +236,8 @@ def cmd_eval(args) -> int:
     runs = store.log_run({"date": time.strftime("%Y-%m-%d %H:%M"), "command": "kvsieve " + shlex.join(args.argv),
                           "wall_s": round(time.time() - t_start, 1), "new_cells": len(ids) - resumed,
                           "device": _device_name(args.device)})
+    L = model.cfg.num_layers
+    local = [i for i in range(L) if model.cfg.layer_window(i)]  # (their heads attend their own window)
     results = {
         "model": str(model_dir), "model_config": dataclasses.asdict(model.cfg), "text": text_source,
         "text_tokens": len(text_ids), "plan": dataclasses.asdict(plan), "versions": versions,
@@ -239,8 +245,9 @@ def cmd_eval(args) -> int:
         "command": "kvsieve " + shlex.join(args.argv), "wall_s": time.time() - t_start, "resumed_cells": resumed,
         "runs": runs, "streaming_heads": None if heads["lserve"] is None else {
             "file": args.streaming_heads or "shipped pattern", "tag": pattern_tag(heads["lserve"]),
-            "streaming": sum(map(sum, heads["lserve"])), "kv_heads": sum(map(len, heads["lserve"])),
-            "methods": {m: {"tag": pattern_tag(heads[m]), "streaming": sum(map(sum, heads[m]))}
+            **dict(zip(("streaming", "kv_heads"), streaming_count(heads["lserve"], L, local))),
+            "global_layers_only": bool(local),  # (a sliding-window layer's heads attend their window: not counted)
+            "methods": {m: {"tag": pattern_tag(heads[m]), "streaming": streaming_count(heads[m], L, local)[0]}
                         for m in STREAMING_METHODS if heads[m] is not None}},
         "dense_heads": {**{m: [list(h) for h in d] for m, d in heads["dense"].items()},
                         "file": args.dense_heads or ("shipped pattern" if any(heads["dense"].values()) else None)},

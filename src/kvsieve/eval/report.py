@@ -172,8 +172,9 @@ def _window_note(results: Dict) -> List[str]:
 def _streaming_note(heads: Dict) -> str:
     """e.g. "lserve 22, hybrid 11 of 90 KV heads stream (shipped pattern)"."""
     methods = heads.get("methods") or {"lserve and hybrid": heads}  # results written before per-method ratios
+    scope = " of the global layers" if heads.get("global_layers_only") else ""
     return (", ".join(f"{m} {v['streaming']}" for m, v in methods.items())
-            + f" of {heads['kv_heads']} KV heads stream ({heads['file']})")
+            + f" of {heads['kv_heads']} KV heads{scope} stream ({heads['file']})")
 
 
 def _dense_heads_note(results: Dict) -> List[str]:

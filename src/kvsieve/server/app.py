@@ -204,7 +204,8 @@ class Server(Responses):
                                                    " (fix the value in the kvsieve object)"), param) from None
         cfg = self.engine.model.cfg
         try:
-            check_dense_heads(merged.get("dense_heads", ()), cfg.num_layers, cfg.num_kv_heads, "kvsieve.dense_heads")
+            check_dense_heads(merged.get("dense_heads", ()), cfg.num_layers, cfg.num_kv_heads, "kvsieve.dense_heads",
+                              window_of=cfg.layer_window)
         except ValueError as e:
             raise BadRequest(str(e), "kvsieve.dense_heads") from None
         return method, opts
