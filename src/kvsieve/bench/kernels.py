@@ -8,6 +8,9 @@ and tactic at thresholds (fitted budget: exact scores of the fit's read position
 decode step (selection + attention) is captured in a CUDA graph and timed with the L2
 flushed. Every row carries its fidelity on the same inputs: the dense attention mass on
 the tokens it read and its output's relative error against float32 dense attention.
+Tactic's selection depends on its K-means draw (TacticConfig.seed): its rows also carry
+the fidelity of the indexes of other seeds (`index_seeds`; timed on the first), and the
+matched-fidelity table takes the worst of them.
 """
 from __future__ import annotations
 
@@ -54,6 +57,12 @@ class Row:
     attn_mass: Optional[float] = None  # dense attention mass on the tokens read, mean over (request, query head)
     attn_mass_min: Optional[float] = None  # ... the least of them
     select_floor_ms: Optional[float] = None  # page selection: its min/max summaries read once at copy bandwidth
+    # tactic: the same setting on the indexes of each K-means seed (the first is the timed row's)
+    index_seeds: Optional[List[int]] = None
+    rel_err_seeds: Optional[List[float]] = None
+    kv_fraction_seeds: Optional[List[float]] = None
+    attn_mass_seeds: Optional[List[float]] = None
+    rel_err_max: Optional[float] = None  # the worst of rel_err_seeds
 
 
 @dataclass
@@ -114,7 +123,7 @@ def sdpa_baselines(q, k, v):
 
 
 def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: float, log,
-               data: str = "calibrated") -> List[Row]:
+               data: str = "calibrated", index_seeds=(0,)) -> List[Row]:
     Hq, Hkv, D, page = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim, shapes.page_size
     q, k, v = make_qkv(data, B, Hq, Hkv, S, D, shapes.dtype, seed=S + B)
     probs, ref_out = dense_reference(q, k, v)
@@ -141,6 +150,7 @@ def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: fl
     keys = PagedKeys(pk, bt, pool_rows=True)  # as the engine plans
 
     configs = [("triton_dense", "dense", {})]
+    tactic_rows = {}  # (setting, threshold mode) -> (its row, options)
     for f in budgets:
         tok = max(page, int(round(f * S)))
         configs.append(("quest", f"budget {f:.1%}", {"budget": tok}))
@@ -152,6 +162,8 @@ def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: fl
     states = {}  # the index does not depend on the budget: build it once per method and mode
     for label, setting, opts in configs:
         name = "dense" if label == "triton_dense" else label
+        if name == "tactic":
+            opts = {**opts, "seed": index_seeds[0]}
         m = make_method(name, **opts)
         index = (name, "threshold" in opts)  # tactic's threshold index also keeps the clusters' min/max box
         if index not in states:
@@ -181,6 +193,8 @@ def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: fl
         gbs = nbytes / t_attn / 1e6
         t_stack = None if p0.indices is None else stacked_attention_ms(q, pk, pv, bt, p0)
         mass = read_mass(probs, plan_token_mask(p0.indices, p0.counts, p0.pool_rows, bt, page, S))
+        if name == "tactic":
+            tactic_rows[(setting, index[1])] = (len(rows), opts)
         rows.append(Row(S, B, label, setting, t_step, t_sel, t_attn, read, gbs, gbs / copy_gbs,
                         rel_err_vs_dense=rel_err(out, ref_out), step_clean_ms=t_clean, attn_stack_ms=t_stack,
                         attn_stack_bw_fraction=None if t_stack is None else nbytes / t_stack / 1e6 / copy_gbs,
@@ -194,6 +208,8 @@ def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: fl
                             note=f"(1 fresh + 3 reused steps of {t_reuse:.4f} ms) / 4"))
             log(rows[-1])
     del states
+    _seed_fidelity(rows, tactic_rows, index_seeds, q, k, lengths, host, keys, pk, pv, bt, probs, ref_out, page, S,
+                   log)
 
     best = min((r.step_ms for r in rows if r.method in ("sdpa_flash", "sdpa_cudnn", "triton_dense")
                 and not math.isnan(r.step_ms)), default=float("nan"))
@@ -205,6 +221,36 @@ def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: fl
     del k, pk, pv, keys, probs, ref_out
     torch.cuda.empty_cache()
     return rows
+
+
+def _seed_fidelity(rows, tactic_rows, index_seeds, q, k, lengths, host, keys, pk, pv, bt, probs, ref_out, page,
+                   S, log=print) -> None:
+    """Each tactic row's fidelity on the index of every seed in index_seeds (the first is the
+    row's own): one seed's indexes at a time (fixed-budget and threshold), freed after."""
+    if not tactic_rows:
+        return
+    per = {i: ([rows[i].rel_err_vs_dense], [rows[i].kv_fraction], [rows[i].attn_mass])
+           for i, _ in tactic_rows.values()}
+    for seed in index_seeds[1:]:
+        states = {}
+        for (_, mode), (i, opts) in tactic_rows.items():
+            m = make_method("tactic", **{**opts, "seed": seed})
+            if mode not in states:
+                states[mode] = prepare_per_request(m, k, lengths)
+            p = m.plan(q, states[mode], lengths, host, keys)
+            out = dispatch.paged_decode(q, pk, pv, bt, p.counts, p.indices, cap=p.cap, pool_rows=p.pool_rows)[0]
+            mass = read_mass(probs, plan_token_mask(p.indices, p.counts, p.pool_rows, bt, page, S))
+            errs, reads, masses = per[i]
+            errs.append(rel_err(out, ref_out))
+            reads.append(float(p.counts.double().sum() / (k.shape[0] * k.shape[1] * S)))
+            masses.append(float(mass.mean()))
+        del states
+    for i, (errs, reads, masses) in per.items():
+        r = rows[i]
+        r.index_seeds, r.rel_err_seeds, r.kv_fraction_seeds = list(index_seeds), errs, reads
+        r.attn_mass_seeds, r.rel_err_max = masses, max(errs)
+        log({"context": S, "batch": r.batch, "method": r.method, "setting": r.setting, "index_seeds": r.index_seeds,
+             "rel_err_seeds": errs, "kv_fraction_seeds": reads, "attn_mass_seeds": masses})
 
 
 def _select_floor_ms(label, opts, state, copy_gbs) -> Optional[float]:
@@ -302,8 +348,8 @@ def _wall_ms(fn, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run(contexts, batches, budgets, thresholds, log=print,
-        shapes: Shapes = Shapes(), cluster_context: Optional[int] = None, data: str = "calibrated") -> dict:
+def run(contexts, batches, budgets, thresholds, log=print, shapes: Shapes = Shapes(),
+        cluster_context: Optional[int] = None, data: str = "calibrated", index_seeds=(0,)) -> dict:
     from .timing import copy_bandwidth_gbs
 
     copy = copy_bandwidth_gbs()
@@ -312,7 +358,7 @@ def run(contexts, batches, budgets, thresholds, log=print,
     for S in contexts:
         for B in batches:
             try:
-                rows += bench_cell(S, B, budgets, thresholds, shapes, copy, log, data)
+                rows += bench_cell(S, B, budgets, thresholds, shapes, copy, log, data, list(index_seeds))
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 rows.append(Row(S, B, "all", "-", float("nan"), note="out of GPU memory: skipped"))
@@ -327,5 +373,6 @@ def run(contexts, batches, budgets, thresholds, log=print,
             log(clustering)
     rows = [asdict(r) for r in rows]
     return {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbs": copy, "data": data,
+            "index_seeds": list(index_seeds),
             "shapes": {k: str(v) for k, v in asdict(shapes).items()},
             "rows": rows, "matched": matched_fidelity(rows), "clustering": clustering}
