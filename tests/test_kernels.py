@@ -664,6 +664,12 @@ def test_windowed_kmeans_is_per_window_and_kernels_agree():
     assert agree > 0.97 and got.num_clusters.tolist() == ref.num_clusters.tolist()
 
 
+# (the pool-row plan, the engine's, is compared for every method and plan kind, but not for each
+# threshold option: under the CPU interpreter a tactic threshold plan takes ~5 s)
+POOL_ROWS_CHECKED = ({}, {"budget": 100}, {"threshold": 0.7, "streaming_heads": ((True, False),), "sink": 8,
+                                           "local": 32})
+
+
 @pytest.mark.parametrize("name,opts", [
     ("dense", {}), ("streaming", {"sink": 4, "local": 16}), ("quest", {"budget": 64}),
     ("pages", {"budget": 128, "reuse_steps": 1}), ("tactic", {"budget": 100}),
@@ -697,6 +703,8 @@ def test_plan_selects_exactly_the_reference_mask(name, opts, monkeypatch):
     hits = torch.zeros(3, 2, 398, dtype=torch.long).scatter_add_(-1, torch.where(valid, pos, 397), valid.long())
     assert hits[..., :397].max() <= 1  # no token twice
     assert torch.equal(hits[..., :397].bool(), sel.mask)
+    if name in ("tactic", "hybrid") and opts not in POOL_ROWS_CHECKED:
+        return
     # as the engine plans: the same lists as pool rows
     rows = m.plan(q.to(DEV), st, lengths.to(DEV), lengths.tolist(), rpaged.PagedKeys(keys.pool, keys.block_table, True))
     assert rows.pool_rows == (plan.indices is not None) and torch.equal(rows.counts, plan.counts)
@@ -970,7 +978,7 @@ def test_float16_sort_keys_round_and_saturate(dtype):
 
 @pytest.mark.parametrize("kd", [torch.float32, torch.float16])
 @pytest.mark.parametrize("in_kernel", [False, True])
-@pytest.mark.parametrize("G,C", [(1, 1), (3, 7), (4, 54), (8, 97), (4, 300)])
+@pytest.mark.parametrize("G,C", [(1, 1), (3, 7), (4, 54), (8, 97), pytest.param(4, 300, marks=pytest.mark.slow)])
 def test_rank_clusters_matches_stable_sort(G, C, in_kernel, kd):
     """The ranking (torch's sort then one launch, or the sort in that launch) = the torch
     twin's stable descending sort of the sort keys (float32 or float16), with tied scores,

@@ -61,7 +61,8 @@ def test_logits_match_transformers_on_real_text(embedded):
     assert res.tokens[0] == hf_out[: len(res.tokens[0])]
 
 
-@pytest.mark.parametrize("depth", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize("depth", [pytest.param(0.1, marks=pytest.mark.slow), 0.5,
+                                   pytest.param(0.9, marks=pytest.mark.slow)])
 def test_passkey_retrieved_by_sparse_methods_wherever_dense_does(embedded, depth):
     model, tok, _ = embedded
     text, key = passkey_prompt(count(tok), 1800, depth, seed=int(depth * 10))
