@@ -343,6 +343,8 @@ def main() -> int:
                     help="also time the ranking's sort (torch's, or in the kernel)")
     args = ap.parse_args()
     need_cuda()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
     f = open(os.path.join(args.out, "profile_plan.jsonl"), "w") if args.out else None
 
     def log(**kw):
