@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from kvsieve import dispatch  # noqa: E402
 from kvsieve.bench.data import make_qkv  # noqa: E402
-from kvsieve.bench.fidelity import dense_reference, plan_token_mask, read_mass, rel_err  # noqa: E402
-from kvsieve.bench.kernels import PagedKeys, prepare_per_request, to_paged  # noqa: E402
+from kvsieve.bench.fidelity import dense_reference  # noqa: E402
+from kvsieve.bench.kernels import PagedKeys, plan_fidelity, prepare_per_request, to_paged  # noqa: E402
 from kvsieve.methods import make_method  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16  # the bench's Llama-3.1-8B attention shape
@@ -95,13 +95,10 @@ def main() -> int:
             for setting in args.settings.split(","):
                 m = make_method("tactic", seed=seed, **setting_options(setting, S), **extra)
                 st = prepare_per_request(m, k, lengths)
-                p = m.plan(q, st, lengths, [S] * B, keys)
-                out = dispatch.paged_decode(q, pk, pv, bt, p.counts, p.indices, cap=p.cap, pool_rows=p.pool_rows)[0]
-                mask = plan_token_mask(p.indices, p.counts, p.pool_rows, bt, PAGE, S)
+                err, read, mass, mask, out = plan_fidelity(m, st, q, lengths, [S] * B, keys, pk, pv, bt, probs, ref)
                 print(json.dumps({"context": S, "batch": B, "seed": seed, "setting": setting, "options": extra,
-                                  "kv_fraction": round(float(p.counts.double().sum() / (B * HKV * S)), 5),
-                                  "attn_mass": round(float(read_mass(probs, mask).mean()), 5),
-                                  "rel_err": round(rel_err(out, ref), 5)}), flush=True)
+                                  "kv_fraction": round(read, 5), "attn_mass": round(mass, 5),
+                                  "rel_err": round(err, 5)}), flush=True)
                 if args.misses:
                     e2 = ((out.float() - ref) ** 2).sum(-1)  # [B, Hq]
                     for f in e2.flatten().argsort(descending=True)[:args.misses].tolist():

@@ -170,7 +170,7 @@ def test_seed_fidelity_measures_each_seeds_own_index():
     rows = [Row(S, B, "tactic", name, 1.0, rel_err_vs_dense=error(3, **o), kv_fraction=0.1, attn_mass=0.9)
             for (name, _), o in settings.items()]
     tactic_rows = {key: (i, {**o, "seed": 3}) for i, (key, o) in enumerate(settings.items())}
-    _seed_fidelity(rows, tactic_rows, [3, 8], q, k, lengths, [S] * B, keys, pk, pv, bt, probs, ref, page, S,
+    _seed_fidelity(rows, tactic_rows, [3, 8], q, k, lengths, [S] * B, keys, pk, pv, bt, probs, ref,
                    log=lambda x: None)
     for r, o in zip(rows, settings.values()):
         assert r.index_seeds == [3, 8] and len(r.kv_fraction_seeds) == 2 and len(r.attn_mass_seeds) == 2

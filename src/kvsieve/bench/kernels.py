@@ -208,8 +208,7 @@ def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: fl
                             note=f"(1 fresh + 3 reused steps of {t_reuse:.4f} ms) / 4"))
             log(rows[-1])
     del states
-    _seed_fidelity(rows, tactic_rows, index_seeds, q, k, lengths, host, keys, pk, pv, bt, probs, ref_out, page, S,
-                   log)
+    _seed_fidelity(rows, tactic_rows, index_seeds, q, k, lengths, host, keys, pk, pv, bt, probs, ref_out, log)
 
     best = min((r.step_ms for r in rows if r.method in ("sdpa_flash", "sdpa_cudnn", "triton_dense")
                 and not math.isnan(r.step_ms)), default=float("nan"))
@@ -223,8 +222,22 @@ def bench_cell(S: int, B: int, budgets, thresholds, shapes: Shapes, copy_gbs: fl
     return rows
 
 
-def _seed_fidelity(rows, tactic_rows, index_seeds, q, k, lengths, host, keys, pk, pv, bt, probs, ref_out, page,
-                   S, log=print) -> None:
+def plan_fidelity(m, state, q, lengths, host, keys, pk, pv, bt, probs, ref_out) -> tuple:
+    """One plan of method m on its index `state`, attended eagerly on the paged pools pk, pv
+    [pages, Hkv, page, D] (block table bt): (relative output error against ref_out [B, Hq, D],
+    KV fraction read, mean dense mass on the read tokens, the read mask [B, Hkv, S], the
+    output [B, Hq, D])."""
+    B, Hkv, page = bt.shape[0], pk.shape[1], pk.shape[2]
+    S = probs.shape[-1]
+    p = m.plan(q, state, lengths, host, keys)
+    out = dispatch.paged_decode(q, pk, pv, bt, p.counts, p.indices, cap=p.cap, pool_rows=p.pool_rows)[0]
+    mask = plan_token_mask(p.indices, p.counts, p.pool_rows, bt, page, S)
+    read = float(p.counts.double().sum() / (B * Hkv * S))
+    return rel_err(out, ref_out), read, float(read_mass(probs, mask).mean()), mask, out
+
+
+def _seed_fidelity(rows, tactic_rows, index_seeds, q, k, lengths, host, keys, pk, pv, bt, probs, ref_out,
+                   log=print) -> None:
     """Each tactic row's fidelity on the index of every seed in index_seeds (the first is the
     row's own): one seed's indexes at a time (fixed-budget and threshold), freed after."""
     if not tactic_rows:
@@ -237,19 +250,15 @@ def _seed_fidelity(rows, tactic_rows, index_seeds, q, k, lengths, host, keys, pk
             m = make_method("tactic", **{**opts, "seed": seed})
             if mode not in states:
                 states[mode] = prepare_per_request(m, k, lengths)
-            p = m.plan(q, states[mode], lengths, host, keys)
-            out = dispatch.paged_decode(q, pk, pv, bt, p.counts, p.indices, cap=p.cap, pool_rows=p.pool_rows)[0]
-            mass = read_mass(probs, plan_token_mask(p.indices, p.counts, p.pool_rows, bt, page, S))
-            errs, reads, masses = per[i]
-            errs.append(rel_err(out, ref_out))
-            reads.append(float(p.counts.double().sum() / (k.shape[0] * k.shape[1] * S)))
-            masses.append(float(mass.mean()))
+            fid = plan_fidelity(m, states[mode], q, lengths, host, keys, pk, pv, bt, probs, ref_out)
+            for acc, x in zip(per[i], fid[:3]):
+                acc.append(x)
         del states
     for i, (errs, reads, masses) in per.items():
         r = rows[i]
         r.index_seeds, r.rel_err_seeds, r.kv_fraction_seeds = list(index_seeds), errs, reads
         r.attn_mass_seeds, r.rel_err_max = masses, max(errs)
-        log({"context": S, "batch": r.batch, "method": r.method, "setting": r.setting, "index_seeds": r.index_seeds,
+        log({"context": r.context, "batch": r.batch, "method": r.method, "setting": r.setting, "index_seeds": r.index_seeds,
              "rel_err_seeds": errs, "kv_fraction_seeds": reads, "attn_mass_seeds": masses})
 
 
