@@ -92,9 +92,14 @@ def main() -> int:
         pk, pv, bt = to_paged(k, v, PAGE)
         keys = PagedKeys(pk, bt, pool_rows=True)
         for seed in (int(s) for s in args.seeds.split(",")):
+            indexes = {}  # the index depends on the seed and the mode (a threshold's keeps its box), not the budget
             for setting in args.settings.split(","):
-                m = make_method("tactic", seed=seed, **setting_options(setting, S), **extra)
-                st = prepare_per_request(m, k, lengths)
+                opts = setting_options(setting, S)
+                m = make_method("tactic", seed=seed, **opts, **extra)
+                mode = "threshold" in opts
+                if mode not in indexes:
+                    indexes[mode] = prepare_per_request(m, k, lengths)
+                st = indexes[mode]
                 err, read, mass, mask, out = plan_fidelity(m, st, q, lengths, [S] * B, keys, pk, pv, bt, probs, ref)
                 print(json.dumps({"context": S, "batch": B, "seed": seed, "setting": setting, "options": extra,
                                   "kv_fraction": round(read, 5), "attn_mass": round(mass, 5),
