@@ -234,8 +234,11 @@ def sweep_page_scores(m, q, st, lengths, S, B, log, spec="quest") -> None:
     ast = lengths[:, None]
     nbytes = 2 * st.kmin.numel() * st.kmin.element_size() * share
     want = None
+    r = cfg.physical_page_size // cfg.page_size
     for dot in (False, True):
-        for c in (None, (16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)):
+        for c in (None, (4, 4), (8, 4), (16, 4), (32, 4), (64, 4), (16, 8), (32, 8), (64, 8), (128, 8)):
+            if c is not None and c[0] * r > 256:  # (tiles above 256 logical pages: not tried)
+                continue
             fn = lambda: physical_page_scores(q, st.kmin, st.kmax, lengths, ae, ast, cfg.page_size,  # noqa: E731
                                               cfg.physical_page_size, skip=skip, _config=c, _dot=dot)
             got = fn()

@@ -74,13 +74,17 @@ def oracle(q, kmin, kmax, lengths, a_end, a_start, ps, pp, reduce, skip):
     (8, 64, torch.float16, "max", 4, "head", None),
     (4, 96, torch.bfloat16, "max", 4, "row", None),
     (3, 80, torch.float32, "max", 1, None, None),
+    (4, 64, torch.bfloat16, "max", 16, "head", None),  # one physical page a tile of 16 logical ones
+    (4, 64, torch.float16, "sum", 8, None, (32, 4)),  # a tile too large for tensor cores: the CUDA-core form
 ])
 def test_kernel_matches_twin_and_oracle(G, D, dtype, reduce, r, skip, config):
-    """Lengths 1/54/97/1000, capacity past the longest row, windows per (request, head),
-    skip flags per head ([Hkv]) or per row ([B, Hkv]), several programs per row (config)."""
+    """Lengths 1/54/97/1000 (4000 for physical pages past 64 tokens), capacity past the
+    longest row, windows per (request, head), skip flags per head ([Hkv]) or per row
+    ([B, Hkv]), several programs per row (config)."""
     ps = 16
     pp = ps * r
-    q, kmin, kmax, lengths, a_end, a_start = case(G, D, dtype, ps, pp, seed=G * D + r)
+    lengths = LENGTHS if r <= 4 else [1, 54, 97, 4000]  # (large physical pages: enough of them)
+    q, kmin, kmax, lengths, a_end, a_start = case(G, D, dtype, ps, pp, seed=G * D + r, lengths=lengths)
     B, Hkv = a_end.shape
     flags = {None: None, "head": torch.tensor([True, False]),
              "row": torch.tensor([[False, True], [True, False], [False, False], [True, False]])}[skip]

@@ -34,7 +34,7 @@ def _physical_scores_kernel(Q, LO, HI, LEN, AEND, ASTART, SKIP, OUT, Hkv, P, NP,
     [always_end, min(always_start, length)); only candidates' summaries are read. Per
     logical page the G query heads' bounds are combined (max, or sum with SUM, in head
     order), then the max over the R logical pages is taken. DOT: the bounds of GP (>= G)
-    heads x BLOCK pages as two tensor-core products; else kernels.select._scores_kernel's
+    heads x BLOCK R logical pages as two tensor-core products; else kernels.select._scores_kernel's
     float32 operations per channel (the same scores as the old selection path, bit for bit).
     WINDOW: always_end / always_start are computed here from (SINK_END, LOCAL) as
     ops.pages.page_windows does, and written to AEND / ASTART ([B, 1]) by each request's
@@ -63,7 +63,10 @@ def _physical_scores_kernel(Q, LO, HI, LEN, AEND, ASTART, SKIP, OUT, Hkv, P, NP,
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     if DOT and tl.max(cand.to(tl.int32), 0) > 0:
         # sum_d max(q_d hi_d, q_d lo_d) = q+ . hi + q- . lo (hi >= lo): two tensor-core
-        # products per tile, exact products summed in float32 (in another order than the twin)
+        # products over the block's BLOCK R logical pages as one contiguous tile (exact
+        # products summed in float32, in another order than the twin), then the max over
+        # each physical page's R. (R strided [BLOCK, D] tiles, one per logical page of a
+        # physical page, read lserve's summaries 1.10-1.16x slower: H200, 128K x 8 / x 32)
         base = b.to(tl.int64) * sl_b + h * sl_h
         offs_g = tl.arange(0, GP)
         qmask = offs_g[:, None] < G
@@ -74,27 +77,27 @@ def _physical_scores_kernel(Q, LO, HI, LEN, AEND, ASTART, SKIP, OUT, Hkv, P, NP,
             qt = qt.to(tl.float32)
         qp = tl.where(qt > 0, qt, 0.0).to(qt.dtype)
         qn = tl.where(qt < 0, qt, 0.0).to(qt.dtype)
-        for r in tl.static_range(R):
-            page = offs * R + r
-            ok = cand & (page < P)
-            ptr = base + page[:, None].to(tl.int64) * sl_n + offs_d[None, :]
-            lmask = ok[:, None]
-            if DP != D:
-                lmask = lmask & dmask[None, :]
-            lo = tl.load(LO + ptr, mask=lmask, other=0.0)
-            hi = tl.load(HI + ptr, mask=lmask, other=0.0)
-            if UPCAST:
-                lo, hi = lo.to(tl.float32), hi.to(tl.float32)
-            if IEEE:
-                s = tl.dot(qp, tl.trans(hi), input_precision="ieee") + tl.dot(qn, tl.trans(lo), input_precision="ieee")
-            else:
-                s = tl.dot(qp, tl.trans(hi)) + tl.dot(qn, tl.trans(lo))
-            if SUM:
-                red = tl.sum(tl.where(offs_g[:, None] < G, s, 0.0), 0)
-            else:
-                red = tl.max(tl.where(offs_g[:, None] < G, s, float("-inf")), 0)
-            best = tl.maximum(best, red)
-        best = tl.where(cand, best, float("-inf"))
+        page = tl.program_id(1) * BLOCK * R + tl.arange(0, BLOCK * R)
+        lfirst = (page // R).to(tl.int64) * WIDTH
+        ok = (lfirst >= a_end) & (lfirst + WIDTH <= a_start) & (page // R < NP) & (page < P)
+        ptr = base + page[:, None].to(tl.int64) * sl_n + offs_d[None, :]
+        lmask = ok[:, None]
+        if DP != D:
+            lmask = lmask & dmask[None, :]
+        lo = tl.load(LO + ptr, mask=lmask, other=0.0)
+        hi = tl.load(HI + ptr, mask=lmask, other=0.0)
+        if UPCAST:
+            lo, hi = lo.to(tl.float32), hi.to(tl.float32)
+        if IEEE:
+            s = tl.dot(qp, tl.trans(hi), input_precision="ieee") + tl.dot(qn, tl.trans(lo), input_precision="ieee")
+        else:
+            s = tl.dot(qp, tl.trans(hi)) + tl.dot(qn, tl.trans(lo))
+        if SUM:
+            red = tl.sum(tl.where(offs_g[:, None] < G, s, 0.0), 0)
+        else:
+            red = tl.max(tl.where(offs_g[:, None] < G, s, float("-inf")), 0)
+        red = tl.where(page < P, red, float("-inf"))
+        best = tl.where(cand, tl.max(tl.reshape(red, [BLOCK, R]), 1), float("-inf"))
     elif tl.max(cand.to(tl.int32), 0) > 0:
         base = b.to(tl.int64) * sl_b + h * sl_h
         for r in tl.static_range(R):
@@ -167,13 +170,17 @@ def _page_scores(q, kmin, kmax, lengths, ends, page_size, physical_page_size, gq
     # (scripts/profile_plan.py --methods quest --sweep)
     G = Hq // Hkv
     dot = (_use_dot if _dot is None else _dot) and D >= 16 and G <= 16
-    if dot:  # H200, 128K, bf16 summaries, r = 4: 64 pages x 4 warps 78 / 273 us at x 8 / x 32 (3.4 / 3.9 TB/s)
-        block, warps = _config or (min(64, next_pow2(max(16, 256 // r))), 4)
+    if dot:  # tiles of 64 logical pages: on the H200 at 128K x 8 / x 32, lserve's summaries (r = 4, half the
+        # heads skipped) in 47 / 153 us, 2.8 / 3.5 TB/s, best of 8 configs (scripts/profile_plan.py --sweep)
+        block, warps = _config or (next_pow2(max(1, 64 // r)), 4)
     else:
         warps = 8 if D >= 128 and kmin.element_size() > 2 else 4
         block, warps = _config or (next_pow2(max(1, 128 // r)), warps)
-    dot = dot and block >= 16  # tensor-core tiles need 16 rows
     upcast = interpreting() or kmin.dtype == torch.float32 or q.dtype != kmin.dtype
+    # tensor-core tiles need 16 rows; past 128 (64 in float32) their operands outgrow shared
+    # memory (a 256-row float16 tile asked 272 KiB of the H200's 227), and larger physical
+    # pages take the CUDA-core form
+    dot = dot and 16 <= block * r <= (64 if upcast else 128)
     sink_end, local = window or (0, 0)
     _physical_scores_kernel[(B * Hkv, max(1, triton.cdiv(NP, block)))](  # (a program to write the windows)
         q, kmin, kmax, lengths, ae, ast, sk, out, Hkv, P, NP, q.stride(0), q.stride(1), kmin.stride(0),
