@@ -66,7 +66,7 @@ def _physical_scores_kernel(Q, LO, HI, LEN, AEND, ASTART, SKIP, OUT, Hkv, P, NP,
         # products over the block's BLOCK R logical pages as one contiguous tile (exact
         # products summed in float32, in another order than the twin), then the max over
         # each physical page's R. (R strided [BLOCK, D] tiles, one per logical page of a
-        # physical page, read lserve's summaries 1.10-1.16x slower: H200, 128K x 8 / x 32)
+        # physical page, read lserve's summaries 1.12-1.17x slower: H200, 128K x 8 / x 32)
         base = b.to(tl.int64) * sl_b + h * sl_h
         offs_g = tl.arange(0, GP)
         qmask = offs_g[:, None] < G
