@@ -76,6 +76,7 @@ def oracle(q, kmin, kmax, lengths, a_end, a_start, ps, pp, reduce, skip):
     (3, 80, torch.float32, "max", 1, None, None),
     (4, 64, torch.bfloat16, "max", 16, "head", None),  # one physical page a tile of 16 logical ones
     (4, 64, torch.float16, "sum", 8, None, (32, 4)),  # a tile too large for tensor cores: the CUDA-core form
+    (4, 64, torch.bfloat16, "max", 3, "row", (16, 4)),  # 3 logical pages a physical one: the CUDA-core form
 ])
 def test_kernel_matches_twin_and_oracle(G, D, dtype, reduce, r, skip, config):
     """Lengths 1/54/97/1000 (4000 for physical pages past 64 tokens), capacity past the

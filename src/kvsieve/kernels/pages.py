@@ -177,10 +177,10 @@ def _page_scores(q, kmin, kmax, lengths, ends, page_size, physical_page_size, gq
         warps = 8 if D >= 128 and kmin.element_size() > 2 else 4
         block, warps = _config or (next_pow2(max(1, 128 // r)), warps)
     upcast = interpreting() or kmin.dtype == torch.float32 or q.dtype != kmin.dtype
-    # tensor-core tiles need 16 rows; past 128 (64 in float32) their operands outgrow shared
-    # memory (a 256-row float16 tile asked 272 KiB of the H200's 227), and larger physical
-    # pages take the CUDA-core form
-    dot = dot and 16 <= block * r <= (64 if upcast else 128)
+    # tensor-core tiles need 16 rows, a power of two; past 128 (64 in float32) their operands
+    # outgrow shared memory (a 256-row float16 tile asked 272 KiB of the H200's 227): larger
+    # physical pages, and those of 3, 5, ... logical pages, take the CUDA-core form
+    dot = dot and r & (r - 1) == 0 and 16 <= block * r <= (64 if upcast else 128)
     sink_end, local = window or (0, 0)
     _physical_scores_kernel[(B * Hkv, max(1, triton.cdiv(NP, block)))](  # (a program to write the windows)
         q, kmin, kmax, lengths, ae, ast, sk, out, Hkv, P, NP, q.stride(0), q.stride(1), kmin.stride(0),
