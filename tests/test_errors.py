@@ -43,6 +43,30 @@ def test_bad_lengths(lengths, match):
         sparse_decode(*qkv(), method="dense", lengths=lengths)
 
 
+@pytest.mark.parametrize("lengths,match", [
+    (torch.tensor([21, 5]), r"lengths must lie in \[0, 20\].*got \[21, 5\]"),
+    (torch.tensor([-1, 5]), r"lengths must lie in \[0, 20\]"),
+    (torch.tensor([5]), r"shape \(2,\), one length per row, got \(1,\)"),
+    (torch.tensor([[5, 5]]), r"shape \(2,\), one length per row, got \(1, 2\)"),
+    (torch.tensor([5.0, 3.0]), r"integer tensor.*torch.float32"),
+    ([5, 3], r"integer tensor.*got list"),
+])
+def test_reference_ops_refuse_lengths_that_do_not_fit_the_rows(lengths, match):
+    """kvsieve.ops' dense_attend, kmeans and page_summaries read the first lengths[b]
+    positions of each row: a length past the rows, negative, one for the whole batch or of
+    another shape was taken silently (clipped, broadcast); each is now one clear error."""
+    from kvsieve.ops import dense_attend, kmeans, page_summaries
+
+    q, k, v = qkv(B=2)
+    for call in (lambda: dense_attend(q, k, v, lengths), lambda: page_summaries(k, lengths, 4),
+                 lambda: kmeans(k[:, 0], lengths, 4)):
+        with pytest.raises(ValueError, match=match):
+            call()
+    ok = torch.tensor([20, 0])  # (a whole row, an empty one)
+    assert torch.isneginf(dense_attend(q, k, v, ok)[1][1]).all()
+    assert kmeans(k[:, 0], ok, 4).sizes.sum(1).tolist() == [20, 0]
+
+
 def test_inputs_whose_logits_overflow_float32_are_refused():
     """q, k around 1e19 are finite but q.k is not in float32: NaN came back with no error."""
     q, k, v = qkv()

@@ -45,8 +45,25 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = 
 def dense_attend(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None = None,
                  scale: float | None = None) -> Tuple[Tensor, Tensor]:
     """Dense attention over the first lengths[b] tokens of each request (all if None)."""
+    if k.dim() != 4:
+        raise ValueError(f"dense_attend: k {tuple(k.shape)} must be [B, Hkv, S, D]")
     B, Hkv, S, _ = k.shape
+    if lengths is not None:
+        check_lengths("dense_attend", lengths, B, S)
     return attend(q, k, v, valid_mask(lengths, B, Hkv, S, k.device), scale)
+
+
+def check_lengths(name: str, lengths: Tensor, rows: int, S: int) -> None:
+    """One clear error unless lengths is an integer tensor of `rows` entries, each in [0, S]
+    (the values are checked for CPU tensors only: on a GPU that would wait for the device)."""
+    if not isinstance(lengths, Tensor) or lengths.dtype.is_floating_point or lengths.dtype.is_complex \
+            or lengths.dtype == torch.bool or tuple(lengths.shape) != (rows,):
+        shape = tuple(lengths.shape) if isinstance(lengths, Tensor) else type(lengths).__name__
+        raise ValueError(f"{name}: lengths must be an integer tensor of shape ({rows},), one length per row, "
+                         f"got {shape}{'' if not isinstance(lengths, Tensor) else ' ' + str(lengths.dtype)}")
+    if lengths.device.type == "cpu" and rows and (int(lengths.min()) < 0 or int(lengths.max()) > S):
+        raise ValueError(f"{name}: lengths must lie in [0, {S}] (the rows hold {S} positions), got "
+                         f"{lengths.tolist() if rows <= 16 else (int(lengths.min()), int(lengths.max()))}")
 
 
 def valid_mask(lengths: Tensor | None, B: int, Hkv: int, S: int, device) -> Tensor:

@@ -8,6 +8,8 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from .attention import check_lengths
+
 
 @dataclass
 class KMeansResult:
@@ -107,6 +109,9 @@ def kmeans(x: Tensor, lengths: Tensor, cluster_size: int, max_iters: int = 10, s
     """
     if isinstance(cluster_size, bool) or not isinstance(cluster_size, numbers.Integral) or cluster_size < 1:
         raise ValueError(f"kmeans: cluster_size must be an integer >= 1 (tokens per cluster), got {cluster_size!r}")
+    if x.dim() != 3:
+        raise ValueError(f"kmeans: x {tuple(x.shape)} must be [N, S, D] (N rows of S vectors)")
+    check_lengths("kmeans", lengths, x.shape[0], x.shape[1])
     if window is not None and x.shape[1] > window:
         return _windowed(x, lengths, cluster_size, max_iters, seed, row_period, window, nearest, update)
     nearest = nearest or nearest_centroid

@@ -8,6 +8,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .attention import check_lengths
+
 
 def check_page_size(page_size: int) -> None:
     if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral) or page_size < 1:
@@ -21,7 +23,10 @@ def page_summaries(k: Tensor, lengths: Tensor, page_size: int) -> Tuple[Tensor, 
     Padding tokens are excluded; a page with no valid token gets kmin=+inf, kmax=-inf
     (scored -inf by page_scores)."""
     check_page_size(page_size)
+    if k.dim() != 4:
+        raise ValueError(f"page_summaries: k {tuple(k.shape)} must be [B, Hkv, S, D]")
     B, H, S, D = k.shape
+    check_lengths("page_summaries", lengths, B, S)
     ct = torch.float64 if k.dtype == torch.float64 else torch.float32
     P = -(-S // page_size)
     pad = P * page_size - S
