@@ -1,3 +1,4 @@
+import math
 import warnings
 
 import pytest
@@ -65,6 +66,30 @@ def test_reference_ops_refuse_lengths_that_do_not_fit_the_rows(lengths, match):
     ok = torch.tensor([20, 0])  # (a whole row, an empty one)
     assert torch.isneginf(dense_attend(q, k, v, ok)[1][1]).all()
     assert kmeans(k[:, 0], ok, 4).sizes.sum(1).tolist() == [20, 0]
+
+
+def test_reference_ops_refuse_arguments_that_do_not_fit_together():
+    """attend's mask of another dtype failed inside torch (a float mask: "~ only implemented
+    on integer and Boolean tensors"); merge_attention broadcast a one-request result over the
+    batch silently; page_scores failed in a reshape. Each is now one error naming the shapes."""
+    from kvsieve.ops import attend, merge_attention, page_scores, page_summaries
+
+    q, k, v = qkv(B=2)
+    with pytest.raises(ValueError, match="mask must be a bool tensor.*torch.float32"):
+        attend(q, k, v, torch.ones(2, 2, 20))
+    out, lse = attend(q, k, v, torch.ones(2, 2, 20, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"merge_attention: out_a \(2, 4, 64\).*out_b \(1, 4, 64\)"):
+        merge_attention(out, lse, out[:1], lse[:1])
+    with pytest.raises(ValueError, match="do not fit together"):
+        merge_attention(out, lse, out, lse[:, :2])
+    merged, both = merge_attention(out, lse, out, lse)  # the same tokens twice: the same output, lse + log 2
+    assert torch.allclose(merged, out, atol=1e-6) and torch.allclose(both, lse + math.log(2), atol=1e-5)
+    kmin, kmax = page_summaries(k, torch.tensor([20, 20]), 4)
+    assert page_scores(q, kmin, kmax).shape == (2, 4, 5)
+    with pytest.raises(ValueError, match=r"page_scores: q \(2, 3, 64\)"):
+        page_scores(q[:, :3], kmin, kmax)
+    with pytest.raises(ValueError, match="do not fit together"):
+        page_scores(q, kmin, kmax[:, :, :2])
 
 
 def test_inputs_whose_logits_overflow_float32_are_refused():

@@ -27,6 +27,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = 
         raise ValueError(f"attend: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, mask "
                          f"{tuple(mask.shape)} do not fit together; give q [B, Hq, D], k, v [B, Hkv, S, D] with Hq "
                          "a multiple of Hkv, and mask [B, Hkv, S]")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"attend: mask must be a bool tensor (True: the token is attended), got {mask.dtype}; "
+                         "pass mask.bool() or mask != 0")
     B, Hq, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -80,6 +83,10 @@ def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor
 
     out_*: [..., D]; lse_*: [...]. Either side may be empty (lse = -inf).
     """
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape or tuple(lse_a.shape) != tuple(out_a.shape[:-1]):
+        raise ValueError(f"merge_attention: out_a {tuple(out_a.shape)}, lse_a {tuple(lse_a.shape)}, out_b "
+                         f"{tuple(out_b.shape)}, lse_b {tuple(lse_b.shape)} do not fit together; give two results of "
+                         "one shape, out [..., D] with lse [...]")
     ct = compute_dtype(out_a.dtype)
     lse = torch.logaddexp(lse_a.to(ct), lse_b.to(ct))
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))

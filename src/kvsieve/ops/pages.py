@@ -60,6 +60,11 @@ def page_scores(q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
     q: [B, Hq, D]; kmin, kmax: [B, Hkv, P, D] -> scores [B, Hq, P] (unscaled logits),
     -inf for empty pages.
     """
+    if q.dim() != 3 or kmin.dim() != 4 or kmax.shape != kmin.shape or not kmin.shape[1] \
+            or kmin.shape[0] != q.shape[0] or q.shape[1] % kmin.shape[1] or kmin.shape[3] != q.shape[2]:
+        raise ValueError(f"page_scores: q {tuple(q.shape)}, kmin {tuple(kmin.shape)}, kmax {tuple(kmax.shape)} do "
+                         "not fit together; give q [B, Hq, D] and kmin, kmax [B, Hkv, P, D] (page_summaries) with Hq "
+                         "a multiple of Hkv")
     B, Hq, D = q.shape
     Hkv, P = kmin.shape[1], kmin.shape[2]
     G = Hq // Hkv
