@@ -416,7 +416,7 @@ def test_sliding_window_layers_keep_their_window(arch, monkeypatch):
 
 def test_a_cache_of_the_callers_own_decodes_densely_with_a_warning(tiny_llama):
     """generate() given a plain DynamicCache: transformers' own tokens (SDPA), no KV read
-    counted, and one warning saying why and what to pass instead."""
+    counted, and one warning per generate() call saying why and what to pass instead."""
     from transformers.cache_utils import DynamicCache
 
     model, enc = tiny_llama
@@ -425,10 +425,13 @@ def test_a_cache_of_the_callers_own_decodes_densely_with_a_warning(tiny_llama):
     try:
         with pytest.warns(UserWarning, match="not a kvsieve cache") as rec:
             out = greedy(model, {**enc, khf.cache_kwarg(model): DynamicCache()}, 4)
+        with pytest.warns(UserWarning, match="not a kvsieve cache") as again:  # every such generate() says so
+            greedy(model, {**enc, "cache_implementation": "static"}, 4)
     finally:
         khf.disable(model)
     assert torch.equal(out, ref) and state.kv_read_steps == 0
     assert sum("not a kvsieve cache" in str(w.message) for w in rec) == 1
+    assert sum("not a kvsieve cache" in str(w.message) for w in again) == 1
 
 
 @pytest.mark.gpu

@@ -483,6 +483,7 @@ class _Generate:
             kwargs[self.cache_kw] = make_cache()
         state.new_tokens, state.prompt_tokens = new_tokens, None
         state.kv_read_sum, state.kv_read_steps, state.attended_densely = 0.0, 0, 0
+        state.warned_foreign_cache = False  # (each generate() that decodes densely says so)
         return self.original(*args, **kwargs)
 
 
