@@ -518,6 +518,8 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"token": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": "x"}}, "logit_bias.5"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"\u00b2": 1}}, "logit_bias"),  # str.isdigit, not int() (a 500)
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"\u0665": 1}}, "logit_bias"),  # (int() read it as 5)
     ("/v1/completions", {"prompt": "hi " * 9000, "max_tokens": 4}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 8192}, "max_tokens"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
@@ -623,6 +625,10 @@ def test_wrong_http_methods_name_the_allowed_ones_and_probes_may_use_head(live):
     assert r.status_code == 400 and 'its "text" must be a string, got none' in r.json()["error"]["message"]
     r = live.post("/v1/completions", {"prompt": "hi", "logit_bias": {"1": "1"}})
     assert "logit_bias.1 must be a number in [-100, 100]" in r.json()["error"]["message"]
+    for bad in (0, "4"):  # chat has no echo: its message does not offer one
+        r = live.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": bad})
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and "max_tokens must be an integer >= 1" in message and "echo" not in message
 
 
 def test_per_request_kvsieve_settings_are_honoured_and_reported(live, engine, client):

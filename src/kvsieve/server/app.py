@@ -119,8 +119,8 @@ class Server(Responses):
         if max_tokens is None:  # OpenAI's defaults: the rest of the context for chat, 16 for completions
             max_tokens = room if chat else min(room, COMPLETIONS_DEFAULT_MAX_TOKENS)
         elif max_tokens < (0 if echo else 1):
-            raise BadRequest(f"{field} must be an integer >= 1 (0 only with echo), got {max_tokens}; ask for at "
-                             "least one token", field)
+            raise BadRequest(f"{field} must be an integer >= 1{'' if chat else ' (0 only with echo)'}, got "
+                             f"{max_tokens}; ask for at least one token", field)
         elif max_tokens > room:
             raise self.too_long(
                 f"The prompt has {prompt_len} tokens and {field} is {max_tokens}, but at most {prompt_len + room} "
@@ -135,7 +135,7 @@ class Server(Responses):
                              "stop_token_ids")
         bias = {}
         for key, value in (req.logit_bias or {}).items():
-            if not key.isdigit() or int(key) >= self.vocab:
+            if not (key.isascii() and key.isdigit()) or int(key) >= self.vocab:  # (isdigit alone: '²', '٥')
                 raise BadRequest(f"logit_bias key {key!r} is not a token id in [0, {self.vocab})", "logit_bias")
             bias[int(key)] = value
         try:

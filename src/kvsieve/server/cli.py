@@ -199,8 +199,10 @@ def _stopped_by_sigterm(signum, frame):
 
 
 def _make_server(config, app, shutdown_timeout: float):
-    """A uvicorn.Server that answers 503 to new requests from the first Ctrl-C/SIGTERM on,
-    while the requests in flight finish (up to --shutdown-timeout, then they are aborted)."""
+    """A uvicorn.Server that stops taking requests from the first Ctrl-C/SIGTERM on (uvicorn
+    closes the listening socket: new connections are refused; a request on a connection
+    already open gets 503, as does /health), while the requests in flight finish (up to
+    --shutdown-timeout, then they are aborted)."""
     import uvicorn
 
     class Server(uvicorn.Server):

@@ -244,7 +244,8 @@ def parse(model: type, raw: bytes):
         elif (param or "").startswith("logit_bias."):
             msg = f"{param} must be a number in [-100, 100] (the bias of token {param.split('.', 1)[1]}), got {got}"
         elif param in EXPECTED:
-            msg = f"{param} must be {EXPECTED[param]}, got {got}"
+            no_echo = param == "max_tokens" and "echo" not in model.model_fields  # (chat)
+            msg = f"{param} must be {EXPECTED['max_completion_tokens' if no_echo else param]}, got {got}"
         elif generic in ("messages",):
             msg = f"{param}: {err['msg']} (got {got}); messages must be {EXPECTED['messages']}"
         else:
