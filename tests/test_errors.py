@@ -292,6 +292,38 @@ def test_an_os_error_is_one_line(capsys, monkeypatch, tmp_path):
     assert len(err.strip().splitlines()) == 1
 
 
+def test_a_closed_stdout_is_not_an_error(capsys, monkeypatch):
+    """`kvsieve demo | head -1`: the pipe closing early printed "error: [Errno 32] Broken pipe"
+    and exit 2; now nothing, and the status of a tool SIGPIPE ends."""
+    import kvsieve.cli
+
+    def closed(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.delenv("KVSIEVE_DEBUG", raising=False)
+    monkeypatch.setattr(kvsieve.cli, "cmd_demo", closed)
+    assert kvsieve.cli.main(["demo"]) == 141
+    assert capsys.readouterr().err == ""
+
+
+def test_config_errors_name_the_flags_the_user_typed():
+    """A field the command has a flag for is named as the flag where it is the subject; other
+    words (a mode, a path, a Python keyword beside the flag, a flag already) are left."""
+    from kvsieve.cli import _as_flags
+
+    flags = {"--cluster-size", "--threshold", "--budget", "--sink", "--local", "--streaming-heads", "--top-p"}
+    assert _as_flags("cluster_size (9) must be at most cluster_window (8); give a cluster_size of at most 8", flags) \
+        == "--cluster-size (9) must be at most cluster_window (8); give a --cluster-size of at most 8"
+    assert _as_flags("drop budget (threshold mode) or drop threshold (budget mode)", flags) == \
+        "drop --budget (threshold mode) or drop --threshold (budget mode)"
+    assert _as_flags("sink=4 sets it; give heads (streaming_heads=..., --streaming-heads FILE) or drop sink/local",
+                     flags) == "sink=4 sets it; give heads (streaming_heads=..., --streaming-heads FILE) or drop sink/local"
+    assert _as_flags("file '/tmp/top_p.txt' and top_p.json: budget left", flags) == \
+        "file '/tmp/top_p.txt' and top_p.json: budget left"
+    assert _as_flags("top_k must be >= 0", flags) == "top_k must be >= 0"  # (no such flag here)
+    assert _as_flags("--length must exceed sink + local (384)", flags) == "--length must exceed sink + local (384)"
+
+
 def test_numpy_numbers_are_numbers():
     """Options and sampling settings swept with NumPy (np.arange, np.linspace) validate as the
     numbers they hold, as Python's do."""
@@ -370,7 +402,7 @@ def test_a_budget_with_threshold_mode_options_is_refused_and_a_requests_mode_win
     assert merge_options({"budget": 400, "page_size": 8}, {"threshold": 0.9}, "quest") == \
         {"budget": 400, "page_size": 8, "threshold": 0.9}  # (no threshold mode: refused by quest's config)
     assert main(["generate", "--method", "tactic", "--threshold", "0.9", "--budget", "100"]) == 2
-    assert "drop budget (threshold mode) or drop threshold (budget mode)" in capsys.readouterr().err
+    assert "drop --budget (threshold mode) or drop --threshold (budget mode)" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"cluster_size \(20000\) must be at most cluster_window \(16384\)"):
         config_for("tactic", cluster_size=20000)
     with pytest.raises(ValueError, match="counted from 0: name layers 0-29 and heads 0-2"):

@@ -215,6 +215,7 @@ def run_cli(capsys, *argv):
     (["--tasks", "suite", "--suite-lengths", "8180"], "--suite-lengths value 8180 plus 16 tokens"),
     (["--tasks", "suite", "--suite-lengths", "100"], "--suite-lengths value 100 cannot hold a needle"),
     (["--tasks", "suite", "--suite-sources", "pydoc,web"], "unknown suite source(s) web for --suite-sources"),
+    (["--variants", "passkey,foo"], "unknown retrieval variant(s) foo for --variants"),  # (was a KeyError traceback)
     (["--tasks", "suite", "--suite-cases", "0"], "--suite-cases must be >= 1"),
     (["--tasks", "suite", "--seed", "-1"], "--seed must be an integer >= 0, got -1"),
     (["--device", "tpu"], "--device 'tpu' is not a device torch knows"),

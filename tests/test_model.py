@@ -270,7 +270,14 @@ def test_usage_errors_are_one_line_exit_2(capsys):
     (["--method", "tactic", "--page-size", "100", "--prompt", "hi"],
      "--page-size does not apply to --method tactic; its options: --threshold"),
     (["--method", "tactic", "--dense-prefill", "--prompt", "hi"], "--dense-prefill does not apply to --method tactic"),
-    (["--threshold", "1.5", "--prompt", "hi"], "threshold must be a number in (0, 1]"),
+    (["--threshold", "1.5", "--prompt", "hi"], "--threshold must be a number in (0, 1]"),
+    (["--cluster-size", "0", "--prompt", "hi"], "--cluster-size must be a positive integer, got 0"),  # (config
+    # errors name the flag, not the dataclass field)
+    (["--top-p", "1.5", "--prompt", "hi"], "--top-p must be a number in [0, 1], got 1.5"),
+    (["--method", "tactic", "--budget", "64", "--threshold", "0.5", "--prompt", "hi"],
+     "--threshold set tactic's threshold mode, which a fixed budget replaces, so it would be unused; drop --budget "
+     "(threshold mode) or drop --threshold (budget mode)"),
+    (["--model", "", "--prompt", "hi"], "the model path is empty ('')"),  # (was read as the working directory)
     (["--dense-heads", "7-2", "--prompt", "hi"], "--dense-heads must be layer:kv_head pairs separated by commas"),
     (["--dense-heads", "7:9", "--prompt", "hi"], "dense head 7:9, but this model has 30 layers x 3 KV heads"),
     (["--dense-heads", "30:0", "--prompt", "hi"], "dense head 30:0, but this model has 30 layers x 3 KV heads"),
@@ -278,9 +285,9 @@ def test_usage_errors_are_one_line_exit_2(capsys):
                                                                         "not found"),
     (["--prompt-file", "/nonexistent.txt"], "prompt file '/nonexistent.txt' not found"),
     (["--prompt", "hi", "--max-new-tokens", "8200"], "--max-new-tokens is 8200, but the model allows 8192 positions; ask for at most 81"),
-    (["--prompt", "hi", "--method", "quest", "--budget", "2147483648"], "budget must be at most 16,777,216"),
-    (["--prompt", "hi", "--method", "tactic", "--budget", str(1 << 63)], "budget must be at most 16,777,216"),
-    (["--prompt", "hi", "--method", "streaming", "--local", "99999999999"], "local must be at most 16,777,216"),
+    (["--prompt", "hi", "--method", "quest", "--budget", "2147483648"], "--budget must be at most 16,777,216"),
+    (["--prompt", "hi", "--method", "tactic", "--budget", str(1 << 63)], "--budget must be at most 16,777,216"),
+    (["--prompt", "hi", "--method", "streaming", "--local", "99999999999"], "--local must be at most 16,777,216"),
     (["--prompt", "hi", "--device", "meta"], "kvsieve runs on cpu or cuda devices"),
     (["--prompt", "hi", "--kv-pages", "1000000000"], "give fewer KV pages (--kv-pages)"),
     (["--no-chat", "--prompt", "Once upon a time", "--kv-pages", "2", "--max-new-tokens", "30"],
@@ -363,6 +370,24 @@ def test_prompt_files_that_are_not_text_exit_2(tmp_path, capsys):
     for f, message in ((tmp_path, "is a directory"), (latin, "is not UTF-8 text")):
         rc, _, err = run_cli(capsys, "generate", "--prompt-file", str(f))
         assert rc == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_prompt_file_may_be_a_pipe(capsys, tmp_path):
+    """<(command) and mkfifo pipes are read like files (they were refused as not regular);
+    a character device such as /dev/zero still is."""
+    import os
+    import threading
+
+    fifo = tmp_path / "prompt"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("Once upon a"))
+    writer.start()
+    argv = ["generate", "--no-chat", "--max-new-tokens", "3", "--json", "--method", "dense"]
+    rc, out, _ = run_cli(capsys, *argv, "--prompt-file", str(fifo))
+    writer.join()
+    assert rc == 0 and json.loads(out)["text"] == json.loads(run_cli(capsys, *argv, "--prompt", "Once upon a")[1])["text"]
+    rc, _, err = run_cli(capsys, *argv, "--prompt-file", "/dev/zero")
+    assert rc == 2 and "is not a regular file or a pipe" in err
 
 
 def test_page_size_reaches_the_method_not_the_pool(embedded):
@@ -553,6 +578,9 @@ def test_the_attended_densely_note_names_the_rule_that_applied():
     under = attended_densely_note(args, eng, ["not_indexed"])
     assert "stayed below this device's dense/sparse crossover of 150 tokens" in under and "under the 256" in under
     assert "read more than" not in under
+    given = attended_densely_note(SimpleNamespace(method="tactic", max_new_tokens=64, dense_below=150), eng,
+                                  ["not_indexed"])
+    assert "stayed below the --dense-below of 150 tokens" in given and "crossover" not in given  # (the user's own)
     most = attended_densely_note(args, eng, [None, "plans_read_most"])
     assert "plans read more than 50% of the cache for 4 steps in a row" in most and "crossover" not in most
     both = attended_densely_note(args, eng, ["plans_read_most", "not_indexed"])

@@ -174,6 +174,9 @@ def test_malformed_pattern_fields_name_the_field(tmp_path, field, value, message
     path.write_text(json.dumps([doc]))
     with pytest.raises(ValueError, match="malformed streaming-heads file .*one JSON object"):
         load_pattern(path, 3, 2)
+    path.write_text(json.dumps({"foo": 1}))  # (was the KeyError's bare 'streaming')
+    with pytest.raises(ValueError, match="malformed streaming-heads file .*has no 'streaming' field"):
+        load_pattern(path, 3, 2)
 
 
 def test_dense_heads_file_of_another_model_is_refused(tmp_path):
@@ -287,7 +290,7 @@ def test_a_file_pattern_run_with_another_window_warns_once(capsys, tmp_path):
         warn_window(pattern, 128, 256)  # the file's own window: silent
         warn_window(((True, False),), 4, 64)  # not from a file: nothing to compare
         with pytest.raises(UserWarning, match=r"chosen for a sink 128 \+ local 256 window.*sink 4 \+ local 64.*"
-                                              r"kvsieve calibrate --model m --sink 4 --local 64"):
+                                              r"kvsieve calibrate --sink 4 --local 64 --out FILE` \(with --model PATH"):
             warn_window(pattern, 4, 64)
     save_pattern(path, ((True, False),) * 2, {"lambda_mass": [[1, 0]] * 2}, {"model": "m"})
     assert load_pattern(path, 2, 2).window == (None, None)

@@ -7,6 +7,7 @@ import re
 import sys
 import warnings
 from pathlib import Path
+from typing import Optional
 
 
 class UsageError(ValueError):
@@ -199,16 +200,48 @@ def _debug() -> bool:
     return os.environ.get("KVSIEVE_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+def _subcommand_flags(parser: argparse.ArgumentParser, command: Optional[str]) -> set:
+    """The long flags of `command`'s parser (empty when there is none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return {s for a in action.choices[command]._actions for s in a.option_strings if s.startswith("--")}
+    return set()
+
+
+def _as_flags(message: str, flags: set) -> str:
+    """A config error in the user's words: a field the command has a flag for, named as the
+    flag (cluster_size -> --cluster-size; a one-word field only where it is the subject of
+    the sentence: before "must", "=", " (" or " set", in a message naming no flag yet), so a CLI
+    error never names a Python field."""
+    ours = "--" in message  # (a message of the CLI's own: its one-word names are plain words, "sink + local")
+
+    def flag(m: re.Match) -> str:
+        word, after = m.group(1), message[m.end():]
+        name = "--" + word.replace("_", "-")
+        python_hint = after.startswith("=...")  # (a keyword of the Python API named beside the flag)
+        subject = not python_hint and ("_" in word or (not ours and re.match(r" must\b|=| \(| set\b", after)))
+        return name if name in flags and subject else word
+
+    return re.sub(r"(?<![-\w./\\'])([a-z][a-z0-9_]*)(?![-\w/]|\.\w)", flag, message)
+
+
 def _run(argv) -> int:
+    flags: set = set()
     try:
         parser = build_parser()  # (imports torch: a Ctrl-C there is an interrupt too)
         argv = list(sys.argv[1:] if argv is None else argv)
         args = parser.parse_args(_joined_values(argv))
         args.argv = argv
+        flags = _subcommand_flags(parser, getattr(args, "command", None))
         return args.func(args)
+    except BrokenPipeError:  # stdout closed early (`kvsieve generate | head`): not a user error
+        sys.stdout = open(os.devnull, "w")  # (the interpreter's flush at exit would fail again)
+        return 141  # (128 + SIGPIPE, as a tool the signal ends)
     except (ValueError, OSError, UsageError, ModuleNotFoundError) as e:  # OSError: an unreadable file, a full disk
         if _debug():
             raise
+        if isinstance(e, ValueError) and not isinstance(e, UsageError):
+            e = _as_flags(str(e), flags)
         if isinstance(e, ModuleNotFoundError) and e.name and "pip install" not in str(e):  # (ours name their
             # extra; no name: not a missing install, e.g. an import cut short by Ctrl-C: its own message)
             e = f"missing dependency {e.name!r}: run `bash scripts/setup.sh` or `pip install 'kvsieve[model]'`"

@@ -100,6 +100,8 @@ def load_pattern(path, num_layers: Optional[int] = None, num_kv_heads: Optional[
         doc = json.loads(p.read_text())
         if not isinstance(doc, dict):
             raise ValueError("it must hold one JSON object")
+        if "streaming" not in doc:
+            raise ValueError("it has no 'streaming' field (not a `kvsieve calibrate` file)")
         rows: List[str] = doc["streaming"]
         if doc.get("format") != FORMAT:
             raise ValueError(f"format is {doc.get('format')!r}, expected {FORMAT!r}")
@@ -148,11 +150,13 @@ def warn_window(pattern, sink: int, local: int) -> None:
     window = getattr(pattern, "window", (None, None))
     if None in window or tuple(window) == (sink, local):
         return
-    warnings.warn(f"the streaming heads of {pattern.source!r} were chosen for a sink {window[0]} + local "
-                  f"{window[1]} window, and this run streams them with sink {sink} + local {local}; to choose "
-                  f"heads for this window, run `kvsieve calibrate --model {getattr(pattern, 'model', None) or 'MODEL'} "
-                  f"--sink {sink} --local {local} --out FILE` (the model you run) and pass --streaming-heads FILE",
-                  stacklevel=3)
+    # (the file's model is a name, not a path the user can pass: calibrate runs the embedded model without --model)
+    model = getattr(pattern, "model", None)
+    warnings.warn(f"the streaming heads of {pattern.source!r}{f' (model {model!r})' if model else ''} were chosen "
+                  f"for a sink {window[0]} + local {window[1]} window, and this run streams them with sink {sink} + "
+                  f"local {local}; to choose heads for this window, run `kvsieve calibrate --sink {sink} --local "
+                  f"{local} --out FILE` (with --model PATH, the model you run, unless it is the embedded one) and "
+                  "pass --streaming-heads FILE", stacklevel=3)
 
 
 def warn_file_window(pattern, options: Dict) -> None:

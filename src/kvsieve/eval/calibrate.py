@@ -172,7 +172,8 @@ def parse_dense_lengths(text: Optional[str], length: int, limit: int) -> tuple:
     if bad:
         got = repr(text) if text is not None else f"{bad[0]} (by default --length is one of them)"
         raise ValueError(f"--dense-lengths must be in [64, {limit - 16}] (the model's {limit} positions less "
-                         f"room for the answer), got {got}; give --dense-lengths")
+                         f"room for the answer), got {got}; give --dense-lengths "
+                         f"{'lengths in that range' if text is not None else 'in that range, or a shorter --length'}")
     return out
 
 

@@ -132,7 +132,9 @@ def fit_preset_lengths(plan: EvalPlan, max_positions: int, given) -> dict:
     capped at the model's positions less what it decodes, rounded down to 64."""
     from .harness import MAX_NEW_TOKENS, SUITE_ANSWER_TOKENS
 
-    room = {"lengths": plan.decode_tokens, "retrieval_lengths": max(MAX_NEW_TOKENS[v] for v in plan.variants),
+    # (unknown variants: plan.validate() names them after this)
+    answer = max((MAX_NEW_TOKENS.get(v, 0) for v in plan.variants), default=0)
+    room = {"lengths": plan.decode_tokens, "retrieval_lengths": answer,
             "suite_lengths": SUITE_ANSWER_TOKENS}
     out = {}
     for name, extra in room.items():

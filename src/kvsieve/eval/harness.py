@@ -65,7 +65,8 @@ class EvalPlan:
             raise ValueError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(EVAL_METHODS)}")
         bad = [v for v in self.variants if v not in VARIANTS]
         if bad or not self.variants:
-            raise ValueError(f"unknown retrieval variant(s) {', '.join(bad) or '(none)'}; choose from {', '.join(VARIANTS)}")
+            raise ValueError(f"unknown retrieval variant(s) {', '.join(bad) or '(none)'} for --variants; "
+                             f"choose from {', '.join(VARIANTS)}")
         bad = [v for v in self.suite_sources if v not in SUITE_SOURCES]
         if bad or not self.suite_sources:
             raise ValueError(f"unknown suite source(s) {', '.join(bad) or '(none)'} for --suite-sources; "

@@ -68,9 +68,9 @@ def read_text_file(f: str, flag: str, what: str = "prompt file") -> str:
     path = Path(f)
     if path.is_dir():
         raise ValueError(f"{flag} {f!r} is a directory; pass a text file")
-    if path.exists() and not path.is_file():
-        raise ValueError(f"{flag} {f!r} is not a regular file; pass a text file")
-    if not path.is_file():
+    if path.exists() and not path.is_file() and not path.is_fifo():  # (a pipe: <(command), mkfifo)
+        raise ValueError(f"{flag} {f!r} is not a regular file or a pipe; pass a text file")
+    if not path.is_file() and not path.is_fifo():
         raise FileNotFoundError(f"{what} {f!r} not found; pass an existing text file to {flag}")
     try:
         return path.read_bytes().decode("utf-8-sig")
@@ -285,8 +285,10 @@ def attended_densely_note(args, eng, reasons) -> str:
         total = ""
         if eng.dense_step_below:  # a batch-wide plan: its payback grows near that line (Tactic.index_payback_at)
             total = f" ({eng.dense_step_below} for the prompts together, with enough new tokens to repay its index)"
-        why.append(f"the prompt and its answer stayed below this device's dense/sparse crossover of "
-                   f"{eng.dense_below} tokens{total}, or too few new tokens were left past it to repay its index{few}")
+        line = (f"the --dense-below of {eng.dense_below} tokens" if getattr(args, "dense_below", None) is not None
+                else f"this device's dense/sparse crossover of {eng.dense_below} tokens")
+        why.append(f"the prompt and its answer stayed below {line}{total}, or too few new tokens were left past "
+                   f"it to repay its index{few}")
     if "plans_read_most" in reasons:
         why.append(f"{args.method}'s plans read more than {DENSE_ABOVE:.0%} of the cache for {DENSE_AFTER} steps in a "
                    "row, so it attended densely from there (sparse would be slower)")

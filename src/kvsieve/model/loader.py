@@ -117,6 +117,9 @@ def resolve_model_dir(model: Optional[str]) -> Path:
     converted once, a named model, or a Hugging Face Hub id fetched once)."""
     if model is None:
         return convert_gguf(embedded_gguf(), cache_root() / EMBEDDED_DIR)
+    if not model.strip():  # (Path('') is the working directory)
+        raise ValueError(f"the model path is empty ({model!r}); pass a model directory, a .gguf file, a Hub id "
+                         "(org/name) or a named model, or leave --model out for the embedded one")
     p = Path(model).expanduser()
     if not p.exists() and model in NAMED:
         return resolve_named(model)
