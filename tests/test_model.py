@@ -230,7 +230,7 @@ def test_generate_json_contract(capsys):
                            "--method", "quest", "--budget", "64", "--dense-below", "1000", "--json")
     rep = json.loads(out)
     assert rc == 0 and rep["attended"] == ["dense"] and rep["kv_fraction"] == 1.0 and rep["dense_below"] == 1000
-    assert rep["dense_reason"] == ["not_indexed"] and "stayed below this device's dense/sparse crossover" in err
+    assert rep["dense_reason"] == ["not_indexed"] and "stayed below the --dense-below of 1000 tokens" in err
     assert "--- attended densely" in err and "pass --dense-below 0 to force quest" in err  # with --json too
     assert "read more than" not in err
     rc, _, err = run_cli(capsys, "generate", "--prompt", "Name a color.", "--max-new-tokens", "3",
