@@ -1,6 +1,7 @@
 """`kvsieve bench`: kernel-level decode step, clustering vs prefill, end-to-end decode (GPU)."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -14,13 +15,14 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="GPU benchmarks: sparse decode step vs the best dense kernels, "
                                      "clustering vs prefill, end-to-end 8B-shaped decode",
                        description="Llama-3.1-8B attention shapes (32 query / 8 KV heads, D=128, bf16). "
-                                   "Prints a table; writes bench.json and bench.png to --out.")
+                                   "Prints a table; writes bench.json and bench.png to --out.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--contexts", default="8192,32768,131072,262144", help="comma-separated context lengths")
     p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--budgets", default="0.01,0.025,0.05", help="token budgets as fractions of the context")
     p.add_argument("--thresholds", default="0.9", help="tactic thresholds P (fitted budget; '' to skip)")
     p.add_argument("--data", default="calibrated", choices=("calibrated", "calibrated-gemma3", "clustered"),
-                   help="decode-step inputs: attention calibrated to SmolLM2's recorded attention (default), to "
+                   help="decode-step inputs: attention calibrated to SmolLM2's recorded attention, to "
                         "Gemma 3 270M's global layers (diffuse), or the clustered stress case (keys scattered in "
                         "position, queries aimed at two keys)")
     p.add_argument("--index-seeds", default="0,1,2,3",
@@ -30,7 +32,7 @@ def register(sub) -> None:
     p.add_argument("--e2e-contexts", default="32768,131008",
                    help="end-to-end contexts, at most 131024: 48 tokens are decoded within the 8B shape's 131072 "
                         "positions ('' to skip)")
-    p.add_argument("--e2e-batches", default="1,8", help="batch sizes of the end-to-end decode rows (1,8)")
+    p.add_argument("--e2e-batches", default="1,8", help="batch sizes of the end-to-end decode rows")
     p.add_argument("--prefill-contexts", default="32768,65536,131072",
                    help="contexts for prefill attention, dense vs unified block-sparse ('' to skip)")
     p.add_argument("--prefill-e2e-contexts", default="32768,65536,131072",

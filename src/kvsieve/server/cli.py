@@ -30,8 +30,9 @@ def register(sub) -> None:
     p.add_argument("--kv-pages", type=int, help="KV pool size in 16-token pages (default: room for --max-num-seqs "
                    "requests of the model's full length, within --gpu-memory-fraction on CUDA and "
                    "--cpu-kv-gib on the CPU)")
-    p.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="CUDA: share of free GPU memory the KV "
-                                                                          "pool may take (default 0.9)")
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="CUDA: share of free GPU memory the "
+                   "engine may take: the default KV pool 70%% of it, method indexes and step graphs the rest "
+                   "(default 0.9)")
     p.add_argument("--cpu-kv-gib", type=float, default=2.0, help="CPU: most GiB the default KV pool takes "
                                                                  "(default 2)")
     p.add_argument("--device", help="default cuda when a GPU is present, else cpu")
