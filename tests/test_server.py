@@ -467,6 +467,7 @@ def test_closing_a_stream_cancels_it_and_frees_its_pages(live, n):
     assert live.metric("kvsieve_requests_running") == 0
 
 
+CHAT_PATH = "/v1/chat/completions"
 BAD = [
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], ', None),  # malformed JSON
     ("/v1/chat/completions", b'[1, 2]', None),
@@ -531,6 +532,21 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 1}, "best_of"),  # (OpenAI refuses best_of < n)
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    # vLLM's extensions that change the answer: refused by name, not answered as if honoured
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 40}, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.8}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 0.9}, "min_p"),
+    ("/v1/completions", {"prompt": "hi", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "[0-9]+"}, "guided_regex"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+    (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True,
+                 "add_generation_prompt": False}, "add_generation_prompt"),
+    (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
+     "continue_final_message"),
+    (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"choice": ["a"]}},
+     "structured_outputs"),
+    (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}], "min_tokens": True}, "min_tokens"),  # (not 1)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages.0"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": ["hello"]}]}, "messages.0.content"),
     ("/v1/completions", {"prompt": 12}, "prompt"),
@@ -565,6 +581,8 @@ def test_bad_requests_get_400_naming_the_field_and_the_server_keeps_serving(live
         assert err["param"] == param, (body, err)
         if param:
             assert param.split(".")[-1] in err["message"], err
+        if param == "best_of":  # (best_of = n is served: the message says so)
+            assert err["message"].startswith("best_of must equal n (2) or be left out"), err
     r = live.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "top_k": 2 ** 63})  # off: past any vocabulary
     assert r.status_code == 200, r.text  # (it failed the engine step, and every request in flight with it)
     r = live.post("/v1/completions", {"prompt": "hi", "model": "gpt-4"})
@@ -602,6 +620,11 @@ GOOD = [  # each limit the README states, at the limit, and what it says is acce
     (CHAT, {"messages": chat_msgs("hi") + [{"role": "assistant", "content": None}] + chat_msgs("and?"),
             "max_tokens": 1}),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop_token_ids": [0]}),
+    # vLLM's extensions at their neutral values change nothing, so they are served
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "min_tokens": 0, "repetition_penalty": 1.0, "min_p": 0,
+                         "include_stop_str_in_output": False, "bad_words": [], "guided_regex": None}),
+    (CHAT, {"messages": chat_msgs("hi"), "max_tokens": 1, "add_generation_prompt": True,
+            "continue_final_message": False, "chat_template_kwargs": {}}),
 ]
 
 

@@ -72,9 +72,9 @@ class Server(Responses):
             raise self.unknown_model(req.model)
         if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
             raise BadRequest(f"n must be an integer in [1, {MAX_CHOICES}], got {req.n}", "n")
-        for field, bad in req.refused():
+        for field, bad, *why in req.refused():
             if bad:
-                raise BadRequest(f"{field} is not supported by this server; leave it out", field)
+                raise BadRequest(why[0] if why else f"{field} is not supported by this server; leave it out", field)
         if req.stream_options is not None and not req.stream:
             raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])

@@ -103,6 +103,22 @@ class _Common(BaseModel):
     frequency_penalty: Optional[Number] = None
     presence_penalty: Optional[Number] = None
     logit_bias: Optional[Dict[str, Number]] = None
+    # vLLM's extensions that change the answer and are not implemented here: refused when
+    # set to anything but their neutral value (see VLLM_NEUTRAL)
+    min_tokens: Optional[Any] = None
+    repetition_penalty: Optional[Any] = None
+    min_p: Optional[Any] = None
+    include_stop_str_in_output: Optional[Any] = None
+    use_beam_search: Optional[Any] = None
+    prompt_logprobs: Optional[Any] = None
+    truncate_prompt_tokens: Optional[Any] = None
+    allowed_token_ids: Optional[Any] = None
+    bad_words: Optional[Any] = None
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[Any] = None
+    guided_choice: Optional[Any] = None
+    guided_grammar: Optional[Any] = None
+    structured_outputs: Optional[Any] = None
 
 
 class ChatCompletionRequest(_Common):
@@ -118,6 +134,11 @@ class ChatCompletionRequest(_Common):
     modalities: Optional[List[Any]] = None
     audio: Optional[Any] = None
     web_search_options: Optional[Any] = None
+    # vLLM's chat extensions (see VLLM_NEUTRAL)
+    add_generation_prompt: Optional[Any] = None
+    continue_final_message: Optional[Any] = None
+    chat_template: Optional[Any] = None
+    chat_template_kwargs: Optional[Any] = None
 
     def refused(self) -> List[tuple]:
         """Fields that would change what the answer is (a call, audio, a search, a format):
@@ -141,16 +162,40 @@ class CompletionRequest(_Common):
     suffix: Optional[StrictStr] = None
     best_of: Optional[StrictInt] = None
     logprobs: Optional[StrictInt] = None
+    response_format: Optional[Any] = None  # (a vLLM extension on this endpoint)
 
     def refused(self) -> List[tuple]:
         return _refused(self) + [
             ("suffix", bool(self.suffix)),
-            ("best_of", self.best_of not in (None, self.n or 1)),  # best_of > n ranks by log-probability
+            # best_of > n ranks extra samples by log-probability
+            ("best_of", self.best_of not in (None, self.n or 1),
+             f"best_of must equal n ({self.n or 1}) or be left out: this server does not rank extra samples"),
+            ("response_format", self.response_format not in (None, {"type": "text"})),
         ]
 
 
+# vLLM's extensions that change the answer, with their neutral values (None, or one of these):
+# a request setting one otherwise is refused, so a client written for vLLM is never answered
+# as if it had been honoured
+VLLM_NEUTRAL = {
+    "min_tokens": (0,), "repetition_penalty": (1,), "min_p": (0,), "include_stop_str_in_output": (False,),
+    "use_beam_search": (False,), "prompt_logprobs": (), "truncate_prompt_tokens": (), "allowed_token_ids": (),
+    "bad_words": ([],), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (), "add_generation_prompt": (True,), "continue_final_message": (False,),
+    "chat_template": (), "chat_template_kwargs": ({},),
+}
+
+
+def _is_neutral(value, neutral: tuple) -> bool:
+    # bool is an int: True must not pass for 1 (nor False for 0) unless the neutral value is a bool
+    return value is None or any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
+
+
 def _refused(r: _Common) -> List[tuple]:
-    return []
+    return [(name, not _is_neutral(getattr(r, name), neutral),
+             f"{name} (a vLLM extension) is not supported by this server; leave it out or give its neutral value "
+             + (" or ".join(json.dumps(n) for n in neutral) if neutral else "null"))
+            for name, neutral in VLLM_NEUTRAL.items() if name in type(r).model_fields]
 
 
 # what each field must be, for wrong-type messages
