@@ -8,6 +8,8 @@ from kvsieve.ops.select import box_bounds, cluster_box, cluster_radius, quantize
 
 from conftest import clustered_qkv, oracle, rel_err
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("S,C,D", [(1, 1, 64), (54, 7, 128), (97, 13, 64)])
@@ -252,6 +254,40 @@ def test_a_box_plan_on_an_index_without_its_box_names_the_fix():
         make_method("tactic").plan(q, st, lengths, [304], keys)
     boxed = make_method("tactic").prepare(k, lengths)
     assert make_method("tactic").plan(q, boxed, lengths, [304], keys).counts.min() > 0
+
+
+@pytest.mark.parametrize("kernels", ["reference", "auto"])
+@pytest.mark.parametrize("bound", ["box", "radius"])
+def test_tactic_protection_splits_tied_bounds_in_cluster_order(kernels, bound, monkeypatch):
+    """The protected clusters took a tied group of bounds whole: a query of zeros (every bound
+    ties) protected every cluster, so the threshold plan read the whole context. They are
+    now the longest prefix of (bound, cluster order) within `protect` tokens, the best cluster
+    at least, as the docs say, in select() and the plan alike."""
+    monkeypatch.setenv("KVSIEVE_KERNELS", kernels)
+    from kvsieve.bench.fidelity import plan_token_mask
+
+    from kvsieve.ops.paged import PagedKeys
+
+    g = torch.Generator().manual_seed(12)
+    B, Hkv, G, D, S = 2, 2, 4, 64, 704
+    k = torch.randn(B, Hkv, S, D, generator=g)
+    q = torch.randn(B, Hkv * G, D, generator=g)
+    q[0] = 0  # row 0 ties every cluster; row 1 ranks them
+    lengths = torch.tensor([S, S - 5])
+    q, k, lengths = q.to(DEV), k.to(DEV), lengths.to(DEV)
+    opts = dict(threshold=0.5, sink=4, local=16)
+    unprotected, m = make_method("tactic", protect=0, **opts), make_method("tactic", protect=96, protect_bound=bound,
+                                                                          **opts)
+    st = m.prepare(k, lengths)  # (one index for both: K-means on CUDA need not cluster as on the CPU)
+    base = unprotected.select(q, k, lengths, st).mask.cpu()
+    want = m.select(q, k, lengths, st).mask.cpu()
+    assert (want.sum(-1) <= base.sum(-1) + 96).all(), (want.sum(-1), base.sum(-1))
+    assert (want.sum(-1) < lengths.cpu()[:, None]).all()  # (it read all of row 0)
+    pool = k.view(B, Hkv, S // 16, 16, D).transpose(1, 2).reshape(B * S // 16, Hkv, 16, D).contiguous()
+    keys = PagedKeys(pool, torch.arange(B * S // 16, dtype=torch.int32, device=k.device).view(B, S // 16))
+    plan = m.plan(q, st, lengths, lengths.tolist(), keys)
+    got = plan_token_mask(plan.indices, plan.counts, False, None, 0, S).cpu()
+    assert torch.equal(got, want)
 
 
 def test_dense_heads_attend_every_token_of_their_layer_only():

@@ -310,8 +310,8 @@ class TacticConfig(MethodConfig):
         prefill, over the 5% target (docs/benchmarks.md). None: one K-means per head.
     protect: threshold mode also takes, per KV head, the clusters whose members could
         score highest (ranked by the group's max of `protect_bound`) while their total
-        stays <= protect tokens (the best one at least). [ours] 256; 0 disables. Not used
-        with a fixed `budget`. Ranking by q.c alone hides a needle whose key sits far from
+        stays <= protect tokens (the best one at least; tied bounds in cluster order).
+        [ours] 256; 0 disables. Not used with a fixed `budget`. Ranking by q.c alone hides a needle whose key sits far from
         its centroid in a wide, low-ranked cluster (retrieval suite, SmolLM2, 2K tokens:
         20/28 without, 27/28 with 256 radius-ranked tokens; docs/accuracy-history.md). On the six-seed suite in float32 (834 cases
         dense answers, H100, docs/accuracy.md), without dense heads: 512 box-ranked tokens

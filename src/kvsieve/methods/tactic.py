@@ -246,7 +246,8 @@ class Tactic(SparseMethod):
                 _, bound = summary_scores(q, lo, hi, st.num_clusters[:, None].expand(B, Hkv))
             else:
                 bound = radius_bound(scores, q, st.radius)
-            protected, _, _ = select_by_budget(bound, st.sizes, torch.full_like(st.sizes[..., 0], cfg.protect))
+            protect = torch.full_like(st.sizes[..., 0], cfg.protect)
+            protected, _, _ = select_by_budget(bound, st.sizes, protect, fill=True)  # ties in cluster order
             head_mask |= (protected.gather(-1, st.assign[..., :S].clamp(min=0)) & in_list_kv).repeat_interleave(G, 1)
         if st.dense is not None:  # every valid token of the dense KV heads
             head_mask |= (st.dense[None, :, None] & valid[:, None, :]).repeat_interleave(G, 1)
@@ -443,7 +444,7 @@ class Tactic(SparseMethod):
         protected, branch = None, SideBranch(q.device)
         if cfg.protect:  # only the union reads it: beside the ranking and the fit (H100 128K x 8: -9 us)
             with branch:
-                protected, _, _ = dispatch.select_by_budget(bound, st.sizes32, c["protect"])
+                protected, _, _ = dispatch.select_by_budget(bound, st.sizes32, c["protect"], fill=True)
         order, ranked, csize = dispatch.rank_clusters(skeys, st.sizes32)
         W = c["positions"].shape[-1]
         pos = c["positions"].view(B, Hq, W)

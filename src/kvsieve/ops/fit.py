@@ -31,8 +31,8 @@ class FitLayout:
 
     head: [0, head_len) exact; segment j: [seg_start[j], seg_start[j] + seg_len), of which
     seg_reads positions are read, evenly strided (segment_positions; all of them when
-    seg_reads == seg_len). exact rows (short lists, where the fit would read half the list
-    or more) compute every score exactly.
+    seg_reads == seg_len). exact rows (short lists, where the head and both segments' full
+    widths cover half the list or more, whatever seg_reads) compute every score exactly.
     """
 
     head_len: Tensor
@@ -58,7 +58,7 @@ def fit_layout(n: Tensor, head_fraction: float, centers: Tuple[float, float],
         starts.append(torch.maximum(s, head_len))
     s1, s2 = starts
     s2 = torch.maximum(s2, s1 + seg_len)
-    # where the fit would read half the list or more, reading it all is as cheap and exact
+    # where the head and segments span half the list or more, read it all: as cheap, and exact
     exact = (s2 + seg_len > n) | (2 * (head_len + 2 * seg_len) >= n)
     reads = seg_len.clamp(max=segment_samples) if segment_samples > 0 else seg_len
     return FitLayout(head_len, seg_len, (s1, s2), exact, reads)
