@@ -1,5 +1,6 @@
 """kvsieve.hf on the embedded model through transformers' own generate()."""
 import json
+import warnings
 
 import pytest
 import torch
@@ -376,12 +377,14 @@ def test_row_moves_of_the_cache_move_the_index(tiny_llama, how, monkeypatch):
         assert torch.equal(layer.index.kmin[:, :, :P], kmin) and torch.equal(layer.index.kmax[:, :, :P], kmax)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["gemma3", "mistral", "qwen2", "exaone4"])
 def test_sliding_window_layers_keep_their_window(arch, monkeypatch):
     """Sliding-window layers (Gemma 3's local layers, a windowed Mistral's every layer, a
     windowed Qwen2's layers from max_window_layers on) attend their own window with SDPA (no
     index); global layers go through the method: HF's logits with every page chosen, and
-    only the global layers counted in the KV read."""
+    only the global layers counted in the KV read. Exaone 4 keeps config.sliding_window on
+    every layer's module, global ones too (and passes None for them): those were taken for
+    windowed layers, so its method never ran."""
     base = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=16)
     torch.manual_seed(0)
@@ -390,9 +393,13 @@ def test_sliding_window_layers_keep_their_window(arch, monkeypatch):
         model, windowed = transformers.Gemma3ForCausalLM(cfg), [True, True, True, False]
     elif arch == "mistral":
         model, windowed = transformers.MistralForCausalLM(transformers.MistralConfig(**base)), [True] * 4
-    else:
+    elif arch == "qwen2":
         cfg = transformers.Qwen2Config(**base, use_sliding_window=True, max_window_layers=1)
         model, windowed = transformers.Qwen2ForCausalLM(cfg), [False, True, True, True]
+    else:
+        cfg = transformers.Exaone4Config(**base, sliding_window_pattern=2)
+        model, windowed = transformers.Exaone4ForCausalLM(cfg), [True, False, True, False]
+        assert khf._layer_windows(cfg, khf._attention_modules(model)) == [16, 0, 16, 0]
     model = model.eval()
     ids = torch.randint(3, 101, (1, 97), generator=torch.Generator().manual_seed(1))
 
@@ -405,9 +412,13 @@ def test_sliding_window_layers_keep_their_window(arch, monkeypatch):
     cache = khf.make_cache()
     state = khf.enable(model, "quest", dense_below=0, budget=128)
     try:
-        out = run(**{khf.cache_kwarg(model): cache})
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            out = run(**{khf.cache_kwarg(model): cache})
     finally:
         khf.disable(model)
+    # (a generate() whose every decoding layer is windowed is said to have decoded densely)
+    assert any("that decoded is a sliding-window layer" in str(w.message) for w in said) == all(windowed)
     assert [layer.index is None for layer in cache.layers] == windowed
     assert state.kv_read_steps == 4 * windowed.count(False) and state.kv_fraction == pytest.approx(1.0)
     for got, want in zip(out.logits, ref.logits):
@@ -471,10 +482,31 @@ def test_use_cache_false_generates_as_transformers(tiny_llama):
     ref = greedy(model, {**enc, "use_cache": False}, 4)
     state = khf.enable(model, "quest", dense_below=0, budget=16)
     try:
-        out = greedy(model, {**enc, "use_cache": False}, 4)
+        with pytest.warns(UserWarning, match="use_cache=False keeps no cache.*the method never runs"):
+            out = greedy(model, {**enc, "use_cache": False}, 4)
     finally:
         khf.disable(model)
     assert torch.equal(out, ref) and state.kv_read_steps == 0
+
+
+def test_a_prompt_padded_past_the_limit_is_measured_by_its_real_tokens(tiny_llama):
+    """A batch padded to a fixed width: the length check counts the longest real row (the
+    positions it reaches), not the padded width, as transformers does (a 90-token prompt
+    padded to 500 was refused with 'shorten the prompt')."""
+    model, _ = tiny_llama
+    ids = torch.randint(3, 101, (2, 500), generator=torch.Generator().manual_seed(2))
+    mask = torch.zeros_like(ids)
+    mask[0, -90:], mask[1, -60:] = 1, 1
+    enc = {"input_ids": ids, "attention_mask": mask}
+    ref = greedy(model, enc, 20)  # 500 + 20 > 512 positions, but 90 + 20 is not
+    state = khf.enable(model, "quest", dense_below=0, budget=100000)
+    try:
+        assert torch.equal(greedy(model, enc, 20), ref) and state.kv_read_steps == 19 * 2
+        mask[1, -450:] = 1  # a real row of 450: 450 + 100 passes 512, counted by its real tokens
+        with pytest.raises(ValueError, match="the prompt has 450 tokens and generate\\(\\) asks for 100 new"):
+            greedy(model, enc, 100)
+    finally:
+        khf.disable(model)
 
 
 def test_cache_implementation_is_honoured(tiny_llama):
@@ -797,3 +829,46 @@ def test_a_padded_row_folds_its_own_keys_and_kv_fraction_counts_every_head(tiny_
         read[name] = state.kv_fraction
     assert read["dynamic"] - read["streaming"] > 0.1
     assert abs(read["half"] - (read["streaming"] + read["dynamic"]) / 2) < 0.02, read
+
+
+def test_disable_restores_each_sub_models_attention():
+    """A vision-language model whose towers use different attention implementations gets
+    each one back on disable() (all took the top-level one)."""
+    text = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=32, patch_size=8)
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_index=299))
+    model.set_attn_implementation({"text_config": "sdpa", "vision_config": "eager"})
+    before = (model.config._attn_implementation, model.config.text_config._attn_implementation,
+              model.config.vision_config._attn_implementation)
+    khf.enable(model, "tactic")
+    assert model.config.text_config._attn_implementation == khf.ATTN_NAME
+    khf.disable(model)
+    assert (model.config._attn_implementation, model.config.text_config._attn_implementation,
+            model.config.vision_config._attn_implementation) == before
+    assert before[2] == "eager"
+
+
+def test_kv_shared_layers_decode_densely_without_a_foreign_cache_warning():
+    """Gemma 3n's KV-shared layers read another layer's cache (theirs is never updated): they
+    attend with SDPA, uncounted, and no longer warn that the cache is not kvsieve's."""
+    cfg = transformers.Gemma3nTextConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, num_kv_shared_layers=1,
+        layer_types=["full_attention"] * 2, vocab_size_per_layer_input=101, hidden_size_per_layer_input=16,
+        laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0, 0.0])
+    torch.manual_seed(0)
+    model = transformers.Gemma3nForCausalLM(cfg).eval()
+    ids = torch.randint(3, 101, (1, 60), generator=torch.Generator().manual_seed(1))
+    ref = greedy(model, {"input_ids": ids}, 4)
+    state = khf.enable(model, "quest", dense_below=0, budget=100000)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = greedy(model, {"input_ids": ids}, 4)
+    finally:
+        khf.disable(model)
+    assert torch.equal(out, ref) and state.kv_read_steps == 3  # the one layer with a cache of its own

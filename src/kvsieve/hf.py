@@ -65,6 +65,7 @@ class HFState:
     max_positions: Optional[int] = None  # the model's positions (_max_positions): no forward runs past it
     max_positions_source: str = "config.max_position_embeddings"
     warned_foreign_cache: bool = False
+    windowed_steps: int = 0  # sliding-window layers' decode steps in the latest generate() (attended by SDPA)
     _host: Any = None  # (weak ref to the forward's mask, valid lengths on the device and as ints)
 
     @property
@@ -202,7 +203,8 @@ def kvsieve_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
     _active.layer = None
     if state is None or layer is None or getattr(layer, "keys", None) is not key:
         # not ours to handle (no kvsieve cache in use): plain SDPA
-        if state is not None and query.shape[2] == 1 and not state.warned_foreign_cache:
+        if (state is not None and query.shape[2] == 1 and not state.warned_foreign_cache
+                and not getattr(module, "is_kv_shared_layer", False)):  # (Gemma 3n: no cache of its own, below)
             state.warned_foreign_cache = True
             warnings.warn("kvsieve.hf: this decode step's cache is not a kvsieve cache (one passed to generate() "
                           "or model(), one model() made itself, or a cache_implementation), so it attends "
@@ -210,9 +212,15 @@ def kvsieve_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
                           stacklevel=2)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
+    if getattr(module, "is_kv_shared_layer", False):
+        # a layer reading another layer's cache (Gemma 3n's KV-shared layers): that layer's
+        # keys, not this layer's cache, so no index of its own; SDPA, not in kv_fraction
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if _windowed(module, kwargs):
         # a sliding-window layer (Gemma 3's local layers, Mistral's windowed layers): the model's own window, attended
         # densely by SDPA with its mask, as the engine does; no index, not in kv_fraction
+        state.windowed_steps += query.shape[2] == 1
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     B, Hq, T, D = query.shape
@@ -256,6 +264,15 @@ def kvsieve_attention(module, query: Tensor, key: Tensor, value: Tensor, attenti
 
 
 _DENSE = object()  # a layer index meaning: this batch decodes with SDPA
+
+
+def _windowed(module, kwargs) -> bool:
+    """Whether this attention call is a sliding-window layer's: the window the model passes
+    for the call when it passes one (Exaone 4 keeps config.sliding_window on its global
+    layers' modules too, and passes None for them), else the module's own."""
+    if "sliding_window" in kwargs:
+        return bool(kwargs["sliding_window"])
+    return bool(getattr(module, "sliding_window", None))
 
 
 def _pool_view(x: Tensor) -> Tensor:
@@ -312,9 +329,11 @@ def _layer_windows(cfg, mods) -> List[int]:
     for i, kind in enumerate(types[:len(windows)]):
         if kind == "sliding_attention":
             windows[i] = getattr(cfg, "sliding_window", None) or 1
-    for m in mods:
-        if 0 <= m.layer_idx < len(windows) and getattr(m, "sliding_window", None):
+    for m in mods:  # a layer the config types leaves out: its module's window (Exaone 4 keeps one on every module)
+        if len(types) <= m.layer_idx < len(windows) and getattr(m, "sliding_window", None):
             windows[m.layer_idx] = m.sliding_window
+        elif 0 <= m.layer_idx < len(windows) and windows[m.layer_idx] == 1 and getattr(m, "sliding_window", None):
+            windows[m.layer_idx] = m.sliding_window  # (a sliding layer's own size, where the config has none)
     return windows
 
 
@@ -432,7 +451,7 @@ def enable(model, method: str = "tactic", dense_below: Optional[int] = None, **o
         disable(model)
     _register()
     model._kvsieve = state
-    model._kvsieve_prev_attn = model.config._attn_implementation
+    model._kvsieve_prev_attn = _attn_settings(model.config)
     model.set_attn_implementation(ATTN_NAME)
     for m in mods:
         m._kvsieve = state
@@ -469,22 +488,34 @@ class _Generate:
         new_tokens, max_length = setting("max_new_tokens"), setting("max_length")
         if new_tokens is None and max_length is not None and prompt is not None and max_length > prompt:
             new_tokens = max_length - prompt  # (max_length <= prompt: transformers refuses it itself)
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, Tensor) and mask.dim() == 2 and mask.numel() and mask.shape[1] == prompt:
+            prompt = int(mask.sum(-1).max())  # the positions it reaches: its longest real row, not the padded width
         _check_length(state, prompt, new_tokens)
         if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
             raise ValueError("kvsieve.hf returns no attention weights (output_attentions=True): its attention reads a "
                              "selection of the cache; call kvsieve.hf.disable(model) to get them")
+        use_cache = kwargs.get("use_cache", getattr(config, "use_cache", True)) is not False
+        if not use_cache:
+            warnings.warn("kvsieve.hf: generate() with use_cache=False keeps no cache: each step recomputes the whole "
+                          "sequence with SDPA and the method never runs (kv_fraction 1.0); leave use_cache on",
+                          stacklevel=2)
         ours = (kwargs.get("cache") is None and kwargs.get("past_key_values") is None and impl in (None, "hybrid")
-                and kwargs.get("use_cache", getattr(config, "use_cache", True)) is not False)
+                and use_cache)
         if ours:  # else: no cache, or the caller's (decoded densely, with a warning)
-            mask = kwargs.get("attention_mask")
             if isinstance(mask, Tensor) and mask.dim() == 2:
                 _left_padded(mask.bool())
             kwargs.pop("cache", None), kwargs.pop("past_key_values", None)
             kwargs[self.cache_kw] = make_cache()
         state.new_tokens, state.prompt_tokens = new_tokens, None
         state.kv_read_sum, state.kv_read_steps, state.attended_densely = 0.0, 0, 0
-        state.warned_foreign_cache = False  # (each generate() that decodes densely says so)
-        return self.original(*args, **kwargs)
+        state.warned_foreign_cache, state.windowed_steps = False, 0  # (each generate() that decodes densely says so)
+        out = self.original(*args, **kwargs)
+        if state.windowed_steps and not state.kv_read_steps:
+            warnings.warn(f"kvsieve.hf: every layer of {type(model).__name__} that decoded is a sliding-window layer, "
+                          "which keeps its own window with SDPA; kvsieve decodes global layers only, so this "
+                          "generate() decoded densely (kv_fraction 1.0)", stacklevel=2)
+        return out
 
 
 def model_head_defaults(model, method: str, options: dict) -> dict:
@@ -498,6 +529,18 @@ def model_head_defaults(model, method: str, options: dict) -> dict:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     model_dir = getattr(model.config, "name_or_path", "") or ""
     return head_defaults(method, options, model_dir, cfg.num_hidden_layers, kv_heads)
+
+
+def _attn_settings(config):
+    """config's attention implementation, for set_attn_implementation to restore: a string,
+    or where sub-configs (a vision-language model's text and vision towers) have their own,
+    {"": config's, sub-config name: its settings, ...}."""
+    subs = {key: getattr(config, key, None) for key in getattr(config, "sub_configs", None) or {}}
+    subs = {key: _attn_settings(sub) for key, sub in subs.items() if sub is not None}
+    own = config._attn_implementation
+    if all(s == own for s in subs.values()):
+        return own
+    return {"": own, **subs}
 
 
 def cache_kwarg(model) -> str:
