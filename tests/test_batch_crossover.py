@@ -269,3 +269,21 @@ def test_the_hf_drop_in_decodes_a_batch_by_its_total_too():
     budget.new_tokens = 255
     quest = HFState(make_method("quest", budget=64), new_tokens=1)  # no index to repay
     assert budget.decodes_densely(key, [8192]) and not quest.decodes_densely(key, [1 << 20])
+
+
+def test_a_fallback_of_a_method_without_the_batch_rule_does_not_stop_later_requests_indexing(tiny_model):
+    """quest has no batch rule: a request that grows past its crossover is indexed at that step
+    even after an earlier request's plans read most of its cache and fell back (the
+    'index no new request' rule of tactic's threshold plan held it dense for good)."""
+    long_one, grower = prompts(2, lo=110, hi=111, seed=4)[0], prompts(1, lo=90, hi=91, seed=5)[0]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+
+    def engine():
+        return LLMEngine(tiny_model, None, "quest", budget=32, dense_below=100, kv_pages=64)
+    alone = engine().generate([grower], params)[0]
+    eng = engine()
+    first = eng.generate([long_one], params)[0]
+    assert first.dense_reason == "plans_read_most" and eng._reads_most  # (random weights: it reads most)
+    after = eng.generate([grower], params)[0]
+    assert after.dense_reason == alone.dense_reason != "not_indexed" and after.kv_fraction == alone.kv_fraction < 1
+    assert after.tokens == alone.tokens

@@ -432,7 +432,9 @@ def test_python_api_odd_values_are_one_clear_error_or_work(tiny_model, tmp_path)
         with pytest.raises(ValueError, match=match):
             eng.generate(prompts, params)
     for kw, match in [({"ignore_eos": "no"}, "ignore_eos must be True or False"),
-                      ({"temperature": True}, "temperature must be a number"), ({"top_p": True}, "top_p must be")]:
+                      ({"temperature": True}, "temperature must be a finite number"), ({"top_p": True}, "top_p must be"),
+                      ({"temperature": float("inf")}, "temperature must be a finite number >= 0, got inf"),
+                      ({"temperature": float("nan")}, "temperature must be a finite number >= 0, got nan")]:
         with pytest.raises(ValueError, match=match):
             SamplingParams(**kw)
     assert SamplingParams(logit_bias={np.int64(5): np.float32(1.0)}).logit_bias == ((5, 1.0),)

@@ -86,9 +86,10 @@ class BatchCrossover:
         T >= need tokens and each has at least index_payback_at(T, need) new tokens left to
         repay its index. Requests that cannot repay are dropped and T recounted until none
         is: a request whose index never plans (its group stays under the rule without the
-        others) is not built. None while the method's plans read most of their cache lately
-        (_reads_most)."""
-        if key in self._reads_most:
+        others) is not built. None while a method with the batch rule (need > 0) plans to
+        read most of its cache lately (_reads_most); a method without it (need 0: quest,
+        lserve) indexes each request that reaches its crossover, whatever others read."""
+        if need and key in self._reads_most:
             return set()
         sch = self.scheduler
         held, todo = 0, []

@@ -92,8 +92,8 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be an integer >= 1 (0 only to score the prompt, with "
                              f"prompt_logprobs), got {self.max_new_tokens!r}")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+                or not 0 <= self.temperature < float("inf"):  # (inf: every logit 0, a uniform draw past top-k and bans)
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 <= self.top_p <= 1:
             raise ValueError(f"top_p must be a number in [0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
