@@ -311,8 +311,8 @@ class TacticConfig(MethodConfig):
     protect: threshold mode also takes, per KV head, the clusters whose members could
         score highest (ranked by the group's max of `protect_bound`) while their total
         stays <= protect tokens (the best one at least; tied bounds in cluster order).
-        [ours] 256; 0 disables. Not used with a fixed `budget`. Ranking by q.c alone hides a needle whose key sits far from
-        its centroid in a wide, low-ranked cluster (retrieval suite, SmolLM2, 2K tokens:
+        [ours] 256; 0 disables. Not used with a fixed `budget`. Ranking by q.c alone hides
+        a needle whose key sits far from its centroid in a wide, low-ranked cluster (retrieval suite, SmolLM2, 2K tokens:
         20/28 without, 27/28 with 256 radius-ranked tokens; docs/accuracy-history.md). On the six-seed suite in float32 (834 cases
         dense answers, H100, docs/accuracy.md), without dense heads: 512 box-ranked tokens
         find 98.9% (825) reading 15.9% of a 7.5K cache, 512 radius-ranked 99.2% (827) at
