@@ -329,11 +329,10 @@ def _layer_windows(cfg, mods) -> List[int]:
     for i, kind in enumerate(types[:len(windows)]):
         if kind == "sliding_attention":
             windows[i] = getattr(cfg, "sliding_window", None) or 1
-    for m in mods:  # a layer the config types leaves out: its module's window (Exaone 4 keeps one on every module)
-        if len(types) <= m.layer_idx < len(windows) and getattr(m, "sliding_window", None):
-            windows[m.layer_idx] = m.sliding_window
-        elif 0 <= m.layer_idx < len(windows) and windows[m.layer_idx] == 1 and getattr(m, "sliding_window", None):
-            windows[m.layer_idx] = m.sliding_window  # (a sliding layer's own size, where the config has none)
+    for m in mods:  # the module's window where the types leave the layer out or give no size (Exaone 4 keeps
+        own = getattr(m, "sliding_window", None)  # one on every module, global ones too: the types win there)
+        if own and 0 <= m.layer_idx < len(windows) and (m.layer_idx >= len(types) or windows[m.layer_idx] == 1):
+            windows[m.layer_idx] = own
     return windows
 
 
